@@ -1,0 +1,144 @@
+"""Export a target (+ draft) into a bundle directory, atomically.
+
+Everything is written into a temporary sibling directory and renamed into place
+only when complete, so a failed export never leaves a half-written bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from specedge.runtime.errors import BundleError, UnsupportedModelError
+from specedge.runtime.manifest import (
+    Manifest, ModelEntry, model_widths, sha256_file, write_manifest,
+)
+
+from .fetch import resolve_model
+from .graph import build_model_graph
+from .loaders import WeightSource, load_source
+from .tokenizer import TOKENIZER_FILE, check_same_vocab, write_tokenizer
+
+DRAFT_NO_MODEL = ("prompt-lookup", "none")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    k: int = 4
+    max_context: int = 2048
+    prefill_chunk: int = 64
+    lookup_ngram_max: int = 3
+    lookup_ngram_min: int = 1
+    overwrite: bool = False
+    cache_dir: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise BundleError(f"--k must be >= 1, got {self.k}")
+        if self.prefill_chunk < 1:
+            raise BundleError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_context < self.prefill_chunk + self.k + 1:
+            raise BundleError(
+                f"--max-context {self.max_context} is too small for prefill chunk {self.prefill_chunk} + "
+                f"verify width K+1 {self.k + 1}: it must be at least {self.prefill_chunk + self.k + 1}")
+        if not 1 <= self.lookup_ngram_min <= self.lookup_ngram_max:
+            raise BundleError(f"prompt-lookup n-gram range [{self.lookup_ngram_min}, {self.lookup_ngram_max}] is empty")
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    manifest: Manifest
+    out: Path
+    seconds: float
+    peak_rss_mb: float
+    bytes_total: int
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def export_bundle(target: str | Path, draft: str | Path, out: str | Path, opts: ExportOptions = ExportOptions(),
+                  progress: Callable[[str], None] | None = None) -> ExportReport:
+    """Export `target` and `draft` ("prompt-lookup", "none", a known model name or a path) into `out`."""
+    say = progress or (lambda s: None)
+    t0 = time.perf_counter()
+    out = Path(out)
+    if out.exists() and not opts.overwrite:
+        raise BundleError(f"{out} already exists; pass --overwrite to replace it")
+    draft = str(draft)
+    tsrc = load_source(resolve_model(str(target), opts.cache_dir, say))
+    dsrc = None if draft in DRAFT_NO_MODEL else load_source(resolve_model(draft, opts.cache_dir, say))
+    for role, src in (("target", tsrc), ("draft", dsrc)):
+        if src is not None:
+            _check_supported(role, src, opts)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        say(f"target: {tsrc.config.family.name} {_dims_str(tsrc)} from {tsrc.path}")
+        tok = write_tokenizer(tsrc, tmp)
+        target_entry = _export_model("target", tsrc, tmp, opts, say)
+        draft_entry = None
+        if dsrc is not None:
+            say(f"draft: {dsrc.config.family.name} {_dims_str(dsrc)} from {dsrc.path}")
+            dtok_dir = Path(tempfile.mkdtemp(dir=tmp))
+            write_tokenizer(dsrc, dtok_dir)
+            check_same_vocab(tmp / TOKENIZER_FILE, dtok_dir / TOKENIZER_FILE)
+            shutil.rmtree(dtok_dir)
+            draft_entry = _export_model("draft", dsrc, tmp, opts, say)
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            say(f"hashing {f.name}")
+            files[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        from specedge.runtime import __version__
+
+        manifest = Manifest(
+            max_context=opts.max_context, k=opts.k, prefill_chunk=opts.prefill_chunk,
+            target=target_entry, draft=draft_entry,
+            drafter="model" if dsrc is not None else draft,
+            drafter_params=({"ngram_max": opts.lookup_ngram_max, "ngram_min": opts.lookup_ngram_min}
+                            if draft == "prompt-lookup" else {}),
+            tokenizer=tok, files=files, created_by=f"specedge {__version__}",
+        )
+        write_manifest(tmp, manifest)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary directory
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    total = sum(m["bytes"] for m in manifest.files.values())
+    return ExportReport(manifest, out, time.perf_counter() - t0, peak_rss_mb(), total)
+
+
+def _dims_str(src: WeightSource) -> str:
+    d = src.config.dims
+    return f"(layers {d.n_layers}, hidden {d.hidden}, heads {d.n_heads}/{d.n_kv_heads}, vocab {d.vocab})"
+
+
+def _check_supported(role: str, src: WeightSource, opts: ExportOptions) -> None:
+    sw = src.config.sliding_window
+    if sw is not None and sw < opts.max_context:
+        raise UnsupportedModelError(
+            f"{role} uses a sliding attention window of {sw} < max_context {opts.max_context}; specedge runs full "
+            f"attention only: export with --max-context {sw} or less")
+
+
+def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
+                  say: Callable[[str], None]) -> ModelEntry:
+    t0 = time.perf_counter()
+    onnx_path, data_path = build_model_graph(src, tmp, role, progress=lambda s: say(f"  {role}: {s}"))
+    say(f"  {role}: graph written in {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mb():.0f} MB")
+    return ModelEntry(
+        family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,
+        precision="fp32", widths=model_widths(role, opts.k, opts.prefill_chunk), source=src.describe(),
+    )

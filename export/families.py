@@ -1,0 +1,114 @@
+"""Model families as data: every quirk the graph builder needs, registered per family.
+
+Adding a family means adding a row to FAMILIES, not an elif in the builder.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from specedge.runtime.errors import UnsupportedModelError
+from specedge.runtime.manifest import ModelDims
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    qkv_bias: bool  # q/k/v projections carry a bias (qwen2)
+    gguf_permute_qk: bool  # llama.cpp's converter permuted Q/K rows for interleaved RoPE
+    hf_architectures: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+    default_tie_embeddings: bool
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", qkv_bias=False, gguf_permute_qk=True,
+               hf_architectures=("LlamaForCausalLM",), gguf_architectures=("llama",),
+               default_tie_embeddings=False),
+        Family("qwen2", qkv_bias=True, gguf_permute_qk=False,
+               hf_architectures=("Qwen2ForCausalLM",), gguf_architectures=("qwen2",),
+               default_tie_embeddings=False),
+        # Mistral runs with full attention: a sliding window shorter than S_max is refused at export.
+        Family("mistral", qkv_bias=False, gguf_permute_qk=True,
+               hf_architectures=("MistralForCausalLM",), gguf_architectures=(),
+               default_tie_embeddings=False),
+    )
+}
+
+
+def _supported() -> str:
+    hf = sorted(a for f in FAMILIES.values() for a in f.hf_architectures)
+    gg = sorted(a for f in FAMILIES.values() for a in f.gguf_architectures)
+    return f"Hugging Face architectures {', '.join(hf)}; GGUF architectures {', '.join(gg)}"
+
+
+def family_for_hf(architectures: list[str]) -> Family:
+    for f in FAMILIES.values():
+        if any(a in f.hf_architectures for a in architectures):
+            return f
+    raise UnsupportedModelError(f"unsupported architecture {architectures}; supported: {_supported()}")
+
+
+def family_for_gguf(arch: str) -> Family:
+    for f in FAMILIES.values():
+        if arch in f.gguf_architectures:
+            return f
+    raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: {_supported()}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the graph builder needs to know about one model, whatever its source."""
+
+    family: Family
+    dims: ModelDims
+    rms_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_embeddings: bool
+    max_positions: int
+    sliding_window: int | None = None
+
+    def inv_freq(self, rope_freq_factors: np.ndarray | None = None) -> np.ndarray:
+        """RoPE inverse frequencies [D/2] (float32), with the configured scaling applied."""
+        d = self.dims.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if rope_freq_factors is not None:  # GGUF stores llama3 scaling as per-frequency divisors
+            return (inv / rope_freq_factors.astype(np.float64)).astype(np.float32)
+        sc = self.rope_scaling
+        kind = (sc or {}).get("rope_type", (sc or {}).get("type", "default"))
+        if sc is None or kind == "default":
+            return inv.astype(np.float32)
+        if kind == "linear":
+            return (inv / float(sc["factor"])).astype(np.float32)
+        if kind == "llama3":
+            return _llama3_inv_freq(inv, sc).astype(np.float32)
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def _llama3_inv_freq(inv: np.ndarray, sc: dict[str, Any]) -> np.ndarray:
+    factor = float(sc["factor"])
+    low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old_ctx = float(sc["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def layer_names(i: int, qkv_bias: bool) -> list[str]:
+    """Canonical per-layer weight names every loader provides."""
+    names = [f"l{i}.attn_norm", f"l{i}.q", f"l{i}.k", f"l{i}.v", f"l{i}.o",
+             f"l{i}.mlp_norm", f"l{i}.gate", f"l{i}.up", f"l{i}.down"]
+    if qkv_bias:
+        names += [f"l{i}.q_bias", f"l{i}.k_bias", f"l{i}.v_bias"]
+    return names

@@ -1,0 +1,214 @@
+"""Build one ONNX graph per model directly from the weights (no torch).
+
+The graph follows the contract in ``specedge.runtime.manifest.io_spec``:
+
+    input_ids [B, T] int64, past_len [B] int64, logits_at [B, L] int64,
+    past_key_values.{i}.key|value [B, H_kv, S_max, D]
+    -> logits [B, L, V], present.{i}.key|value [B, H_kv, T, D]  (only the T new rows)
+
+Query t attends to cached positions < past_len and new positions <= t; RoPE at
+past_len + t. The cache is never concatenated with the new rows: scores against
+the cache [.., T, S_max] and against the new rows [.., T, T] are computed
+separately, joined for one softmax, and split again, so no step copies the
+cache. GQA is expressed with a group axis G = n_heads / n_kv_heads that
+broadcasts against the kv-head axis, so the cache is never repeated either.
+
+Weights are streamed, one tensor at a time, into a single external-data file
+(64-byte aligned), so export peak memory is about one tensor plus the
+in-memory graph structure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from specedge.runtime.manifest import ONNX_OPSET, io_spec
+
+from .families import ModelConfig
+from .loaders import WeightSource
+
+_NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
+_ALIGN = 64
+
+
+class ExternalWeights:
+    """Appends initializers to one external-data file as they are produced."""
+
+    def __init__(self, data_path: Path):
+        self.data_path = Path(data_path)
+        self._f = open(self.data_path, "wb")
+        self.initializers: list[TensorProto] = []
+        self.bytes_written = 0
+
+    def add(self, name: str, arr: np.ndarray) -> str:
+        arr = np.ascontiguousarray(arr)
+        pad = (-self._f.tell()) % _ALIGN
+        if pad:
+            self._f.write(b"\0" * pad)
+        offset = self._f.tell()
+        self._f.write(arr.tobytes())
+        t = TensorProto()
+        t.name = name
+        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        t.dims.extend(arr.shape)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.data_path.name), ("offset", str(offset)), ("length", str(arr.nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.initializers.append(t)
+        self.bytes_written += arr.nbytes
+        return name
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _Graph:
+    """Tiny node-list helper: unique names, constants, and op shorthands."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.consts: list[TensorProto] = []
+        self._n = 0
+
+    def op(self, op_type: str, *inputs: str, n_out: int = 1, **attrs) -> str | list[str]:
+        self._n += 1
+        outs = [f"{op_type.lower()}_{self._n}_{j}" for j in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=f"{op_type}_{self._n}", **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, arr: np.ndarray | list | float | int, dtype=np.int64) -> str:
+        self._n += 1
+        name = f"const_{self._n}"
+        self.consts.append(onnx.numpy_helper.from_array(np.asarray(arr, dtype=dtype), name))
+        return name
+
+
+def build_model_graph(
+    src: WeightSource,
+    out_dir: Path,
+    graph_name: str,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[Path, Path]:
+    """Write ``<graph_name>.onnx`` + ``<graph_name>.onnx.data`` into out_dir."""
+    cfg: ModelConfig = src.config
+    d = cfg.dims
+    H, D, Hq, Hkv = d.hidden, d.head_dim, d.n_heads, d.n_kv_heads
+    G = Hq // Hkv
+    onnx_path = Path(out_dir) / f"{graph_name}.onnx"
+    data_path = Path(out_dir) / f"{graph_name}.onnx.data"
+    w = ExternalWeights(data_path)
+    g = _Graph()
+    say = progress or (lambda s: None)
+
+    # ---- shared prologue: masks and RoPE tables -----------------------------
+    i64 = np.int64
+    shape_ids = g.op("Shape", "input_ids")  # [B, T]
+    T = g.op("Gather", shape_ids, g.const(1), axis=0)  # scalar
+    S = g.op("Gather", g.op("Shape", "past_key_values.0.key"), g.const(2), axis=0)  # scalar S_max
+    ar_T = g.op("Range", g.const(0), T, g.const(1))  # [T]
+    ar_S = g.op("Range", g.const(0), S, g.const(1))  # [S_max]
+    past_col = g.op("Unsqueeze", "past_len", g.const([1]))  # [B, 1]
+    mask_past = g.op("Less", g.op("Unsqueeze", ar_S, g.const([0])), past_col)  # [B, S_max]
+    mask_past = g.op("Unsqueeze", mask_past, g.const([1, 2, 3]))  # [B, 1, 1, 1, S_max]
+    mask_new = g.op("LessOrEqual", g.op("Unsqueeze", ar_T, g.const([0])), g.op("Unsqueeze", ar_T, g.const([1])))
+    mask_new = g.op("Unsqueeze", mask_new, g.const([0, 1, 2]))  # [1, 1, 1, T, T]  (col j <= row t)
+    neg_inf = g.const(-np.inf, np.float32)
+
+    positions = g.op("Add", past_col, g.op("Unsqueeze", ar_T, g.const([0])))  # [B, T]
+    pos_f = g.op("Unsqueeze", g.op("Cast", positions, to=TensorProto.FLOAT), g.const([2]))  # [B, T, 1]
+    inv_freq = w.add("rope.inv_freq", cfg.inv_freq(src.rope_freq_factors))  # [D/2]
+    freqs = g.op("Mul", pos_f, inv_freq)  # [B, T, D/2]
+    emb = g.op("Concat", freqs, freqs, axis=-1)  # [B, T, D]
+    cos = g.op("Unsqueeze", g.op("Cos", emb), g.const([2]))  # [B, T, 1, D]
+    sin = g.op("Unsqueeze", g.op("Sin", emb), g.const([2]))
+    half = g.const([D // 2, D // 2])
+
+    def rope(x: str) -> str:  # x [B, T, heads, D], rotate-half convention
+        x1, x2 = g.op("Split", x, half, axis=-1, n_out=2)
+        rot = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
+
+    def rmsnorm(x: str, weight: str) -> str:
+        var = g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=1)
+        inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", var, g.const(cfg.rms_eps, np.float32))))
+        return g.op("Mul", g.op("Mul", x, inv), weight)
+
+    say("embeddings")
+    embed = w.add("embed.weight", src.get("embed"))  # [V, H]
+    x = g.op("Gather", embed, "input_ids", axis=0)  # [B, T, H]
+    scale = g.const(1.0 / np.sqrt(D), np.float32)
+    qkv_split = g.const([Hq * D, Hkv * D, Hkv * D])
+    gu_split = g.const([d.ffn, d.ffn])
+
+    for i in range(d.n_layers):
+        say(f"layer {i + 1}/{d.n_layers}")
+        p = f"layers.{i}"
+        # fused q|k|v projection: [H, (Hq + 2 Hkv) D]
+        wqkv = np.concatenate([src.get(f"l{i}.q"), src.get(f"l{i}.k"), src.get(f"l{i}.v")], axis=0).T
+        h = rmsnorm(x, w.add(f"{p}.attn_norm.weight", src.get(f"l{i}.attn_norm")))
+        qkv = g.op("MatMul", h, w.add(f"{p}.attn.qkv.weight", wqkv))  # [B, T, (Hq+2Hkv) D]
+        del wqkv
+        if cfg.family.qkv_bias:
+            bias = np.concatenate([src.get(f"l{i}.q_bias"), src.get(f"l{i}.k_bias"), src.get(f"l{i}.v_bias")])
+            qkv = g.op("Add", qkv, w.add(f"{p}.attn.qkv.bias", bias))
+        q, k, v = g.op("Split", qkv, qkv_split, axis=-1, n_out=3)
+        q = rope(g.op("Reshape", q, g.const([0, 0, Hq, D])))  # [B, T, Hq, D]
+        k = rope(g.op("Reshape", k, g.const([0, 0, Hkv, D])))  # [B, T, Hkv, D]
+        v = g.op("Reshape", v, g.const([0, 0, Hkv, D]))
+        k_new = g.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
+        v_new = g.op("Transpose", v, perm=[0, 2, 1, 3])
+        g.nodes.append(helper.make_node("Identity", [k_new], [f"present.{i}.key"]))
+        g.nodes.append(helper.make_node("Identity", [v_new], [f"present.{i}.value"]))
+
+        q = g.op("Reshape", q, g.const([0, 0, Hkv, G, D]))
+        q = g.op("Mul", g.op("Transpose", q, perm=[0, 2, 3, 1, 4]), scale)  # [B, Hkv, G, T, D]
+        k_past = g.op("Unsqueeze", f"past_key_values.{i}.key", g.const([2]))  # [B, Hkv, 1, S_max, D]
+        v_past = g.op("Unsqueeze", f"past_key_values.{i}.value", g.const([2]))
+        s_past = g.op("MatMul", q, g.op("Transpose", k_past, perm=[0, 1, 2, 4, 3]))  # [B, Hkv, G, T, S_max]
+        s_new = g.op("MatMul", q, g.op("Unsqueeze", g.op("Transpose", k, perm=[0, 2, 3, 1]), g.const([2])))
+        s_past = g.op("Where", mask_past, s_past, neg_inf)
+        s_new = g.op("Where", mask_new, s_new, neg_inf)  # [B, Hkv, G, T, T]
+        probs = g.op("Softmax", g.op("Concat", s_past, s_new, axis=-1), axis=-1)
+        p_past, p_new = g.op("Split", probs, g.op("Concat", g.op("Unsqueeze", S, g.const([0])),
+                                                   g.op("Unsqueeze", T, g.const([0])), axis=0), axis=-1, n_out=2)
+        attn = g.op("Add", g.op("MatMul", p_past, v_past),
+                    g.op("MatMul", p_new, g.op("Unsqueeze", v_new, g.const([2]))))  # [B, Hkv, G, T, D]
+        attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 3, 1, 2, 4]), g.const([0, 0, Hq * D]))
+        x = g.op("Add", x, g.op("MatMul", attn, w.add(f"{p}.attn.o.weight", src.get(f"l{i}.o").T)))
+
+        h = rmsnorm(x, w.add(f"{p}.mlp_norm.weight", src.get(f"l{i}.mlp_norm")))
+        wgu = np.concatenate([src.get(f"l{i}.gate"), src.get(f"l{i}.up")], axis=0).T  # [H, 2 F]
+        gate, up = g.op("Split", g.op("MatMul", h, w.add(f"{p}.mlp.gate_up.weight", wgu)), gu_split,
+                        axis=-1, n_out=2)
+        del wgu
+        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # silu(gate) * up
+        x = g.op("Add", x, g.op("MatMul", act, w.add(f"{p}.mlp.down.weight", src.get(f"l{i}.down").T)))
+
+    say("lm_head")
+    x = rmsnorm(x, w.add("final_norm.weight", src.get("final_norm")))
+    picked = g.op("GatherND", x, g.op("Unsqueeze", "logits_at", g.const([2])), batch_dims=1)  # [B, L, H]
+    lm_head = embed if cfg.tie_embeddings else w.add("lm_head.weight", src.get("lm_head"))  # [V, H]
+    flat = g.op("Reshape", picked, g.const([-1, H]))
+    logits = g.op("Gemm", flat, lm_head, transB=1)  # [B*L, V]
+    out_shape = g.op("Concat", g.op("Shape", "logits_at"), g.const([d.vocab]), axis=0)
+    g.nodes.append(helper.make_node("Reshape", [logits, out_shape], ["logits"]))
+    w.close()
+
+    inputs, outputs = io_spec(d)
+    vi = lambda s: helper.make_tensor_value_info(s.name, _NP_TO_ONNX[s.dtype], list(s.shape))  # noqa: E731
+    graph = helper.make_graph(
+        g.nodes, graph_name, [vi(s) for s in inputs], [vi(s) for s in outputs],
+        initializer=g.consts + w.initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+                              producer_name="specedge")
+    model.ir_version = 8  # readable by ONNX Runtime >= 1.14 and TensorRT 10.x
+    onnx.save_model(model, str(onnx_path))
+    onnx.checker.check_model(str(onnx_path))
+    return onnx_path, data_path

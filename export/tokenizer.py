@@ -1,0 +1,99 @@
+"""Tokenizer for the bundle: ``tokenizer.json`` + chat template + bos/eos, and the draft check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from specedge.runtime.errors import BundleError, VocabularyMismatchError
+from specedge.runtime.manifest import TokenizerInfo
+
+from .loaders import WeightSource, gguf_field
+
+TOKENIZER_FILE = "tokenizer.json"
+# End-of-turn tokens that chat models emit besides their declared eos.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>")
+
+
+def write_tokenizer(src: WeightSource, out_dir: Path) -> TokenizerInfo:
+    """Write tokenizer.json into out_dir and return what the manifest records."""
+    from tokenizers import Tokenizer
+
+    dst = Path(out_dir) / TOKENIZER_FILE
+    if src.kind == "hf":
+        info = _from_hf_dir(src.path, dst)
+    else:
+        info = _from_gguf(src.path, dst)
+    tok = Tokenizer.from_file(str(dst))
+    eos = list(info["eos_ids"])
+    for t in _END_TOKENS:
+        tid = tok.token_to_id(t)
+        if tid is not None and tid not in eos:
+            eos.append(tid)
+    return TokenizerInfo(file=TOKENIZER_FILE, chat_template=info["chat_template"], bos_id=info["bos_id"],
+                         eos_ids=tuple(eos), add_bos=info["add_bos"], vocab_size=tok.get_vocab_size())
+
+
+def _from_hf_dir(d: Path, dst: Path) -> dict[str, Any]:
+    from tokenizers import Tokenizer
+
+    src = d / TOKENIZER_FILE
+    if not src.is_file():
+        raise BundleError(f"{d} has no tokenizer.json (a fast tokenizer file is required)")
+    shutil.copyfile(src, dst)
+    tok = Tokenizer.from_file(str(dst))
+    tc = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
+    gen = json.loads((d / "generation_config.json").read_text()) if (d / "generation_config.json").is_file() else {}
+    template = tc.get("chat_template")
+    if (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text()
+
+    def tid(v: Any) -> int | None:
+        if isinstance(v, dict):
+            v = v.get("content")
+        return tok.token_to_id(v) if isinstance(v, str) else None
+
+    eos: list[int] = []
+    g_eos = gen.get("eos_token_id")
+    eos += g_eos if isinstance(g_eos, list) else ([g_eos] if isinstance(g_eos, int) else [])
+    if (e := tid(tc.get("eos_token"))) is not None and e not in eos:
+        eos.append(e)
+    bos = gen.get("bos_token_id") if isinstance(gen.get("bos_token_id"), int) else tid(tc.get("bos_token"))
+    return {"chat_template": template, "bos_id": bos, "eos_ids": eos, "add_bos": bool(tc.get("add_bos_token", False))}
+
+
+def _from_gguf(path: Path, dst: Path) -> dict[str, Any]:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:  # pragma: no cover
+        raise BundleError("converting a GGUF tokenizer needs transformers: pip install 'specedge[export]'") from e
+    import gguf
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.backend_tokenizer.save(str(dst))
+    reader = gguf.GGUFReader(str(path))
+    eos = [int(v) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if (v := gguf_field(reader, k)) is not None]
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    return {"chat_template": gguf_field(reader, "tokenizer.chat_template"),
+            "bos_id": int(bos) if bos is not None else None, "eos_ids": eos,
+            "add_bos": bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False))}
+
+
+def check_same_vocab(target_json: Path, draft_json: Path) -> None:
+    """Refuse a draft whose token -> id map differs from the target's."""
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(target_json)).get_vocab(with_added_tokens=True)
+    d = Tokenizer.from_file(str(draft_json)).get_vocab(with_added_tokens=True)
+    if t == d:
+        return
+    diff = [tok for tok in t if d.get(tok) != t[tok]]
+    extra = [tok for tok in d if tok not in t]
+    raise VocabularyMismatchError(
+        f"the draft's tokenizer differs from the target's: {len(diff)} of {len(t)} target tokens map to another id "
+        f"or are missing in the draft (e.g. {diff[:3]}), {len(extra)} draft tokens are unknown to the target "
+        f"(e.g. {extra[:3]}); speculative decoding needs one shared tokenizer"
+    )

@@ -1,0 +1,258 @@
+"""The bundle manifest and the graph IO contract — defined once, here.
+
+Everything else is derived from these dataclasses: the export stage writes ONNX
+inputs/outputs named by :func:`io_spec`, the runtime allocates buffers from the
+same spec, and validation feeds the same names.
+
+Vocabulary: B batch, T new tokens per call, L logit rows per call, S_max KV
+buffer length, H_kv kv heads, D head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import BundleError
+
+SCHEMA = "specedge.bundle/1"
+MANIFEST_NAME = "manifest.json"
+ONNX_OPSET = 17  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 17 has everything we use.
+
+# Graph roles and how many logit rows each needs (DESIGN.md, graph contract).
+ROLE_PREFILL = "prefill"  # T = P, logits only at the last real position
+ROLE_VERIFY = "verify"  # T = K+1, logits at every position
+ROLE_DECODE = "decode"  # T = 1
+DRAFTER_KINDS = ("model", "prompt-lookup", "none")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output. `shape` mixes ints and symbolic dim names."""
+
+    name: str
+    dtype: str  # numpy dtype name
+    shape: tuple[int | str, ...]
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int  # rows of the embedding / logits width V
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v <= 0:
+                raise BundleError(f"model dimension {f.name} must be a positive int, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise BundleError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+
+@dataclass(frozen=True)
+class Width:
+    """A fixed call shape the graph is run at: T new tokens, L logit rows."""
+
+    role: str
+    T: int
+    L: int
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model of the bundle (target or draft) and its single ONNX graph."""
+
+    family: str
+    dims: ModelDims
+    graph: str  # file name inside the bundle
+    weights: str | None  # external-data file name, or None if embedded
+    precision: str
+    widths: tuple[Width, ...]
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def width_for(self, n_tokens: int) -> Width:
+        """Smallest declared width with T >= n_tokens (prefill widths included)."""
+        fits = [w for w in self.widths if w.T >= n_tokens]
+        if not fits:
+            raise BundleError(
+                f"no declared width holds {n_tokens} tokens; widths are {[w.T for w in self.widths]}"
+            )
+        return min(fits, key=lambda w: w.T)
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    file: str
+    chat_template: str | None
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    add_bos: bool
+    vocab_size: int  # entries in the tokenizer (<= ModelDims.vocab)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    max_context: int  # S_max
+    k: int  # draft length K; verify width is K+1
+    prefill_chunk: int  # P
+    target: ModelEntry
+    draft: ModelEntry | None
+    drafter: str  # one of DRAFTER_KINDS
+    drafter_params: dict[str, Any]
+    tokenizer: TokenizerInfo
+    files: dict[str, dict[str, Any]]  # name -> {"sha256", "bytes"}
+    kv_layout: str = "B,H_kv,S_max,D"
+    kv_mode: str = "portable"
+    kv_dtype: str = "float32"
+    opset: int = ONNX_OPSET
+    schema: str = SCHEMA
+    created_by: str = ""
+    engines: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise BundleError(f"K must be >= 1, got {self.k}")
+        if self.prefill_chunk < 1:
+            raise BundleError(f"prefill chunk P must be >= 1, got {self.prefill_chunk}")
+        need = self.prefill_chunk + self.k + 1
+        if self.max_context < need:
+            raise BundleError(
+                f"max_context S_max={self.max_context} is too small: it must hold at least "
+                f"P + K + 1 = {self.prefill_chunk} + {self.k} + 1 = {need} positions"
+            )
+        if self.drafter not in DRAFTER_KINDS:
+            raise BundleError(f"unknown drafter {self.drafter!r}; allowed: {', '.join(DRAFTER_KINDS)}")
+        if (self.drafter == "model") != (self.draft is not None):
+            raise BundleError("drafter 'model' needs a draft model entry, and only it has one")
+
+    @property
+    def models(self) -> dict[str, ModelEntry]:
+        out = {"target": self.target}
+        if self.draft is not None:
+            out["draft"] = self.draft
+        return out
+
+    # ---- serialization -------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+        if d.get("schema") != SCHEMA:
+            raise BundleError(f"manifest schema is {d.get('schema')!r}; this specedge reads {SCHEMA!r}")
+        try:
+            d = dict(d)
+            d["target"] = _model_from_json(d["target"])
+            d["draft"] = _model_from_json(d["draft"]) if d.get("draft") else None
+            d["tokenizer"] = TokenizerInfo(**{**d["tokenizer"], "eos_ids": tuple(d["tokenizer"]["eos_ids"])})
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise BundleError(f"manifest is malformed: {e}") from e
+
+
+def _model_from_json(d: dict[str, Any]) -> ModelEntry:
+    d = dict(d)
+    d["dims"] = ModelDims(**d["dims"])
+    d["widths"] = tuple(Width(**w) for w in d["widths"])
+    return ModelEntry(**d)
+
+
+def model_widths(role: str, k: int, prefill_chunk: int) -> tuple[Width, ...]:
+    """The fixed widths each model is run at.
+
+    target: prefill (P), verify (K+1) and decode (1) -- decode is what the plain
+    baseline runs, so "no speculation" is a real 1-token step, not a padded verify.
+    draft: prefill (P) and decode (1).
+    """
+    widths = {Width(ROLE_PREFILL, prefill_chunk, 1), Width(ROLE_DECODE, 1, 1)}
+    if role == "target":
+        widths.add(Width(ROLE_VERIFY, k + 1, k + 1))
+    # A width may coincide with another (e.g. P == K+1): keep the one that gives most logits.
+    by_t: dict[int, Width] = {}
+    for w in widths:
+        if w.T not in by_t or w.L > by_t[w.T].L:
+            by_t[w.T] = w
+    return tuple(sorted(by_t.values(), key=lambda w: w.T))
+
+
+def io_spec(dims: ModelDims) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs and outputs of one model graph (portable KV mode)."""
+    kv_in = [
+        TensorSpec(f"past_key_values.{i}.{kind}", "float32", ("B", dims.n_kv_heads, "S_max", dims.head_dim))
+        for i in range(dims.n_layers)
+        for kind in ("key", "value")
+    ]
+    kv_out = [
+        TensorSpec(f"present.{i}.{kind}", "float32", ("B", dims.n_kv_heads, "T", dims.head_dim))
+        for i in range(dims.n_layers)
+        for kind in ("key", "value")
+    ]
+    inputs = [
+        TensorSpec("input_ids", "int64", ("B", "T")),
+        TensorSpec("past_len", "int64", ("B",)),
+        TensorSpec("logits_at", "int64", ("B", "L")),
+        *kv_in,
+    ]
+    outputs = [TensorSpec("logits", "float32", ("B", "L", dims.vocab)), *kv_out]
+    return inputs, outputs
+
+
+# ---- files and hashes ----------------------------------------------------
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:
+    (Path(bundle_dir) / MANIFEST_NAME).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+
+
+def read_manifest(bundle_dir: str | Path, verify: str = "sha256") -> Manifest:
+    """Read and check a bundle's manifest.
+
+    verify: "sha256" (hash every file), "size" (sizes only), or "none".
+    """
+    bundle_dir = Path(bundle_dir)
+    path = bundle_dir / MANIFEST_NAME
+    if not bundle_dir.is_dir():
+        raise BundleError(f"bundle directory {bundle_dir} does not exist")
+    if not path.is_file():
+        raise BundleError(f"{bundle_dir} is not a specedge bundle: {MANIFEST_NAME} is missing")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{path} is not valid JSON: {e}") from e
+    manifest = Manifest.from_json(raw)
+    if verify not in ("sha256", "size", "none"):
+        raise ValueError(f"verify must be 'sha256', 'size' or 'none', got {verify!r}")
+    if verify != "none":
+        for name, meta in manifest.files.items():
+            f = bundle_dir / name
+            if not f.is_file():
+                raise BundleError(f"bundle {bundle_dir} is missing {name} (listed in the manifest)")
+            size = f.stat().st_size
+            if size != meta["bytes"]:
+                raise BundleError(
+                    f"{name} in {bundle_dir} has {size} bytes, the manifest says {meta['bytes']}: the bundle is corrupt"
+                )
+            if verify == "sha256" and sha256_file(f) != meta["sha256"]:
+                raise BundleError(
+                    f"{name} in {bundle_dir} fails its sha256 check (manifest {meta['sha256'][:12]}…): "
+                    "the bundle is corrupt; re-export it"
+                )
+    return manifest
