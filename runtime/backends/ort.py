@@ -1,0 +1,157 @@
+"""ONNX Runtime backend: CPU (tested) and CUDA (IOBinding on device; untested here, no GPU).
+
+Buffer ownership (all allocated once, when the runner opens):
+
+* ``kv`` — the runner's KV cache, one block [n_layers, 2, B, H_kv, S_max, D] with per-layer
+  views bound as ``past_key_values.{i}.key|value`` for every width. Rows [0, past_len) are
+  valid; the caller owns the cursor. Rows at and beyond the cursor are overwritten by later steps.
+* per width: ``input_ids`` [B, T], ``past_len`` [B], ``logits_at`` [B, L] (host), ``logits``
+  [B, L, V] and ``present.{i}.*`` [B, H_kv, T, D] outputs — rewritten by every step at that width.
+
+A step fills ids and past_len, runs the bound graph, and copies the first n present rows into
+the cache at past_len (a numpy slice on CPU; one strided cudaMemcpy2D per tensor on GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import BackendUnavailableError
+from ..manifest import Manifest, Width
+
+
+@dataclass
+class _Bound:
+    width: Width
+    binding: Any  # onnxruntime.IOBinding
+    input_ids: np.ndarray  # [1, T] int64, host
+    past_len: np.ndarray  # [1] int64, host
+    logits_at: np.ndarray  # [1, L] int64, host
+    logits: np.ndarray | None  # [1, L, V] float32 host (CPU) ...
+    logits_dev: Any  # ... or a device OrtValue (CUDA)
+    present: list[Any]  # per layer*2: host arrays (CPU) or device OrtValues (CUDA)
+
+
+class OrtRunner:
+    """One model of a bundle on ONNX Runtime, buffers bound once per width."""
+
+    def __init__(self, bundle_dir: Path, manifest: Manifest, role: str, device: str = "cpu",
+                 threads: int | None = None):
+        import onnxruntime as ort
+
+        self.entry = manifest.models[role]
+        self.max_context = manifest.max_context
+        self.device = device
+        d = self.entry.dims
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = threads or _physical_cores()
+        so.inter_op_num_threads = 1
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        if device == "cuda":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise BackendUnavailableError("ort-cuda needs onnxruntime-gpu with a working CUDA install")
+            providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+        else:
+            providers = ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(Path(bundle_dir) / self.entry.graph), so, providers=providers)
+        self._ort = ort
+        kv_shape = (d.n_layers, 2, 1, d.n_kv_heads, self.max_context, d.head_dim)
+        if device == "cpu":
+            self.kv = np.zeros(kv_shape, dtype=np.float32)  # owned here; see module docstring
+            self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.kv[i, j]) for i in range(d.n_layers)
+                               for j in range(2)]
+        else:
+            from .cuda_rt import CudaRuntime
+
+            self._cuda = CudaRuntime()
+            self._kv_values = [ort.OrtValue.ortvalue_from_shape_and_type(kv_shape[2:], np.float32, "cuda", 0)
+                               for _ in range(d.n_layers * 2)]
+        self._bound = {w.T: self._bind(w) for w in self.entry.widths}
+
+    # ------------------------------------------------------------------ binding
+    def _bind(self, w: Width) -> _Bound:
+        ort, d = self._ort, self.entry.dims
+        io = self.session.io_binding()
+        ids = np.zeros((1, w.T), dtype=np.int64)
+        past = np.zeros((1,), dtype=np.int64)
+        at = np.arange(w.L, dtype=np.int64)[None] if w.L == w.T else np.zeros((1, w.L), dtype=np.int64)
+        host_inputs = {"input_ids": ids, "past_len": past, "logits_at": at}
+        for name, arr in host_inputs.items():
+            io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+        names = [f"{i}.{k}" for i in range(d.n_layers) for k in ("key", "value")]
+        for name, val in zip(names, self._kv_values):
+            io.bind_ortvalue_input(f"past_key_values.{name}", val)
+        pshape = (1, d.n_kv_heads, w.T, d.head_dim)
+        if self.device == "cpu":
+            logits = np.zeros((1, w.L, d.vocab), dtype=np.float32)
+            io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+            present = [np.zeros(pshape, dtype=np.float32) for _ in names]
+            for name, arr in zip(names, present):
+                io.bind_ortvalue_output(f"present.{name}", ort.OrtValue.ortvalue_from_numpy(arr))
+            logits_dev = None
+        else:
+            logits = None
+            logits_dev = ort.OrtValue.ortvalue_from_shape_and_type((1, w.L, d.vocab), np.float32, "cuda", 0)
+            io.bind_ortvalue_output("logits", logits_dev)
+            present = [ort.OrtValue.ortvalue_from_shape_and_type(pshape, np.float32, "cuda", 0) for _ in names]
+            for name, val in zip(names, present):
+                io.bind_ortvalue_output(f"present.{name}", val)
+        # Keep the host arrays alive: the OrtValues above only borrow their memory.
+        self._keepalive = getattr(self, "_keepalive", []) + [host_inputs]
+        return _Bound(w, io, ids, past, at, logits, logits_dev, present)
+
+    def _pick(self, n: int, all_logits: bool) -> _Bound:
+        fits = [b for b in self._bound.values() if b.width.T >= n and (not all_logits or b.width.L == b.width.T)]
+        if not fits:
+            raise ValueError(f"no width of {self.entry.graph} takes {n} tokens with "
+                             f"{'all' if all_logits else 'last'} logits; widths {[w.T for w in self.entry.widths]}")
+        return min(fits, key=lambda b: b.width.T)
+
+    # --------------------------------------------------------------------- step
+    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
+        n = len(tokens)
+        assert 0 < n and past_len + n <= self.max_context, (n, past_len, self.max_context)
+        b = self._pick(n, all_logits)
+        b.input_ids[0, :n] = tokens
+        b.input_ids[0, n:] = tokens[-1]  # padding: computed, never committed
+        b.past_len[0] = past_len
+        if b.width.L != b.width.T:
+            b.logits_at[0, 0] = n - 1
+        if self.device == "cuda":
+            b.binding.synchronize_inputs()
+        self.session.run_with_iobinding(b.binding)
+        self._commit_rows(b, past_len, n)
+        logits = b.logits if self.device == "cpu" else b.logits_dev.numpy()
+        return logits[0, :n] if all_logits else logits[0, :1]
+
+    def _commit_rows(self, b: _Bound, past_len: int, n: int) -> None:
+        if self.device == "cpu":
+            kv = self.kv.reshape(-1, *self.kv.shape[2:])  # [n_layers*2, 1, H_kv, S_max, D] view
+            for j, present in enumerate(b.present):
+                kv[j, :, :, past_len:past_len + n] = present[:, :, :n]
+            return
+        d = self.entry.dims
+        row = d.head_dim * 4
+        for dst, src in zip(self._kv_values, b.present):
+            # [H_kv] rows of n*D floats: src pitch T*D, dst pitch S_max*D, offset past_len*D.
+            self._cuda.memcpy2d_d2d(dst.data_ptr() + past_len * row, self.max_context * row,
+                                    src.data_ptr(), b.width.T * row, n * row, d.n_kv_heads)
+        self._cuda.synchronize()
+
+    def close(self) -> None:
+        self._bound.clear()
+        self.session = None  # type: ignore[assignment]
+
+
+def _physical_cores() -> int:
+    try:
+        cores = {line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("core id")}
+        return max(1, min(len(cores), os.cpu_count() or 1)) if cores else (os.cpu_count() or 1)
+    except OSError:
+        return os.cpu_count() or 1

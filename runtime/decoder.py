@@ -1,0 +1,235 @@
+"""The decode loop: prefill, then rounds of draft -> verify -> accept -> commit.
+
+``SpecDecoder.stream`` is one generator yielding :class:`StreamEvent`s; ``generate``
+collects them. A round is four short functions over one small :class:`_Request`.
+
+Invariant between rounds: the target cache holds rows for ``tokens[:n-1]`` — every
+committed token except the last, which is fed first in the next verify call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .backends import GraphRunner, open_runner, resolve_backend
+from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, feed
+from .errors import ContextLengthError, PromptError, SamplingParamsError
+from .manifest import Manifest, read_manifest
+from .sampling import SamplingParams, choose_next, process_logits, verify_greedy, verify_sampled
+from .stats import Stats
+from .text import IncrementalDetokenizer, TextCodec
+
+Prompt = str | Sequence[dict[str, Any]]
+
+
+@dataclass
+class StreamEvent:
+    text: str  # new text since the previous event (may be "")
+    token_ids: list[int]  # tokens committed in this event
+    finished: bool = False
+    finish_reason: str | None = None  # "eos" | "stop" | "length"
+    stats: Stats | None = None  # on the final event
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: Stats
+
+
+@dataclass
+class _Request:
+    tokens: np.ndarray  # [S_max] int64, committed tokens in tokens[:n]
+    n: int
+    n_prompt: int
+    params: SamplingParams
+    rng: np.random.Generator
+    stats: Stats
+    detok: IncrementalDetokenizer
+    text: str = ""
+    emitted_chars: int = 0
+    finish: str | None = None
+    stop_hold: int = 0  # chars held back while they could start a stop string
+    pending: list[int] = field(default_factory=list)
+
+    @property
+    def generated(self) -> int:
+        return self.n - self.n_prompt
+
+
+class SpecDecoder:
+    """Speculative decoder over a bundle. Sessions open once and serve many requests.
+
+    Thread safety: requests are serialized by a lock — one ``stream``/``generate`` runs at a
+    time per decoder; other threads wait. Use one decoder per thread for parallelism.
+    """
+
+    def __init__(self, bundle_dir: Path, manifest: Manifest, backend: str, target: GraphRunner,
+                 draft: GraphRunner | None, codec: TextCodec):
+        self.bundle_dir, self.manifest, self.backend = bundle_dir, manifest, backend
+        self.target, self.draft_runner, self.codec = target, draft, codec
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "sha256",
+             threads: int | None = None) -> "SpecDecoder":
+        bundle_dir = Path(bundle)
+        manifest = read_manifest(bundle_dir, verify=verify)
+        backend = resolve_backend(backend, manifest)
+        target = open_runner(backend, bundle_dir, manifest, "target", threads)
+        draft = open_runner(backend, bundle_dir, manifest, "draft", threads) if manifest.draft else None
+        return cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer))
+
+    # ---------------------------------------------------------------- drafters
+    def make_drafter(self, kind: str | None = None) -> Drafter:
+        kind = kind or self.manifest.drafter
+        if kind == "model":
+            if self.draft_runner is None:
+                raise SamplingParamsError("this bundle has no draft model; use drafter 'prompt-lookup' or 'none'")
+            return ModelDrafter(self.draft_runner, self.manifest.target.dims.vocab, self.manifest.prefill_chunk)
+        if kind == "prompt-lookup":
+            p = self.manifest.drafter_params
+            return PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", 1))
+        if kind == "none":
+            return NoDrafter()
+        raise SamplingParamsError(f"unknown drafter {kind!r}; choose model, prompt-lookup or none")
+
+    # ------------------------------------------------------------------ public
+    def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise PromptError("the prompt is empty")
+            if chat:
+                return self.codec.encode(self.codec.render_chat([{"role": "user", "content": prompt}]), add_bos=False)
+            return self.codec.encode(prompt)
+        return self.codec.encode(self.codec.render_chat(prompt), add_bos=False)
+
+    def generate(self, prompt: Prompt, params: SamplingParams = SamplingParams(), **kw: Any) -> GenerationResult:
+        text, ids, last = [], [], None
+        for ev in self.stream(prompt, params, **kw):
+            text.append(ev.text)
+            ids += ev.token_ids
+            last = ev
+        assert last is not None and last.stats is not None
+        return GenerationResult("".join(text), ids, last.finish_reason or "", last.stats)
+
+    def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams(), *, drafter: str | None = None,
+               k: int | None = None, chat: bool | None = None) -> Iterator[StreamEvent]:
+        """Yield text as tokens are accepted. drafter: model | prompt-lookup | none (default: the bundle's);
+        k: draft length, 1..K of the bundle (default K)."""
+        K = self.manifest.k
+        k = K if k is None else k
+        if not 0 <= k <= K:
+            raise SamplingParamsError(f"k must be in 0..{K} (the bundle's verify width is K+1={K + 1}), got {k}")
+        d = self.make_drafter(drafter)
+        if k == 0:
+            d = NoDrafter()
+        ids = self.encode_prompt(prompt, chat)
+        self._check_fits(len(ids), params)
+        return self._run(ids, params, d, k)
+
+    def _check_fits(self, n_prompt: int, params: SamplingParams) -> None:
+        if n_prompt == 0:
+            raise PromptError("the prompt encodes to zero tokens")
+        S, K = self.manifest.max_context, self.manifest.k
+        need = n_prompt + params.max_new_tokens + K + 1
+        if need > S:
+            raise ContextLengthError(
+                f"bundle built for S_max={S}, request needs {need} (prompt {n_prompt} + max_new "
+                f"{params.max_new_tokens} + K+1 {K + 1}); shorten the prompt, lower max_new_tokens, "
+                f"or re-export with a larger --max-context")
+
+    # ------------------------------------------------------------------- loop
+    def _run(self, ids: list[int], params: SamplingParams, drafter: Drafter, k: int) -> Iterator[StreamEvent]:
+        with self._lock:
+            drafter.reset()
+            stats = Stats(drafter=drafter.name, k=k if drafter.name != "none" else 0, prompt_tokens=len(ids))
+            tokens = np.zeros(self.manifest.max_context, dtype=np.int64)
+            tokens[: len(ids)] = ids
+            req = _Request(tokens, len(ids), len(ids), params, np.random.default_rng(params.seed), stats,
+                           IncrementalDetokenizer(self.codec), stop_hold=max((len(s) for s in params.stop), default=1) - 1)
+            t_start = time.perf_counter()
+            logits = feed(self.target, tokens[: req.n], 0, self.manifest.prefill_chunk)
+            first = choose_next(logits, params, req.rng)
+            ev = self._commit(req, [first])
+            stats.ttft_s = time.perf_counter() - t_start
+            t_first = time.perf_counter()
+            yield ev
+            while req.finish is None:
+                ev = self._round(req, drafter, k)
+                stats.decode_s = time.perf_counter() - t_first
+                yield ev
+
+    def _round(self, req: _Request, drafter: Drafter, k: int) -> StreamEvent:
+        st = req.stats
+        remaining = req.params.max_new_tokens - req.generated
+        t0 = time.perf_counter()
+        prop = drafter.propose(req.tokens[: req.n], min(k, remaining - 1), req.params, req.rng)
+        t1 = time.perf_counter()
+        verify_in = np.concatenate([req.tokens[req.n - 1: req.n], prop.tokens])  # [last committed, d_1..d_n]
+        logits = self.target.step(verify_in, req.n - 1, all_logits=True)  # [n+1, V]
+        t2 = time.perf_counter()
+        m, nxt = self._accept(logits, prop, req)
+        drafter.commit(m)
+        st.record_round(len(prop.tokens), m)
+        ev = self._commit(req, [*prop.tokens[:m].tolist(), nxt])
+        t3 = time.perf_counter()
+        st.time_draft_s += t1 - t0
+        st.time_verify_s += t2 - t1
+        st.time_host_s += t3 - t2
+        return ev
+
+    @staticmethod
+    def _accept(logits: np.ndarray, prop: Any, req: _Request) -> tuple[int, int]:
+        p = req.params
+        if p.greedy:
+            return verify_greedy(logits, prop.tokens)
+        p_target = process_logits(logits, p.temperature, p.top_k, p.top_p)
+        return verify_sampled(p_target, prop.q_draft, prop.tokens, req.rng)
+
+    def _commit(self, req: _Request, new: list[int]) -> StreamEvent:
+        """Append accepted tokens, apply eos / max_new / stop strings, and produce the event."""
+        p, eos = req.params, self.manifest.tokenizer.eos_ids
+        out: list[int] = []
+        for t in new:
+            if not p.ignore_eos and t in eos:
+                req.finish = "eos"
+                break
+            out.append(t)
+            if req.generated + len(out) >= p.max_new_tokens:
+                req.finish = "length"
+                break
+        if out:
+            req.tokens[req.n: req.n + len(out)] = out
+            req.n += len(out)
+        req.text += req.detok.push(out)
+        emit_to = len(req.text)
+        if p.stop:
+            hits = [i for s in p.stop if (i := req.text.find(s, max(0, req.emitted_chars - len(s)))) >= 0]
+            if hits:
+                emit_to = min(hits)
+                req.text = req.text[:emit_to]
+                req.finish = "stop"
+            elif req.finish is None:
+                emit_to = max(req.emitted_chars, len(req.text) - req.stop_hold)
+        emit_to = max(emit_to, req.emitted_chars)
+        piece = req.text[req.emitted_chars: emit_to]
+        req.emitted_chars = emit_to
+        done = req.finish is not None
+        if done:
+            req.stats.finish_reason = req.finish
+        req.stats.new_tokens = req.generated
+        return StreamEvent(piece, out, done, req.finish, req.stats if done else None)
+
+    def close(self) -> None:
+        self.target.close()
+        if self.draft_runner is not None:
+            self.draft_runner.close()

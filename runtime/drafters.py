@@ -1,0 +1,179 @@
+"""Drafters: who proposes the K tokens the target verifies.
+
+All share one interface. ``propose`` reads the committed tokens and returns a
+:class:`Proposal`; ``commit`` tells the drafter how many of its tokens the target
+accepted so it can roll its own state back. A drafter never decides what is
+emitted — the acceptance rule in :mod:`sampling` does — so any drafter keeps the
+output exact; a bad one is only slower.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .backends import GraphRunner
+from .sampling import SamplingParams, process_logits, sample
+
+
+@dataclass
+class Proposal:
+    tokens: np.ndarray  # [n] int64 draft tokens d_1..d_n (n may be 0)
+    q_draft: np.ndarray | None  # [n, V] processed draft distributions; None = deterministic (one-hot)
+
+
+EMPTY = Proposal(np.zeros(0, dtype=np.int64), None)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, tokens: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
+        """tokens: committed tokens [n_committed]; propose up to k continuations."""
+
+    def commit(self, n_accepted: int) -> None:
+        """The target accepted the first n_accepted proposed tokens (and appended one of its own)."""
+
+    def reset(self) -> None:
+        """Forget all state (new request)."""
+
+
+class NoDrafter:
+    """Plain decoding through the same loop: proposes nothing, so the target runs its 1-token width."""
+
+    name = "none"
+
+    def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
+        return EMPTY
+
+    def commit(self, n_accepted: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class PromptLookupDrafter:
+    """n-gram match over prompt + output: find the most recent earlier occurrence of the
+    longest suffix n-gram (n = ngram_max..ngram_min) and propose what followed it. No weights."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
+        if k <= 0:
+            return EMPTY
+        n_tok = len(tokens)
+        for n in range(min(self.ngram_max, n_tok - 1), self.ngram_min - 1, -1):
+            pattern = tokens[n_tok - n:]
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)  # starts 0..n_tok-1-n
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                cont = tokens[start: start + k]
+                if len(cont):
+                    return Proposal(np.array(cont, dtype=np.int64), None)
+        return EMPTY
+
+    def commit(self, n_accepted: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A separate draft model with its own KV cache.
+
+    Invariant between rounds: the draft cache holds rows for ``tokens[:rows]``, a prefix of
+    the committed tokens (``rows <= n_committed - 1``). ``propose`` first catches up (feeds the
+    committed tokens it has not seen, in prefill chunks or single steps), then feeds the last
+    committed token and its own draws one at a time. After drafting d_1..d_k its cache holds
+    rows for the last committed token and d_1..d_{k-1}; if the target accepts m of them, rows
+    for d_1..d_min(m, k-1) stay valid. When all k are accepted, d_k is caught up next round.
+    """
+
+    name = "model"
+
+    def __init__(self, runner: GraphRunner, target_vocab: int, prefill_chunk: int):
+        self.runner = runner
+        self.target_vocab = target_vocab
+        self.prefill_chunk = prefill_chunk
+        self.rows = 0
+        self._base = 0  # committed tokens when the last proposal was made
+        self._k = 0
+        self.time_catch_up = 0.0
+
+    def reset(self) -> None:
+        self.rows = 0
+        self._k = 0
+
+    def _logits_for_target(self, logits: np.ndarray) -> np.ndarray:
+        """Align the draft's vocabulary [.., V_draft] with the target's V_target (truncate or pad -inf)."""
+        v = logits.shape[-1]
+        if v == self.target_vocab:
+            return logits
+        if v > self.target_vocab:
+            return logits[..., : self.target_vocab]
+        pad = np.full(logits.shape[:-1] + (self.target_vocab - v,), -np.inf, dtype=logits.dtype)
+        return np.concatenate([logits, pad], axis=-1)
+
+    def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
+        n = len(tokens)
+        t0 = time.perf_counter()
+        if self.rows < n - 1:
+            feed(self.runner, tokens[self.rows: n - 1], self.rows, self.prefill_chunk)
+            self.rows = n - 1
+        self.time_catch_up += time.perf_counter() - t0
+        self._base, self._k = n, k
+        if k <= 0:
+            return EMPTY
+        draft = np.zeros(k, dtype=np.int64)
+        q = None if params.greedy else np.zeros((k, self.target_vocab))
+        last, pos = int(tokens[-1]), n - 1
+        for i in range(k):
+            logits = self._logits_for_target(self.runner.step([last], pos, all_logits=False)[0])
+            if params.greedy:
+                last = int(np.argmax(logits))
+            else:
+                q[i] = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]
+                last = sample(q[i], rng)
+            draft[i] = last
+            pos += 1
+        self.rows = n - 1 + k  # rows for tokens[-1], d_1..d_{k-1}
+        return Proposal(draft, q)
+
+    def commit(self, n_accepted: int) -> None:
+        if self._k > 0:
+            self.rows = self._base + min(n_accepted, self._k - 1)
+
+
+def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: int) -> np.ndarray:
+    """Feed many tokens at past_len.. in declared widths; return the last token's logits [V].
+
+    Full chunks of P first; a remainder r uses the smallest width >= r when that wastes at
+    most 7/8 of it on padding, else single steps.
+    """
+    i, n = 0, len(tokens)
+    logits = None
+    widths = sorted(w.T for w in runner.entry.widths)
+    while i < n:
+        rem = n - i
+        fit = [t for t in widths if t >= rem]
+        if rem >= prefill_chunk:
+            take = prefill_chunk
+        elif fit and fit[0] <= 8 * rem:
+            take = rem
+        else:
+            take = max([t for t in widths if t <= rem], default=1)
+        logits = runner.step(tokens[i: i + take], past_len + i, all_logits=False)
+        i += take
+    assert logits is not None
+    return logits[0]

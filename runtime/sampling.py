@@ -1,0 +1,133 @@
+"""Sampling and speculative verification as pure functions over numpy arrays.
+
+Naming: ``p_target`` is the target model's processed distribution, ``q_draft``
+the draft's (the paper's notation; gpt-fast swaps the letters).
+
+Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023). For draft
+tokens d_1..d_n drawn from q_i and target distributions p_1..p_{n+1}:
+
+    accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), left to right;
+    at the first rejection emit x ~ norm(max(0, p_i - q_i)) and stop;
+    if all n are accepted emit the bonus x ~ p_{n+1}.
+
+Every emitted token is then distributed exactly as p. Temperature, top-k and
+top-p are applied to both p and q before the test, identically
+(:func:`process_logits`). Temperature 0 is greedy: accept while d_i == argmax p_i.
+A deterministic proposal (prompt lookup) is q = one-hot(d_i).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import SamplingParamsError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise SamplingParamsError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingParamsError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError(f"stop strings must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def process_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """Logits [N, V] -> probabilities [N, V] (float64) after temperature, top-k, top-p.
+
+    top-k keeps every token whose logit is >= the k-th largest (ties kept);
+    top-p keeps the smallest prefix of the sorted distribution whose mass reaches
+    top_p (the most likely token is always kept). temperature must be > 0.
+    """
+    z = np.asarray(logits, dtype=np.float64) / temperature  # [N, V]
+    V = z.shape[-1]
+    if 0 < top_k < V:
+        kth = np.partition(z, V - top_k, axis=-1)[:, V - top_k: V - top_k + 1]  # [N, 1]
+        z = np.where(z >= kth, z, -np.inf)
+    z = z - z.max(axis=-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")  # [N, V]
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        cum = np.cumsum(sorted_p, axis=-1)
+        keep_sorted = (cum - sorted_p) < top_p  # mass before this token is still short of top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a probability vector [V] by inverting its CDF."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+
+def residual(p_target: np.ndarray, q_draft: np.ndarray) -> np.ndarray:
+    """norm(max(0, p - q)) for one position [V]. Falls back to p if p <= q everywhere (p == q)."""
+    r = np.maximum(p_target - q_draft, 0.0)
+    s = r.sum()
+    return r / s if s > 0 else p_target
+
+
+def verify_greedy(target_logits: np.ndarray, draft_tokens: np.ndarray) -> tuple[int, int]:
+    """Greedy acceptance. target_logits [n+1, V], draft_tokens [n] -> (n_accepted, next_token).
+
+    Accept d_i while d_i == argmax p_i; the next token is argmax at the first mismatch (or the bonus row).
+    """
+    best = np.argmax(target_logits, axis=-1)  # [n+1]
+    n = len(draft_tokens)
+    m = 0
+    while m < n and best[m] == draft_tokens[m]:
+        m += 1
+    return m, int(best[m])
+
+
+def verify_sampled(p_target: np.ndarray, q_draft: np.ndarray | None, draft_tokens: np.ndarray,
+                   rng: np.random.Generator) -> tuple[int, int]:
+    """Exact rejection sampling. p_target [n+1, V], q_draft [n, V] or None for one-hot proposals,
+    draft_tokens [n] -> (n_accepted, next_token). See the module docstring for the rule."""
+    n = len(draft_tokens)
+    for i in range(n):
+        d = int(draft_tokens[i])
+        q_d = 1.0 if q_draft is None else q_draft[i, d]
+        if rng.random() * q_d < p_target[i, d]:  # u < p/q without dividing (q_d > 0: d was drawn from q)
+            continue
+        if q_draft is None:
+            q_row = np.zeros_like(p_target[i])
+            q_row[d] = 1.0
+        else:
+            q_row = q_draft[i]
+        return i, sample(residual(p_target[i], q_row), rng)
+    return n, sample(p_target[n], rng)
+
+
+def choose_next(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Plain sampling of one token from logits [V] (greedy at temperature 0)."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0], rng)

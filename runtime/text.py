@@ -1,0 +1,74 @@
+"""Text in and out: tokenizer, chat template (jinja2, no transformers), incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import PromptError
+from .manifest import TokenizerInfo
+
+
+class TextCodec:
+    def __init__(self, bundle_dir: Path, info: TokenizerInfo):
+        from tokenizers import Tokenizer
+
+        self.info = info
+        self.tok = Tokenizer.from_file(str(Path(bundle_dir) / info.file))
+        self._template = None
+        if info.chat_template:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg: str) -> None:
+                raise PromptError(f"chat template: {msg}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(info.chat_template)
+
+    def token_text(self, tid: int) -> str:
+        return self.tok.id_to_token(tid) or ""
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if (self.info.add_bos if add_bos is None else add_bos) and self.info.bos_id is not None:
+            if not ids or ids[0] != self.info.bos_id:
+                ids = [self.info.bos_id] + ids
+        return ids
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        if self._template is None:
+            raise PromptError("this bundle has no chat template; pass a plain string prompt")
+        if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
+            raise PromptError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        bos = self.token_text(self.info.bos_id) if self.info.bos_id is not None else ""
+        eos = self.token_text(self.info.eos_ids[0]) if self.info.eos_ids else ""
+        return self._template.render(messages=list(messages), add_generation_prompt=True,
+                                     bos_token=bos, eos_token=eos)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces, never emitting half a UTF-8 character.
+
+    Decodes a small window (prefix_offset..end) and emits only what the newest tokens add;
+    while the window's text ends in U+FFFD (an incomplete byte sequence) it waits.
+    """
+
+    def __init__(self, codec: TextCodec):
+        self.codec = codec
+        self.ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # tokens already turned into emitted text
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(int(t) for t in new_ids)
+        prefix_text = self.codec.decode(self.ids[self._prefix: self._read])
+        full = self.codec.decode(self.ids[self._prefix:])
+        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return full[len(prefix_text):]
+        return ""
