@@ -1,0 +1,82 @@
+"""Shared fixtures: a tiny BPE tokenizer, tiny random HF models, and bundles exported from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+CORPUS = [
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. The capital of France is Paris.",
+    "import numpy as np\nx = np.arange(10)\nprint(x.sum())\n",
+    "Speculative decoding lets a cheap draft propose tokens that the target verifies.",
+    "héllo wörld — ünïcödé ✓ 数据 データ",
+] * 20
+VOCAB = 320
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>",
+         "add_bos_token": False}))
+
+
+def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: int = 64, seed: int = 0,
+                  init: float = 0.2, tie: bool = False) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    torch.manual_seed(seed)
+    cfg = cls[0](vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 tie_word_embeddings=tie, initializer_range=init, rope_theta=10000.0,
+                 bos_token_id=1, eos_token_id=2)
+    model = cls[1](cfg).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("llama") / "m", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("qwen") / "m", "qwen2", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("draft") / "m", "llama", layers=1, hidden=32, seed=1)
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, tiny_llama, tiny_draft) -> dict[str, Path]:
+    """Bundles over the tiny llama target: K=8, S_max=256, P=16."""
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    root = tmp_path_factory.mktemp("bundles")
+    opts = ExportOptions(k=8, max_context=256, prefill_chunk=16)
+    out = {}
+    for name, draft in {"lookup": "prompt-lookup", "model": tiny_draft, "self": tiny_llama}.items():
+        out[name] = export_bundle(tiny_llama, draft, root / name, opts).out
+    return out

@@ -1,0 +1,114 @@
+"""GGUF loading: a tiny model written with gguf.GGUFWriter loads to the weights transformers' GGUF loader gives."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import quantize
+
+from specedge.export.loaders import load_source
+from specedge.runtime.errors import BundleError, UnsupportedModelError
+
+Q = gguf.GGMLQuantizationType
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation (what the loader must undo)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_dir, path, qtypes):
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {a["content"]: a["id"] for a in tok["added_tokens"]}
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in added else 1 for t, _ in vocab])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in sd.items():
+        if name in names:
+            gname = names[name]
+        else:
+            _, _, i, rest = name.split(".", 3)
+            gname = f"blk.{i}.{layer[rest.rsplit('.', 1)[0]]}.weight"
+        t = t.astype(np.float32)
+        if gname.endswith("attn_q.weight"):
+            t = permute(t, cfg["num_attention_heads"])
+        elif gname.endswith("attn_k.weight"):
+            t = permute(t, cfg["num_key_value_heads"])
+        qt = qtypes.get(gname.split(".")[-2], Q.F32) if t.ndim == 2 else Q.F32
+        if qt == Q.F32:
+            w.add_tensor(gname, t)
+        else:
+            w.add_tensor(gname, quantize(t, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtypes", [
+    {},
+    {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_0,
+     "token_embd": Q.Q8_0},
+], ids=["f32", "q8_0-q4_0-q4_1"])
+def test_gguf_matches_transformers_loader(tiny_llama, tmp_path, qtypes):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny_llama, path, qtypes)
+    src = load_source(path)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name).eval()
+    sd = {k: v.float().numpy() for k, v in ref.state_dict().items()}
+    assert src.config.family.name == "llama"
+    np.testing.assert_array_equal(src.get("embed"), sd["model.embed_tokens.weight"])
+    for i in range(src.config.dims.n_layers):
+        for ours, theirs in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"), ("v", "self_attn.v_proj"),
+                             ("o", "self_attn.o_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"),
+                             ("attn_norm", "input_layernorm")):
+            np.testing.assert_allclose(src.get(f"l{i}.{ours}"), sd[f"model.layers.{i}.{theirs}.weight"],
+                                       rtol=0, atol=1e-6, err_msg=f"layer {i} {ours}")
+    if not qtypes:  # f32: the un-permuted weights are the original HF weights, bit for bit
+        from safetensors.numpy import load_file
+
+        orig = load_file(str(tiny_llama / "model.safetensors"))
+        np.testing.assert_array_equal(src.get("l0.q"), orig["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_unreadable_gguf_is_refused(tmp_path):
+    p = tmp_path / "broken.gguf"
+    p.write_bytes(b"GGUF" + b"\0" * 20)
+    with pytest.raises(BundleError, match="not a readable GGUF"):
+        load_source(p)
+
+
+def test_unknown_architecture_is_refused(tmp_path):
+    p = tmp_path / "x.gguf"
+    w = gguf.GGUFWriter(str(p), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(UnsupportedModelError, match="supported"):
+        load_source(p)
