@@ -80,3 +80,10 @@ def bundles(tmp_path_factory, tiny_llama, tiny_draft) -> dict[str, Path]:
     for name, draft in {"lookup": "prompt-lookup", "model": tiny_draft, "self": tiny_llama}.items():
         out[name] = export_bundle(tiny_llama, draft, root / name, opts).out
     return out
+
+
+@pytest.fixture(scope="session")
+def decoders(bundles):
+    from specedge.runtime import SpecDecoder
+
+    return {name: SpecDecoder.load(path) for name, path in bundles.items()}

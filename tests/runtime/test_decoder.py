@@ -1,0 +1,148 @@
+"""End to end on tiny exported models: exactness, stops, errors, threads."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from specedge.runtime import (
+    BundleError, ContextLengthError, PromptError, SamplingParams, SamplingParamsError, SpecDecoder,
+)
+from specedge.runtime.drafters import feed
+
+PROMPTS = ["def fib(n):", "The quick brown fox", "import numpy as np\nx = np.arange(10)\n"]
+NEAR_TIE = 1e-4
+
+
+def greedy_mismatch(dec: SpecDecoder, prompt: str, spec: list[int], plain: list[int]) -> int:
+    """0 if identical; 1 if the first difference is a numerical near-tie; fails otherwise."""
+    if spec == plain:
+        return 0
+    i = next(j for j in range(min(len(spec), len(plain))) if spec[j] != plain[j])
+    ids = dec.encode_prompt(prompt) + plain[:i]
+    logits = feed(dec.target, np.array(ids), 0, dec.manifest.prefill_chunk)
+    top2 = np.sort(logits)[-2:]
+    gap = float(top2[1] - top2[0])
+    assert gap < NEAR_TIE, f"greedy mismatch at token {i} with top-2 gap {gap:.2e} (not a near-tie)"
+    return 1
+
+
+@pytest.mark.parametrize("bundle, drafter", [("lookup", "prompt-lookup"), ("model", "model"), ("self", "model")])
+def test_speculative_greedy_equals_plain(decoders, bundle, drafter):
+    dec = decoders[bundle]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    near_ties = 0
+    for prompt in PROMPTS:
+        plain = dec.generate(prompt, params, drafter="none").token_ids
+        assert len(plain) == 40
+        for k in (1, 2, 4, 8):
+            res = dec.generate(prompt, params, drafter=drafter, k=k)
+            near_ties += greedy_mismatch(dec, prompt, res.token_ids, plain)
+            assert res.stats.drafted >= res.stats.accepted
+    assert near_ties <= 1, f"{near_ties} near-tie mismatches"
+    if bundle == "self":  # the draft is the target itself: everything is accepted
+        res = dec.generate(PROMPTS[0], params, drafter="model", k=4)
+        assert res.stats.acceptance_rate > 0.95 and res.stats.accept_hist[-1] >= 7
+
+
+@pytest.mark.parametrize("bundle, drafter", [("self", "model"), ("model", "model"), ("lookup", "prompt-lookup")])
+def test_max_new_and_eos_at_round_boundaries(decoders, bundle, drafter):
+    dec = decoders[bundle]
+    prompt = PROMPTS[0]
+    plain = dec.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True), drafter="none").token_ids
+    for n in range(1, 13):  # every remainder modulo k+1 for k = 4
+        res = dec.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), drafter=drafter, k=4)
+        assert res.token_ids == plain[:n] and res.finish_reason == "length"
+    manifest = dec.manifest
+    try:
+        for j in (0, 3, 4, 5, 9):  # make the j-th generated token an eos
+            tok = dataclasses.replace(manifest.tokenizer, eos_ids=(plain[j],))
+            dec.manifest = dataclasses.replace(manifest, tokenizer=tok)
+            res = dec.generate(prompt, SamplingParams(max_new_tokens=24), drafter=drafter, k=4)
+            first = plain.index(plain[j])
+            assert res.finish_reason == "eos" and res.token_ids == plain[:first]
+    finally:
+        dec.manifest = manifest
+
+
+def test_sampled_tokens_follow_the_target_distribution(decoders):
+    """First three generated tokens over many seeds: speculative (random draft, so many rejections)
+    vs plain sampling, two-sample chi-square per position at alpha = 0.001."""
+    dec = decoders["model"]
+    params = dict(max_new_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
+    n = 400
+    spec = np.array([dec.generate("The", SamplingParams(seed=s, **params), drafter="model", k=2).token_ids
+                     for s in range(n)])
+    plain = np.array([dec.generate("The", SamplingParams(seed=10_000 + s, **params), drafter="none").token_ids
+                      for s in range(n)])
+    for pos in range(3):
+        vals = np.union1d(spec[:, pos], plain[:, pos])
+        table = np.array([[np.sum(x[:, pos] == v) for v in vals] for x in (spec, plain)])
+        table = table[:, table.sum(axis=0) >= 10]  # drop sparse cells; the test stays valid on the rest
+        if table.shape[1] >= 2:
+            assert chi2_contingency(table).pvalue > 0.001, f"position {pos}: {table}"
+
+
+def test_bad_input_is_refused_and_decoder_stays_usable(decoders):
+    dec = decoders["lookup"]
+    with pytest.raises(PromptError):
+        dec.generate("", SamplingParams())
+    with pytest.raises(ContextLengthError, match=r"S_max=256, request needs .*prompt .* \+ max_new 250 \+ K\+1 9"):
+        dec.generate("def fib(n):", SamplingParams(max_new_tokens=250))
+    with pytest.raises(ContextLengthError):
+        dec.generate("x " * 300, SamplingParams(max_new_tokens=4))
+    with pytest.raises(SamplingParamsError, match="k must be in 0..8"):
+        dec.generate("hi", SamplingParams(), k=9)
+    with pytest.raises(SamplingParamsError, match="no draft model"):
+        dec.generate("hi", SamplingParams(), drafter="model")
+    assert len(dec.generate("def fib(n):", SamplingParams(max_new_tokens=5, ignore_eos=True)).token_ids) == 5
+
+
+def test_corrupt_bundle_is_refused_at_load(bundles, tmp_path):
+    import shutil
+
+    dst = tmp_path / "b"
+    shutil.copytree(bundles["lookup"], dst)
+    raw = bytearray((dst / "target.onnx.data").read_bytes())
+    raw[-5] ^= 1
+    (dst / "target.onnx.data").write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match="sha256"):
+        SpecDecoder.load(dst)
+
+
+def test_stop_strings_and_streaming_text(decoders):
+    dec = decoders["lookup"]
+    full = dec.generate("def fib(n):", SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert full.text == dec.codec.decode(full.token_ids)
+    stop = full.text[5:8]
+    pieces = [ev.text for ev in dec.stream("def fib(n):", SamplingParams(max_new_tokens=30, stop=(stop,)))]
+    text = "".join(pieces)
+    assert stop not in text and full.text.startswith(text) and len(text) <= full.text.index(stop)
+
+
+def test_chat_messages_use_the_template(decoders):
+    dec = decoders["lookup"]
+    ids = dec.encode_prompt([{"role": "user", "content": "hello"}])
+    assert dec.codec.decode(ids) == "user\nhello\nassistant\n"  # special tokens are skipped in decode
+    assert ids[0] == dec.codec.tok.token_to_id("<|im_start|>")
+
+
+def test_threads_are_serialized(decoders):
+    dec = decoders["model"]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = {p: dec.generate(p, params).token_ids for p in PROMPTS}
+    got: dict[str, list[int]] = {}
+
+    def work(p):
+        got[p] = dec.generate(p, params).token_ids
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want

@@ -1,0 +1,49 @@
+"""Incremental detokenization, the spec-run CLI, and the no-torch guarantee."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from click.testing import CliRunner
+
+from specedge.runtime.cli import main as run_cli
+from specedge.runtime.text import IncrementalDetokenizer
+
+
+def test_incremental_detok_never_emits_half_a_character(decoders):
+    codec = decoders["lookup"].codec
+    text = "héllo wörld — ünïcödé ✓ 数据 データ 🙂 done"
+    ids = codec.tok.encode(text, add_special_tokens=False).ids
+    det = IncrementalDetokenizer(codec)
+    pieces = [det.push([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == codec.decode(ids)
+
+
+def test_spec_run_cli_streams_text_to_stdout(bundles):
+    r = CliRunner().invoke(run_cli, [str(bundles["model"]), "def fib(n):", "--max-new-tokens", "8", "--stats"])
+    assert r.exit_code == 0, r.output
+    assert "drafter=model" in r.stderr and "new=" in r.stderr
+    r = CliRunner().invoke(run_cli, [str(bundles["lookup"]), "", "--no-spec"])
+    assert r.exit_code == 2 and "error: the prompt is empty" in r.stderr
+
+
+def test_runtime_generates_without_torch_or_transformers(bundles):
+    code = textwrap.dedent(f"""
+        import sys, importlib.abc
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in ("torch", "transformers", "onnx", "gguf", "specedge.export"):
+                    raise ImportError("blocked: " + name)
+        sys.meta_path.insert(0, Block())
+        from specedge.runtime import SpecDecoder, SamplingParams
+        dec = SpecDecoder.load({str(bundles['model'])!r})
+        r = dec.generate("def fib(n):", SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert len(r.token_ids) == 6
+        assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
