@@ -135,9 +135,10 @@ def build_model_graph(
         return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
 
     def rmsnorm(x: str, weight: str) -> str:
-        var = g.op("ReduceMean", g.op("Mul", x, x), axes=[-1], keepdims=1)
-        inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", var, g.const(cfg.rms_eps, np.float32))))
-        return g.op("Mul", g.op("Mul", x, inv), weight)
+        # Pow -> ReduceMean -> Add -> Sqrt -> Div: the pattern ONNX Runtime fuses into SimplifiedLayerNormalization
+        var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, np.float32)), axes=[-1], keepdims=1)
+        std = g.op("Sqrt", g.op("Add", var, g.const(cfg.rms_eps, np.float32)))
+        return g.op("Mul", g.op("Div", x, std), weight)
 
     say("embeddings")
     embed = w.add("embed.weight", src.get("embed"))  # [V, H]
