@@ -100,7 +100,7 @@ def main() -> None:
         for drafter, k in configs:
             rs = results[(suite, drafter, k)]
             tps = statistics.median(s["decode_tok_s"] for s in rs)
-            split = " / ".join(f"{statistics.median(s[f]):.2f}" for f in ("time_draft_s", "time_verify_s", "time_host_s"))
+            split = " / ".join(f"{statistics.median(x[f] for x in rs):.2f}" for f in ("time_draft_s", "time_verify_s", "time_host_s"))
             print(f"| {suite} | {drafter} | {k} | {tps:.1f} | {tps / base:.2f}x | "
                   f"{statistics.median(s['acceptance_rate'] for s in rs):.2f} | "
                   f"{statistics.median(s['mean_accepted_per_round'] for s in rs):.2f} | {split} |")
