@@ -41,13 +41,8 @@ class Drafter(Protocol):
         """Forget all state (new request)."""
 
 
-class NoDrafter:
-    """Plain decoding through the same loop: proposes nothing, so the target runs its 1-token width."""
-
-    name = "none"
-
-    def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
-        return EMPTY
+class _Stateless:
+    """Drafters that keep no state between rounds: commit and reset do nothing."""
 
     def commit(self, n_accepted: int) -> None:
         pass
@@ -56,7 +51,16 @@ class NoDrafter:
         pass
 
 
-class PromptLookupDrafter:
+class NoDrafter(_Stateless):
+    """Plain decoding through the same loop: proposes nothing, so the target runs its 1-token width."""
+
+    name = "none"
+
+    def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
+        return EMPTY
+
+
+class PromptLookupDrafter(_Stateless):
     """n-gram match over prompt + output: find the most recent earlier occurrence of the
     longest suffix n-gram (n = ngram_max..ngram_min) and propose what followed it. No weights."""
 
@@ -81,12 +85,6 @@ class PromptLookupDrafter:
                 if len(cont):
                     return Proposal(np.array(cont, dtype=np.int64), None)
         return EMPTY
-
-    def commit(self, n_accepted: int) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
 
 class ModelDrafter:
