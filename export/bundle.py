@@ -35,6 +35,7 @@ class ExportOptions:
     prefill_chunk: int = 64
     lookup_ngram_max: int = 3
     lookup_ngram_min: int = 1
+    verify_widths: tuple[int, ...] = ()  # extra verify widths 2..K (K+1 is always there)
     overwrite: bool = False
     cache_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -48,6 +49,9 @@ class ExportOptions:
             raise BundleError(
                 f"--max-context {self.max_context} is too small for prefill chunk {self.prefill_chunk} + "
                 f"verify width K+1 {self.k + 1}: it must be at least {self.prefill_chunk + self.k + 1}")
+        bad = [t for t in self.verify_widths if not 2 <= t <= self.k + 1]
+        if bad:
+            raise BundleError(f"--verify-widths {bad} out of range: each must be in 2..K+1={self.k + 1}")
         if not 1 <= self.lookup_ngram_min <= self.lookup_ngram_max:
             raise BundleError(f"prompt-lookup n-gram range [{self.lookup_ngram_min}, {self.lookup_ngram_max}] is empty")
 
@@ -140,5 +144,5 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
     say(f"  {role}: graph written in {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mb():.0f} MB")
     return ModelEntry(
         family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,
-        precision="fp32", widths=model_widths(role, opts.k, opts.prefill_chunk), source=src.describe(),
+        precision="fp32", widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths), source=src.describe(),
     )

@@ -19,6 +19,13 @@ def _fail(e: Exception) -> None:
     sys.exit(2)
 
 
+def _int_list(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in value.split(",") if t.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Turn a target LLM and a draft into a static-shape specedge bundle."""
@@ -46,19 +53,21 @@ def fetch(name: str, cache_dir: str | None) -> None:
 @click.option("--draft", default="prompt-lookup", show_default=True,
               help="Draft model (dir, .gguf, known name), or 'prompt-lookup', or 'none'.")
 @click.option("--k", "k", type=int, default=4, show_default=True, help="Draft length K (verify width K+1).")
+@click.option("--verify-widths", default="", callback=lambda c, p, v: _int_list(v), help="Extra, narrower verify widths, e.g. 3,5,7 with --k 8: a draft of "
+              "k < K tokens runs at the smallest width >= k+1 instead of K+1. Default: K+1 only.")
 @click.option("--max-context", type=int, default=2048, show_default=True, help="KV buffer length S_max.")
 @click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P.")
 @click.option("--ngram-max", type=int, default=3, show_default=True, help="Prompt lookup: longest n-gram to match.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
-def export(target: str, draft: str, k: int, max_context: int, prefill_chunk: int, ngram_max: int, out: str,
+def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], max_context: int, prefill_chunk: int, ngram_max: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
 
     try:
-        opts = ExportOptions(k=k, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max,
+        opts = ExportOptions(k=k, verify_widths=verify_widths, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max,
                              overwrite=overwrite, cache_dir=cache_dir)
         rep = export_bundle(target, draft, out, opts, progress=_say)
     except SpecEdgeError as e:

@@ -1,4 +1,8 @@
-"""`spec-run`: generate from a bundle. The text goes to stdout; progress and stats to stderr."""
+"""`spec-run`: generate from a bundle, or benchmark it.
+
+    spec-run BUNDLE "prompt" [options]        # = spec-run generate ...: text on stdout, stats on stderr
+    spec-run bench BUNDLE [options]           # plain vs speculative, JSON + Markdown + PNG report
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,23 @@ import click
 from .errors import SpecEdgeError
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+class _DefaultGenerate(click.Group):
+    """A group whose first argument, if it is not a subcommand, starts ``generate``:
+    ``spec-run BUNDLE PROMPT`` keeps working next to ``spec-run bench BUNDLE``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["generate", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_DefaultGenerate, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Speculative decoding over a specedge bundle. `spec-run BUNDLE PROMPT` generates
+    (see `spec-run generate -h`); `spec-run bench BUNDLE` benchmarks."""
+
+
+@main.command()
 @click.argument("bundle", type=click.Path())
 @click.argument("prompt")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the bundle's chat template.")
@@ -28,7 +48,7 @@ from .errors import SpecEdgeError
 @click.option("--stats", is_flag=True, help="Print statistics to stderr.")
 @click.option("--stats-json", is_flag=True, help="Print statistics as JSON to stderr.")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: physical cores).")
-def main(bundle, prompt, chat, backend, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k, seed, stop,
+def generate(bundle, prompt, chat, backend, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k, seed, stop,
          stats, stats_json, threads) -> None:
     """Generate a completion of PROMPT with the speculative runtime over BUNDLE."""
     from .decoder import SpecDecoder
@@ -53,6 +73,58 @@ def main(bundle, prompt, chat, backend, drafter, no_spec, k, max_new_tokens, tem
             click.echo(f"[{dec.backend}] {last.stats}", err=True)
         if stats_json:
             click.echo(json.dumps(last.stats.as_dict()), err=True)
+
+
+def _csv(cast):
+    def parse(ctx, param, value):
+        try:
+            return tuple(cast(v) for v in value.split(",") if v.strip())
+        except ValueError:
+            raise click.BadParameter(f"expected a comma-separated list, got {value!r}") from None
+    return parse
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--suite", default="code,edit,chat,summarize,json", show_default=True, callback=_csv(str),
+              help="Built-in suites: code, edit, chat, summarize, json.")
+@click.option("--prompts", type=click.Path(dir_okay=False), default=None,
+              help="JSONL prompt file ({\"text\": ...} or {\"messages\": [...]}, optional \"suite\", \"id\") "
+                   "used instead of the suites.")
+@click.option("--k", "ks", default="2,4,6,8", show_default=True, callback=_csv(int), help="Draft lengths (<= K).")
+@click.option("--drafter", "drafters", default="model,prompt-lookup,none", show_default=True, callback=_csv(str),
+              help="Drafters to compare; plain (none) is always measured as the baseline.")
+@click.option("--temperature", "temps", default="0", show_default=True, callback=_csv(float),
+              help="Sampling temperatures (0 = greedy; greedy runs are also checked token-identical to plain).")
+@click.option("--repeats", type=int, default=1, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--per-suite", type=int, default=0, help="Only the first N prompts of each suite.")
+@click.option("--ignore-eos", is_flag=True, help="Always generate --max-new-tokens.")
+@click.option("--out", type=click.Path(file_okay=False), default="bench/latest", show_default=True)
+@click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
+@click.option("--backend", default="auto", show_default=True)
+@click.option("--threads", type=int, default=None)
+def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, per_suite, ignore_eos, out, no_plots,
+          backend, threads) -> None:
+    """Benchmark speculative vs plain decoding on BUNDLE: every configuration and the plain baseline on the same
+    prompts, interleaved, in one run. Writes OUT/results.json, OUT/report.md and plots; prints the table."""
+    from .bench import BenchPlan, load_prompts, run_bench, write_report
+    from .decoder import SpecDecoder
+
+    try:
+        plan = BenchPlan(suites=suite, ks=ks, drafters=drafters, temperatures=temps, repeats=repeats,
+                         max_new_tokens=max_new_tokens, per_suite=per_suite, ignore_eos=ignore_eos,
+                         prompts=tuple(load_prompts(prompts)) if prompts else ())
+        plan.prompt_list()  # unknown suite names fail here, before loading the models
+        click.echo(f"loading {bundle} …", err=True)
+        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size")
+        raw = run_bench(dec, plan)
+    except SpecEdgeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    files = write_report(raw, out, plots=not no_plots, say=lambda s: click.echo(s, err=True))
+    click.echo(files["markdown"].read_text())
+    click.echo(f"wrote {', '.join(str(p) for p in files.values())}", err=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -229,6 +229,32 @@ class SpecDecoder:
         req.stats.new_tokens = req.generated
         return StreamEvent(piece, out, done, req.finish, req.stats if done else None)
 
+    def time_steps(self, repeats: int = 5, past_len: int | None = None) -> dict[str, dict[int, float]]:
+        """Median seconds of one forward step per model and declared width: {"target": {T: s}, "draft": {T: s}}.
+
+        The cost model's inputs (draft/target cost ratio, verify vs 1-token cost). Runs dummy tokens
+        at ``past_len`` (default: a quarter of S_max); the rows it writes are never read, because
+        every request starts with its own prefill.
+        """
+        S = self.manifest.max_context
+        out: dict[str, dict[int, float]] = {}
+        with self._lock:
+            for role, runner in (("target", self.target), ("draft", self.draft_runner)):
+                if runner is None:
+                    continue
+                out[role] = {}
+                for w in runner.entry.widths:
+                    pos = min(S // 4 if past_len is None else past_len, S - w.T)
+                    ids = np.zeros(w.T, dtype=np.int64)
+                    runner.step(ids, pos, all_logits=w.L == w.T)  # warm this width
+                    times = []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        runner.step(ids, pos, all_logits=w.L == w.T)
+                        times.append(time.perf_counter() - t0)
+                    out[role][w.T] = float(np.median(times))
+        return out
+
     def close(self) -> None:
         self.target.close()
         if self.draft_runner is not None:
