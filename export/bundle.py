@@ -23,6 +23,7 @@ from specedge.runtime.manifest import (
 from .fetch import resolve_model
 from .graph import build_model_graph
 from .loaders import WeightSource, load_source
+from .quant import WeightFormat
 from .tokenizer import TOKENIZER_FILE, check_same_vocab, write_tokenizer
 
 DRAFT_NO_MODEL = ("prompt-lookup", "none")
@@ -36,6 +37,8 @@ class ExportOptions:
     lookup_ngram_max: int = 3
     lookup_ngram_min: int = 1
     verify_widths: tuple[int, ...] = ()  # extra verify widths 2..K (K+1 is always there)
+    weights: WeightFormat = WeightFormat()  # target
+    draft_weights: WeightFormat | None = None  # None: same as the target
     overwrite: bool = False
     cache_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -140,9 +143,14 @@ def _check_supported(role: str, src: WeightSource, opts: ExportOptions) -> None:
 def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
                   say: Callable[[str], None]) -> ModelEntry:
     t0 = time.perf_counter()
-    onnx_path, data_path = build_model_graph(src, tmp, role, progress=lambda s: say(f"  {role}: {s}"))
+    fmt = opts.weights if role == "target" or opts.draft_weights is None else opts.draft_weights
+    onnx_path, data_path, quant = build_model_graph(src, tmp, role, progress=lambda s: say(f"  {role}: {s}"), fmt=fmt)
+    if quant:
+        say(f"  {role}: {fmt.name}: {quant['repacked_from_gguf']} matrices re-packed from GGUF blocks, "
+            f"{quant['requantized']} re-quantized (weight rel. RMS error {quant['requant_weight_rel_rms_error']:.4f})")
     say(f"  {role}: graph written in {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mb():.0f} MB")
     return ModelEntry(
         family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,
-        precision="fp32", widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths), source=src.describe(),
+        precision=fmt.name, widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths),
+        source=src.describe(), quant=quant,
     )

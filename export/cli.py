@@ -58,16 +58,30 @@ def fetch(name: str, cache_dir: str | None) -> None:
 @click.option("--max-context", type=int, default=2048, show_default=True, help="KV buffer length S_max.")
 @click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P.")
 @click.option("--ngram-max", type=int, default=3, show_default=True, help="Prompt lookup: longest n-gram to match.")
+@click.option("--weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32", show_default=True,
+              help="Target weight format: int8/int4 are ONNX Runtime MatMulNBits (GGUF Q8_0/Q4_0 re-packed exactly).")
+@click.option("--draft-weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default=None,
+              help="Draft weight format (default: same as --weights).")
+@click.option("--quant-block", type=int, default=32, show_default=True, help="int8/int4 block size.")
+@click.option("--asymmetric", is_flag=True, help="int8/int4 with uint8 zero points (default symmetric).")
+@click.option("--accuracy-level", type=int, default=4, show_default=True,
+              help="MatMulNBits accuracy_level: 4 = int8 compute (the fast CPU path), 0 = fp32 compute.")
+@click.option("--lm-head", type=click.Choice(["auto", "fp32", "int8", "int4"]), default="auto", show_default=True,
+              help="lm_head format for int8/int4 bundles (auto: int8).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
-def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], max_context: int, prefill_chunk: int, ngram_max: int, out: str,
+def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weights: str, draft_weights: str | None,
+           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, max_context: int, prefill_chunk: int, ngram_max: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
+    from .quant import WeightFormat
 
     try:
-        opts = ExportOptions(k=k, verify_widths=verify_widths, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max,
+        fmt = lambda name: WeightFormat(name, quant_block, not asymmetric, accuracy_level, lm_head)  # noqa: E731
+        opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights),
+                             draft_weights=fmt(draft_weights) if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max,
                              overwrite=overwrite, cache_dir=cache_dir)
         rep = export_bundle(target, draft, out, opts, progress=_say)
     except SpecEdgeError as e:

@@ -31,6 +31,7 @@ from specedge.runtime.manifest import ONNX_OPSET, io_spec
 
 from .families import ModelConfig
 from .loaders import WeightSource
+from .quant import GGUF_REPACKABLE, Packed, QuantSpec, WeightFormat, concat_rows, quantize, rel_rms_error, repack_gguf
 
 _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
 _ALIGN = 64
@@ -89,13 +90,72 @@ class _Graph:
         return name
 
 
+class _Linears:
+    """Emits every linear layer in one weight format: MatMul over fp32 [in, out], or MatMulNBits.
+
+    Records what it did for the manifest: how many matrices were re-packed from GGUF blocks
+    bit-exactly, how many re-quantized, and the weight error re-quantization added.
+    """
+
+    def __init__(self, g: _Graph, w: ExternalWeights, src: WeightSource, fmt: WeightFormat):
+        self.g, self.w, self.src, self.fmt = g, w, src, fmt
+        self.repacked = self.requantized = 0
+        self._err_num = self._err_den = 0.0
+        self._worst = 0.0
+
+    def __call__(self, x: str, name: str, parts: list[str], spec: QuantSpec | None = None,
+                 weights: np.ndarray | None = None) -> str:
+        """x [.., in] @ concat(parts, out axis).T -> [.., out]. ``weights`` overrides reading ``parts``."""
+        spec = spec if spec is not None or weights is not None else self.fmt.linear_spec()
+        if spec is None:
+            w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
+            return self.g.op("MatMul", x, self.w.add(f"{name}.weight", w_cat.T))  # [in, out]
+        packed = self._pack(parts, spec, weights)
+        ins = [x, self.w.add(f"{name}.qweight", packed.b), self.w.add(f"{name}.scales", packed.scales)]
+        if packed.zero_points is not None:
+            ins.append(self.w.add(f"{name}.zero_points", packed.zero_points))
+        return self.g.op("MatMulNBits", *ins, domain="com.microsoft", K=packed.k, N=packed.n, bits=packed.bits,
+                         block_size=packed.block, accuracy_level=spec.accuracy_level)
+
+    def _pack(self, parts: list[str], spec: QuantSpec, weights: np.ndarray | None) -> Packed:
+        if weights is None and spec.symmetric and spec.block == 32:
+            raws = [self.src.raw(p) for p in parts]
+            if all(r is not None and GGUF_REPACKABLE.get(r[0], (0, 0, 0))[2] == spec.bits for r in raws):
+                d = self.src.config.dims
+                k = d.ffn if parts[0].endswith(".down") else d.n_heads * d.head_dim if parts[0].endswith(".o") else d.hidden
+                self.repacked += 1
+                return concat_rows([repack_gguf(t, rows, k) for t, rows in raws])
+        w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
+        packed = quantize(w_cat, spec)
+        self.requantized += 1
+        d = rel_rms_error(w_cat, packed)
+        n2 = float((w_cat.astype(np.float64) ** 2).sum())
+        self._err_num += d * d * n2
+        self._err_den += n2
+        self._worst = max(self._worst, d)
+        return packed
+
+    def report(self) -> dict:
+        if not self.fmt.quantized:
+            return {}
+        err = (self._err_num / self._err_den) ** 0.5 if self._err_den else 0.0
+        lm = self.fmt.lm_head_spec()
+        return {"format": "MatMulNBits", "bits": int(self.fmt.name[3:]), "block": self.fmt.block,
+                "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,
+                "lm_head": f"int{lm.bits}" if lm else "fp32", "embedding": self.fmt.embedding,
+                "repacked_from_gguf": self.repacked, "requantized": self.requantized,
+                "requant_weight_rel_rms_error": round(err, 5), "requant_weight_rel_rms_error_max": round(self._worst, 5)}
+
+
 def build_model_graph(
     src: WeightSource,
     out_dir: Path,
     graph_name: str,
     progress: Callable[[str], None] | None = None,
-) -> tuple[Path, Path]:
-    """Write ``<graph_name>.onnx`` + ``<graph_name>.onnx.data`` into out_dir."""
+    fmt: WeightFormat = WeightFormat(),
+) -> tuple[Path, Path, dict]:
+    """Write ``<graph_name>.onnx`` + ``<graph_name>.onnx.data`` into out_dir; returns their paths and the
+    quantization report (empty for fp32)."""
     cfg: ModelConfig = src.config
     d = cfg.dims
     H, D, Hq, Hkv = d.hidden, d.head_dim, d.n_heads, d.n_kv_heads
@@ -105,6 +165,7 @@ def build_model_graph(
     w = ExternalWeights(data_path)
     g = _Graph()
     say = progress or (lambda s: None)
+    linear = _Linears(g, w, src, fmt)
 
     # ---- shared prologue: masks and RoPE tables -----------------------------
     i64 = np.int64
@@ -141,8 +202,15 @@ def build_model_graph(
         return g.op("Mul", g.op("Div", x, std), weight)
 
     say("embeddings")
-    embed = w.add("embed.weight", src.get("embed"))  # [V, H]
-    x = g.op("Gather", embed, "input_ids", axis=0)  # [B, T, H]
+    embed_f32 = src.get("embed")  # [V, H]
+    if fmt.quantized and fmt.embedding == "fp16":  # fp16 table, one row gathered per token, then widened
+        embed = w.add("embed.weight_fp16", embed_f32.astype(np.float16))
+        x = g.op("Cast", g.op("Gather", embed, "input_ids", axis=0), to=TensorProto.FLOAT)  # [B, T, H]
+    else:
+        embed = w.add("embed.weight", embed_f32)
+        x = g.op("Gather", embed, "input_ids", axis=0)  # [B, T, H]
+    if not cfg.tie_embeddings or not fmt.quantized:
+        del embed_f32
     scale = g.const(1.0 / np.sqrt(D), np.float32)
     qkv_split = g.const([Hq * D, Hkv * D, Hkv * D])
     gu_split = g.const([d.ffn, d.ffn])
@@ -150,11 +218,8 @@ def build_model_graph(
     for i in range(d.n_layers):
         say(f"layer {i + 1}/{d.n_layers}")
         p = f"layers.{i}"
-        # fused q|k|v projection: [H, (Hq + 2 Hkv) D]
-        wqkv = np.concatenate([src.get(f"l{i}.q"), src.get(f"l{i}.k"), src.get(f"l{i}.v")], axis=0).T
         h = rmsnorm(x, w.add(f"{p}.attn_norm.weight", src.get(f"l{i}.attn_norm")))
-        qkv = g.op("MatMul", h, w.add(f"{p}.attn.qkv.weight", wqkv))  # [B, T, (Hq+2Hkv) D]
-        del wqkv
+        qkv = linear(h, f"{p}.attn.qkv", [f"l{i}.q", f"l{i}.k", f"l{i}.v"])  # fused: [B, T, (Hq+2Hkv) D]
         if cfg.family.qkv_bias:
             bias = np.concatenate([src.get(f"l{i}.q_bias"), src.get(f"l{i}.k_bias"), src.get(f"l{i}.v_bias")])
             qkv = g.op("Add", qkv, w.add(f"{p}.attn.qkv.bias", bias))
@@ -181,22 +246,25 @@ def build_model_graph(
         attn = g.op("Add", g.op("MatMul", p_past, v_past),
                     g.op("MatMul", p_new, g.op("Unsqueeze", v_new, g.const([2]))))  # [B, Hkv, G, T, D]
         attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 3, 1, 2, 4]), g.const([0, 0, Hq * D]))
-        x = g.op("Add", x, g.op("MatMul", attn, w.add(f"{p}.attn.o.weight", src.get(f"l{i}.o").T)))
+        x = g.op("Add", x, linear(attn, f"{p}.attn.o", [f"l{i}.o"]))
 
         h = rmsnorm(x, w.add(f"{p}.mlp_norm.weight", src.get(f"l{i}.mlp_norm")))
-        wgu = np.concatenate([src.get(f"l{i}.gate"), src.get(f"l{i}.up")], axis=0).T  # [H, 2 F]
-        gate, up = g.op("Split", g.op("MatMul", h, w.add(f"{p}.mlp.gate_up.weight", wgu)), gu_split,
-                        axis=-1, n_out=2)
-        del wgu
+        gate, up = g.op("Split", linear(h, f"{p}.mlp.gate_up", [f"l{i}.gate", f"l{i}.up"]), gu_split,
+                        axis=-1, n_out=2)  # fused: [B, T, 2 F]
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # silu(gate) * up
-        x = g.op("Add", x, g.op("MatMul", act, w.add(f"{p}.mlp.down.weight", src.get(f"l{i}.down").T)))
+        x = g.op("Add", x, linear(act, f"{p}.mlp.down", [f"l{i}.down"]))
 
     say("lm_head")
     x = rmsnorm(x, w.add("final_norm.weight", src.get("final_norm")))
     picked = g.op("GatherND", x, g.op("Unsqueeze", "logits_at", g.const([2])), batch_dims=1)  # [B, L, H]
-    lm_head = embed if cfg.tie_embeddings else w.add("lm_head.weight", src.get("lm_head"))  # [V, H]
     flat = g.op("Reshape", picked, g.const([-1, H]))
-    logits = g.op("Gemm", flat, lm_head, transB=1)  # [B*L, V]
+    head_spec = fmt.lm_head_spec()
+    if head_spec is None and (not cfg.tie_embeddings or not fmt.quantized):  # fp32, tied: one shared initializer
+        lm_head = embed if cfg.tie_embeddings else w.add("lm_head.weight", src.get("lm_head"))  # [V, H]
+        logits = g.op("Gemm", flat, lm_head, transB=1)  # [B*L, V]
+    else:
+        tied = embed_f32 if cfg.tie_embeddings else None
+        logits = linear(flat, "lm_head", ["lm_head"], spec=head_spec, weights=tied)  # [B*L, V]
     out_shape = g.op("Concat", g.op("Shape", "logits_at"), g.const([d.vocab]), axis=0)
     g.nodes.append(helper.make_node("Reshape", [logits, out_shape], ["logits"]))
     w.close()
@@ -207,9 +275,11 @@ def build_model_graph(
         g.nodes, graph_name, [vi(s) for s in inputs], [vi(s) for s in outputs],
         initializer=g.consts + w.initializers,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
-                              producer_name="specedge")
+    opsets = [helper.make_opsetid("", ONNX_OPSET)]
+    if fmt.quantized:
+        opsets.append(helper.make_opsetid("com.microsoft", 1))  # MatMulNBits
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="specedge")
     model.ir_version = 8  # readable by ONNX Runtime >= 1.14 and TensorRT 10.x
     onnx.save_model(model, str(onnx_path))
     onnx.checker.check_model(str(onnx_path))
-    return onnx_path, data_path
+    return onnx_path, data_path, linear.report()

@@ -32,6 +32,12 @@ class WeightSource:
     _names: frozenset[str]
     rope_freq_factors: np.ndarray | None = None
     meta: dict[str, Any] | None = None
+    _raw: Callable[[str], tuple[str, np.ndarray]] | None = None
+
+    def raw(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(GGUF type name, uint8 rows [out, row bytes]) for a block-quantized GGUF tensor in the
+        [out, in] orientation (llama Q/K rows already un-permuted); None for float sources."""
+        return self._raw(name) if self._raw is not None and name in self._names else None
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -233,6 +239,15 @@ def load_gguf(path: Path) -> WeightSource:
             w = unpermute_qk(w, n_heads if name.endswith(".q") else n_kv)
         return w
 
+    def raw(name: str) -> tuple[str, np.ndarray] | None:
+        t = index[name]
+        if t.tensor_type.name in ("F32", "F16", "BF16") or len(t.shape) != 2:
+            return None
+        rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # [out, bytes per row]
+        if family.gguf_permute_qk and name.endswith((".q", ".k")):
+            rows = unpermute_qk(rows, n_heads if name.endswith(".q") else n_kv)
+        return t.tensor_type.name, rows
+
     types = sorted({t.tensor_type.name for t in reader.tensors})
     return WeightSource(config, path, "gguf", get, frozenset(index), rope_freq_factors=factors,
-                        meta={"architecture": arch, "tensor_types": types})
+                        meta={"architecture": arch, "tensor_types": types}, _raw=raw)

@@ -78,6 +78,7 @@ class ModelEntry:
     precision: str
     widths: tuple[Width, ...]
     source: dict[str, Any] = field(default_factory=dict)
+    quant: dict[str, Any] = field(default_factory=dict)  # int8/int4: MatMulNBits settings and weight error
 
     def width_for(self, n_tokens: int) -> Width:
         """Smallest declared width with T >= n_tokens (prefill widths included)."""

@@ -26,7 +26,7 @@ def test_prefill_verify_decode_match_transformers(family, request, tmp_path):
     model_dir = request.getfixturevalue(family)
     src = load_source(model_dir)
     d = src.config.dims
-    path, _ = build_model_graph(src, tmp_path, "m")
+    path, _, _ = build_model_graph(src, tmp_path, "m")
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     ref = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     ids = torch.randint(0, d.vocab, (1, 14), generator=torch.Generator().manual_seed(3))
@@ -63,7 +63,7 @@ def test_prefill_verify_decode_match_transformers(family, request, tmp_path):
 def test_logits_at_selects_rows(tiny_llama, tmp_path):
     src = load_source(tiny_llama)
     d = src.config.dims
-    path, _ = build_model_graph(src, tmp_path, "m")
+    path, _, _ = build_model_graph(src, tmp_path, "m")
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     kv = {f"past_key_values.{i}.{k}": np.zeros((1, d.n_kv_heads, S_MAX, d.head_dim), np.float32)
           for i in range(d.n_layers) for k in ("key", "value")}

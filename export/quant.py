@@ -1,0 +1,211 @@
+"""Block quantization into ONNX Runtime's ``MatMulNBits`` layout, and exact GGUF re-packing.
+
+MatMulNBits (com.microsoft) computes ``Y = A @ dequant(B).T`` with, for output row n and
+input block j (``block`` consecutive input features):
+
+    dequant(B)[n, j*block + i] = (q[n, j, i] - zp[n, j]) * scales[n, j]
+
+* ``B`` uint8 [N, k_blocks, block*bits/8]; 4-bit values two per byte, element 2i in the low
+  nibble and 2i+1 in the high nibble.
+* ``scales`` float32 [N, k_blocks].
+* ``zero_points`` uint8, optional: absent means the midpoint 2^(bits-1) (8 or 128) — the
+  symmetric form. Present (asymmetric): [N, ceil(k_blocks/2)] packed like B for 4 bits,
+  [N, k_blocks] for 8 bits. Float zero points are never produced: ONNX Runtime runs them on
+  a path 50-100x slower on CPU.
+
+K (input features) need not be a multiple of ``block``: the last block is zero-padded here
+and the op reads only K columns of A.
+
+GGUF Q4_0 (value = (q - 8) * d, 32 per block) and Q8_0 (value = q * d) are exactly this
+symmetric form with block 32, only with a different nibble order (Q4_0 holds elements i and
+i+16 in byte i) and a signed 8-bit q; :func:`repack_gguf` converts their bytes without
+touching a value. Every other GGUF type needs float zero points or nested scales and is
+dequantized, then re-quantized (:func:`quantize`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specedge.runtime.errors import UnsupportedModelError
+
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits: minimum compute precision; 4 = int8 compute (fast on CPU)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int  # 4 | 8
+    block: int = 32
+    symmetric: bool = True
+    accuracy_level: int = 4
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise UnsupportedModelError(f"MatMulNBits weights are 4 or 8 bits here, got {self.bits}")
+        if self.block < 16 or self.block & (self.block - 1):
+            raise UnsupportedModelError(f"quantization block size must be a power of two >= 16, got {self.block}")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise UnsupportedModelError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}")
+
+
+@dataclass
+class Packed:
+    """One weight matrix [N out, K in] in MatMulNBits form."""
+
+    b: np.ndarray  # uint8 [N, k_blocks, block * bits / 8]
+    scales: np.ndarray  # float32 [N, k_blocks]
+    zero_points: np.ndarray | None  # uint8, see module docstring; None = symmetric
+    k: int  # input features
+    bits: int
+    block: int
+
+    @property
+    def n(self) -> int:
+        return self.b.shape[0]
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 [..., 2m] values < 16 -> [..., m]: element 2i low nibble, 2i+1 high nibble."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _unpack_nibbles(b: np.ndarray) -> np.ndarray:
+    out = np.empty((*b.shape[:-1], b.shape[-1] * 2), dtype=np.uint8)
+    out[..., 0::2], out[..., 1::2] = b & 0x0F, b >> 4
+    return out
+
+
+def quantize(w: np.ndarray, spec: QuantSpec) -> Packed:
+    """Round-to-nearest block quantization of w [N out, K in] (float32).
+
+    Symmetric: the value of largest magnitude m maps to the lowest level (scale = m / -2^(bits-1),
+    the Q4_0 rule), so the full range of levels is used. Asymmetric: min and max of the block map
+    to 0 and 2^bits - 1 with an integer zero point.
+    """
+    N, K = w.shape
+    kb = -(-K // spec.block)
+    x = np.zeros((N, kb * spec.block), dtype=np.float32)
+    x[:, :K] = w
+    x = x.reshape(N, kb, spec.block)  # [N, k_blocks, block]
+    qmax, mid = (1 << spec.bits) - 1, 1 << (spec.bits - 1)
+    if spec.symmetric:
+        idx = np.abs(x).argmax(axis=-1)[..., None]
+        extreme = np.take_along_axis(x, idx, axis=-1)[..., 0]  # [N, k_blocks], signed
+        scales = extreme / -mid
+        zp = np.full(scales.shape, mid, dtype=np.float32)
+    else:
+        lo, hi = np.minimum(x.min(axis=-1), 0.0), np.maximum(x.max(axis=-1), 0.0)  # 0 stays exact
+        scales = (hi - lo) / qmax
+        safe = np.where(scales == 0, 1.0, scales)
+        zp = np.clip(np.round(-lo / safe), 0, qmax)
+    safe = np.where(scales == 0, 1.0, scales).astype(np.float32)
+    q = np.clip(np.round(x / safe[..., None]) + zp[..., None], 0, qmax).astype(np.uint8)
+    b = _pack_nibbles(q) if spec.bits == 4 else q
+    zero_points = None
+    if not spec.symmetric:
+        zq = zp.astype(np.uint8)
+        if spec.bits == 4:
+            zq = _pack_nibbles(np.pad(zq, ((0, 0), (0, kb % 2))))
+        zero_points = np.ascontiguousarray(zq)
+    return Packed(np.ascontiguousarray(b), scales.astype(np.float32), zero_points, K, spec.bits, spec.block)
+
+
+def dequantize(p: Packed) -> np.ndarray:
+    """Packed -> float32 [N, K]: the reference for what MatMulNBits computes."""
+    q = (_unpack_nibbles(p.b) if p.bits == 4 else p.b).astype(np.float32)  # [N, k_blocks, block]
+    kb = q.shape[1]
+    if p.zero_points is None:
+        zp = np.full((p.n, kb), 1 << (p.bits - 1), dtype=np.float32)
+    else:
+        zp = (_unpack_nibbles(p.zero_points)[:, :kb] if p.bits == 4 else p.zero_points).astype(np.float32)
+    w = (q - zp[..., None]) * p.scales[..., None]
+    return w.reshape(p.n, -1)[:, : p.k]
+
+
+# GGUF block layouts: (elements per block, bytes per block)
+GGUF_REPACKABLE = {"Q4_0": (32, 18, 4), "Q8_0": (32, 34, 8)}  # type -> (block, bytes, bits)
+
+
+def repack_gguf(type_name: str, raw: np.ndarray, k: int) -> Packed:
+    """GGUF Q4_0 / Q8_0 rows (uint8 [N, row bytes], K = k inputs per row) -> Packed, bit-exact."""
+    if type_name not in GGUF_REPACKABLE:
+        raise UnsupportedModelError(f"GGUF {type_name} has no exact MatMulNBits form; only {sorted(GGUF_REPACKABLE)}")
+    block, nbytes, bits = GGUF_REPACKABLE[type_name]
+    if k % block:
+        raise UnsupportedModelError(f"GGUF {type_name} row of {k} values is not a whole number of blocks")
+    kb = k // block
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], kb, nbytes)  # [N, k_blocks, bytes]
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, k_blocks]
+    qs = blocks[..., 2:]
+    if bits == 4:
+        # GGUF: byte i holds element i (low) and i+16 (high); MatMulNBits: elements 2i, 2i+1
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, k_blocks, 32] in element order
+        b = _pack_nibbles(q)
+    else:
+        b = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # signed q -> q + 128
+    return Packed(np.ascontiguousarray(b), scales, None, k, bits, block)
+
+
+def concat_rows(parts: list[Packed]) -> Packed:
+    """Stack matrices along N (fused q|k|v, gate|up); all must share K, bits, block and symmetry."""
+    p0 = parts[0]
+    if any((p.k, p.bits, p.block, p.zero_points is None) != (p0.k, p0.bits, p0.block, p0.zero_points is None)
+           for p in parts):
+        raise ValueError("concat_rows needs parts with the same K, bits, block and symmetry")
+    zps = None if p0.zero_points is None else np.concatenate([p.zero_points for p in parts])
+    return Packed(np.concatenate([p.b for p in parts]), np.concatenate([p.scales for p in parts]), zps,
+                  p0.k, p0.bits, p0.block)
+
+
+def rel_rms_error(w: np.ndarray, p: Packed) -> float:
+    """||dequant(p) - w|| / ||w||: what quantization moved the weights by."""
+    d = dequantize(p) - w
+    return float(np.sqrt((d * d).sum() / max((w * w).sum(), 1e-30)))
+
+
+WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How one model's weights are stored in its graph (``--weights`` / ``--draft-weights``).
+
+    fp32: plain MatMul. int8 / int4: every linear layer is a MatMulNBits; the lm_head is int8
+    unless ``lm_head`` says otherwise (it is the largest matrix, and its error goes straight into
+    the logits the acceptance rule compares); the embedding table is stored fp16 and gathered
+    row by row (a lookup reads one row per token, so it costs memory, not bandwidth).
+    """
+
+    name: str = "fp32"
+    block: int = 32
+    symmetric: bool = True
+    accuracy_level: int = 4
+    lm_head: str = "auto"  # auto | fp32 | int8 | int4
+    embedding: str = "fp16"  # quantized formats: fp16 | fp32 gather table
+
+    def __post_init__(self) -> None:
+        if self.name not in WEIGHT_FORMATS:
+            raise UnsupportedModelError(f"--weights {self.name!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+        if self.name == "fp16":
+            raise UnsupportedModelError(
+                "--weights fp16 is not implemented: fp16 graphs belong to the TensorRT build (its own issue); "
+                "ONNX Runtime on CPU has no fast fp16 MatMul — use fp32, int8 or int4")
+        if self.lm_head not in ("auto", "fp32", "int8", "int4"):
+            raise UnsupportedModelError(f"lm_head format {self.lm_head!r}: choose auto, fp32, int8 or int4")
+        if self.embedding not in ("fp16", "fp32"):
+            raise UnsupportedModelError(f"embedding format {self.embedding!r}: choose fp16 or fp32")
+        if self.quantized:
+            QuantSpec(8, self.block, self.symmetric, self.accuracy_level)  # validates block and level
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in ("int8", "int4")
+
+    def linear_spec(self) -> QuantSpec | None:
+        return QuantSpec(int(self.name[3:]), self.block, self.symmetric, self.accuracy_level) if self.quantized else None
+
+    def lm_head_spec(self) -> QuantSpec | None:
+        name = ("int8" if self.quantized else "fp32") if self.lm_head == "auto" else self.lm_head
+        return None if name == "fp32" else QuantSpec(int(name[3:]), self.block, self.symmetric, self.accuracy_level)

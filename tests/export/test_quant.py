@@ -1,0 +1,79 @@
+"""MatMulNBits packing: quantization error bounds, exact GGUF re-packing, and ONNX Runtime agreement."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import onnxruntime as ort
+import pytest
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+from onnx import TensorProto, helper
+
+from specedge.export.quant import QuantSpec, concat_rows, dequantize, quantize, rel_rms_error, repack_gguf
+from specedge.runtime.errors import UnsupportedModelError
+
+Q = gguf.GGMLQuantizationType
+
+
+def _weights(n=24, k=80, seed=0):  # k=80: not a multiple of 32, exercises the padded last block
+    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True), (8, False)])
+def test_quantize_error_is_within_half_a_step(bits, symmetric):
+    w = _weights()
+    p = quantize(w, QuantSpec(bits, 32, symmetric))
+    step = np.repeat(np.abs(p.scales), 32, axis=1)[:, : w.shape[1]]
+    err = np.abs(dequantize(p) - w)
+    # round to nearest: half a step, except the symmetric form clips the top level (+7/+127 vs -8/-128)
+    bound = step * (1.0 if symmetric else 0.5) + 1e-6
+    assert (err <= bound).all()
+    assert rel_rms_error(w, p) < (0.12 if bits == 4 else 0.008)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+def test_gguf_blocks_repack_bit_exactly(qtype):
+    w = _weights(k=96)
+    raw = gguf_quantize(w, qtype)  # uint8 [N, row bytes]
+    p = repack_gguf(qtype.name, raw, 96)
+    np.testing.assert_array_equal(dequantize(p), gguf_dequantize(raw, qtype).reshape(w.shape))
+
+
+def test_other_gguf_types_are_not_repacked():
+    with pytest.raises(UnsupportedModelError, match="no exact MatMulNBits form"):
+        repack_gguf("Q4_1", np.zeros((2, 40), np.uint8), 64)
+
+
+def _matmulnbits(x: np.ndarray, p, accuracy_level: int) -> np.ndarray:
+    inits = [helper.make_tensor("B", TensorProto.UINT8, p.b.shape, p.b.tobytes(), raw=True),
+             helper.make_tensor("S", TensorProto.FLOAT, p.scales.shape, p.scales.tobytes(), raw=True)]
+    ins = ["A", "B", "S"]
+    if p.zero_points is not None:
+        inits.append(helper.make_tensor("Z", TensorProto.UINT8, p.zero_points.shape, p.zero_points.tobytes(), raw=True))
+        ins.append("Z")
+    node = helper.make_node("MatMulNBits", ins, ["Y"], domain="com.microsoft", K=p.k, N=p.n, bits=p.bits,
+                            block_size=p.block, accuracy_level=accuracy_level)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, x.shape)],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, (x.shape[0], p.n))], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 8
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, {"A": x})[0]
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True), (8, False)])
+def test_onnxruntime_matmulnbits_computes_our_dequantized_matmul(bits, symmetric):
+    w = _weights()
+    p = concat_rows([quantize(w[:10], QuantSpec(bits, 32, symmetric)), quantize(w[10:], QuantSpec(bits, 32, symmetric))])
+    x = np.random.default_rng(1).standard_normal((3, w.shape[1])).astype(np.float32)
+    ref = x @ dequantize(p).T
+    np.testing.assert_allclose(_matmulnbits(x, p, accuracy_level=0), ref, rtol=1e-4, atol=1e-4)
+    # accuracy_level 4 quantizes the activations to int8 per block: close, not exact
+    fast = _matmulnbits(x, p, accuracy_level=4)
+    assert np.abs(fast - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_bad_specs_are_refused():
+    for kw in ({"bits": 3}, {"bits": 4, "block": 24}, {"bits": 4, "accuracy_level": 7}):
+        with pytest.raises(UnsupportedModelError):
+            QuantSpec(**kw)

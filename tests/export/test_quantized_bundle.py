@@ -1,0 +1,95 @@
+"""int8/int4 bundles: they export, load and generate; GGUF Q4_0/Q8_0 are re-packed, not re-quantized;
+speculative greedy equals plain greedy within a format; unsupported combinations are refused."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.export.quant import WeightFormat
+from specedge.runtime import SamplingParams, SpecDecoder
+from specedge.runtime.errors import UnsupportedModelError
+
+from ..runtime.test_decoder import greedy_mismatch
+from .test_gguf import write_tiny_gguf
+
+Q = gguf.GGMLQuantizationType
+ALL_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
+PROMPTS = ["def fib(n):", "hello world hello world hello", "the cat sat on the"]
+# accuracy_level 4 rounds activations to int8 per block, so a 1e-7 difference between a verify pass and a
+# single step can move an activation by one rounding step and a logit by ~1e-2: near-ties at that scale
+ACT_ROUNDING_TIE = 0.05
+
+
+def _opts(fmt: str, **kw) -> ExportOptions:
+    return ExportOptions(k=4, max_context=128, prefill_chunk=16, verify_widths=(2, 3), weights=WeightFormat(fmt, **kw))
+
+
+def _logits(dec: SpecDecoder, ids: list[int]) -> np.ndarray:
+    ids = ids[:5]  # the widest all-logits width of these bundles is K+1 = 5
+    return np.array(dec.target.step(np.array(ids), 0, all_logits=True)[: len(ids)])
+
+
+@pytest.fixture(scope="module")
+def q_bundles(tiny_llama, tiny_draft, tmp_path_factory):
+    root = tmp_path_factory.mktemp("qb")
+    out = {"fp32": export_bundle(tiny_llama, tiny_draft, root / "fp32", _opts("fp32")).out}
+    for fmt in ("int8", "int4"):  # fp32 compute: exact to the fp32 near-tie rule
+        out[fmt] = export_bundle(tiny_llama, tiny_draft, root / fmt, _opts(fmt, accuracy_level=0)).out
+    out["int4-asym"] = export_bundle(tiny_llama, tiny_draft, root / "int4a",
+                                     _opts("int4", symmetric=False, accuracy_level=0)).out
+    out["int4-fast"] = export_bundle(tiny_llama, tiny_draft, root / "int4f", _opts("int4", accuracy_level=4)).out
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-asym", "int4-fast"])
+def test_quantized_bundle_generates_and_speculation_is_exact(q_bundles, fmt):
+    dec = SpecDecoder.load(q_bundles[fmt])
+    assert dec.manifest.target.precision == fmt.split("-")[0]
+    assert dec.manifest.target.quant["requantized"] > 0
+    ref = SpecDecoder.load(q_bundles["fp32"])
+    ids = ref.encode_prompt(PROMPTS[0])
+    a, b = _logits(ref, ids), _logits(dec, ids)
+    rel = np.abs(a - b).max() / np.abs(a).max()
+    # Quantization moves logits, boundedly; int4 on this random tiny model moves them a lot (~0.5 of the
+    # largest logit), so its bound only catches wiring errors — the exact wiring check is the GGUF re-pack test.
+    assert rel < (0.05 if fmt == "int8" else 1.0), rel
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    tie = ACT_ROUNDING_TIE if dec.manifest.target.quant["accuracy_level"] == 4 else 1e-4
+    near_ties = 0
+    for prompt in PROMPTS:
+        plain = dec.generate(prompt, params, drafter="none").token_ids
+        for drafter in ("model", "prompt-lookup"):
+            for k in (1, 2, 4):
+                near_ties += greedy_mismatch(dec, prompt, dec.generate(prompt, params, drafter=drafter, k=k).token_ids,
+                                             plain, tie)
+    print(f"{fmt}: {near_ties}/18 generations differ from plain at a near-tie (< {tie})")
+    assert near_ties <= (9 if tie > 1e-4 else 1)
+
+
+@pytest.mark.parametrize("qtype,fmt", [(Q.Q4_0, "int4"), (Q.Q8_0, "int8")])
+def test_gguf_blocks_are_repacked_exactly(tiny_llama, tmp_path, qtype, fmt):
+    gg = tmp_path / "m.gguf"
+    write_tiny_gguf(tiny_llama, gg, {name: qtype for name in ALL_LINEAR})
+    fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts("fp32")).out)
+    q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "q", _opts(fmt, accuracy_level=0)).out)
+    info = q.manifest.target.quant
+    head_repacked = int(fmt == "int8")  # the lm_head is int8: a Q8_0 output matrix is re-packed too
+    assert info["repacked_from_gguf"] == 2 * 4 + head_repacked  # qkv, o, gate_up, down per layer (+ lm_head)
+    assert info["lm_head"] == "int8" and info["requantized"] == 1 - head_repacked
+    ids = fp32.encode_prompt(PROMPTS[1])
+    # same weights bit for bit (fp32 lm_head and embedding table, fp32 compute): only summation order differs
+    lm = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "q2",
+                                        _opts(fmt, accuracy_level=0, lm_head="fp32", embedding="fp32")).out)
+    np.testing.assert_allclose(_logits(lm, ids), _logits(fp32, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_formats_are_refused(tiny_llama, tmp_path):
+    with pytest.raises(UnsupportedModelError, match="fp16 is not implemented"):
+        WeightFormat("fp16")
+    with pytest.raises(UnsupportedModelError, match="block size"):
+        WeightFormat("int4", block=24)
+    with pytest.raises(UnsupportedModelError, match="choose one of"):
+        WeightFormat("int3")
