@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
+    KV_MODES,
     Manifest, ModelEntry, model_widths, sha256_file, write_manifest,
 )
 
@@ -39,6 +40,7 @@ class ExportOptions:
     verify_widths: tuple[int, ...] = ()  # extra verify widths 2..K (K+1 is always there)
     weights: WeightFormat = WeightFormat()  # target
     draft_weights: WeightFormat | None = None  # None: same as the target
+    kv_mode: str = "portable"  # portable (every backend) | ort-inplace (ONNX Runtime GroupQueryAttention)
     overwrite: bool = False
     cache_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -52,6 +54,8 @@ class ExportOptions:
             raise BundleError(
                 f"--max-context {self.max_context} is too small for prefill chunk {self.prefill_chunk} + "
                 f"verify width K+1 {self.k + 1}: it must be at least {self.prefill_chunk + self.k + 1}")
+        if self.kv_mode not in KV_MODES:
+            raise BundleError(f"--kv-mode {self.kv_mode!r}: choose one of {', '.join(KV_MODES)}")
         bad = [t for t in self.verify_widths if not 2 <= t <= self.k + 1]
         if bad:
             raise BundleError(f"--verify-widths {bad} out of range: each must be in 2..K+1={self.k + 1}")
@@ -113,7 +117,7 @@ def export_bundle(target: str | Path, draft: str | Path, out: str | Path, opts: 
             drafter="model" if dsrc is not None else draft,
             drafter_params=({"ngram_max": opts.lookup_ngram_max, "ngram_min": opts.lookup_ngram_min}
                             if draft == "prompt-lookup" else {}),
-            tokenizer=tok, files=files, created_by=f"specedge {__version__}",
+            tokenizer=tok, files=files, created_by=f"specedge {__version__}", kv_mode=opts.kv_mode,
         )
         write_manifest(tmp, manifest)
         tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary directory
@@ -133,6 +137,11 @@ def _dims_str(src: WeightSource) -> str:
 
 
 def _check_supported(role: str, src: WeightSource, opts: ExportOptions) -> None:
+    D = src.config.dims.head_dim
+    if opts.kv_mode == "ort-inplace" and D % 16:
+        raise UnsupportedModelError(
+            f"{role} has head_dim {D}; ONNX Runtime's GroupQueryAttention (--kv-mode ort-inplace) needs a multiple "
+            f"of 16: export with --kv-mode portable")
     sw = src.config.sliding_window
     if sw is not None and sw < opts.max_context:
         raise UnsupportedModelError(
@@ -144,7 +153,8 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
                   say: Callable[[str], None]) -> ModelEntry:
     t0 = time.perf_counter()
     fmt = opts.weights if role == "target" or opts.draft_weights is None else opts.draft_weights
-    onnx_path, data_path, quant = build_model_graph(src, tmp, role, progress=lambda s: say(f"  {role}: {s}"), fmt=fmt)
+    onnx_path, data_path, quant = build_model_graph(src, tmp, role, progress=lambda s: say(f"  {role}: {s}"), fmt=fmt,
+                                                    kv_mode=opts.kv_mode, max_positions=opts.max_context)
     if quant:
         say(f"  {role}: {fmt.name}: {quant['repacked_from_gguf']} matrices re-packed from GGUF blocks, "
             f"{quant['requantized']} re-quantized (weight rel. RMS error {quant['requant_weight_rel_rms_error']:.4f})")

@@ -68,11 +68,14 @@ def fetch(name: str, cache_dir: str | None) -> None:
               help="MatMulNBits accuracy_level: 4 = int8 compute (the fast CPU path), 0 = fp32 compute.")
 @click.option("--lm-head", type=click.Choice(["auto", "fp32", "int8", "int4"]), default="auto", show_default=True,
               help="lm_head format for int8/int4 bundles (auto: int8).")
+@click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
+              help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
+                   "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
 def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weights: str, draft_weights: str | None,
-           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, max_context: int, prefill_chunk: int, ngram_max: int, out: str,
+           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, kv_mode: str, max_context: int, prefill_chunk: int, ngram_max: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
@@ -80,7 +83,7 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weig
 
     try:
         fmt = lambda name: WeightFormat(name, quant_block, not asymmetric, accuracy_level, lm_head)  # noqa: E731
-        opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights),
+        opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights), kv_mode=kv_mode,
                              draft_weights=fmt(draft_weights) if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max,
                              overwrite=overwrite, cache_dir=cache_dir)
         rep = export_bundle(target, draft, out, opts, progress=_say)

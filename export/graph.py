@@ -4,14 +4,13 @@ The graph follows the contract in ``specedge.runtime.manifest.io_spec``:
 
     input_ids [B, T] int64, past_len [B] int64, logits_at [B, L] int64,
     past_key_values.{i}.key|value [B, H_kv, S_max, D]
-    -> logits [B, L, V], present.{i}.key|value [B, H_kv, T, D]  (only the T new rows)
+    -> logits [B, L, V], present.{i}.key|value [B, H_kv, T, D]  (portable: only the T new rows)
+                         or [B, H_kv, S_max, D] (ort-inplace: the cache buffer itself)
 
 Query t attends to cached positions < past_len and new positions <= t; RoPE at
-past_len + t. The cache is never concatenated with the new rows: scores against
-the cache [.., T, S_max] and against the new rows [.., T, T] are computed
-separately, joined for one softmax, and split again, so no step copies the
-cache. GQA is expressed with a group axis G = n_heads / n_kv_heads that
-broadcasts against the kv-head axis, so the cache is never repeated either.
+past_len + t. How attention is expressed depends on the KV mode (``attention.py``).
+Linear layers are fp32 MatMuls or MatMulNBits (int8/int4, ``quant.py``), fused as
+q|k|v and gate|up.
 
 Weights are streamed, one tensor at a time, into a single external-data file
 (64-byte aligned), so export peak memory is about one tensor plus the
@@ -27,8 +26,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from specedge.runtime.errors import UnsupportedModelError
 from specedge.runtime.manifest import ONNX_OPSET, io_spec
 
+from .attention import KV_MODES, InplaceGqaAttention, PortableAttention
 from .families import ModelConfig
 from .loaders import WeightSource
 from .quant import GGUF_REPACKABLE, Packed, QuantSpec, WeightFormat, concat_rows, quantize, rel_rms_error, repack_gguf
@@ -153,13 +154,14 @@ def build_model_graph(
     graph_name: str,
     progress: Callable[[str], None] | None = None,
     fmt: WeightFormat = WeightFormat(),
+    kv_mode: str = "portable",
+    max_positions: int = 2048,
 ) -> tuple[Path, Path, dict]:
     """Write ``<graph_name>.onnx`` + ``<graph_name>.onnx.data`` into out_dir; returns their paths and the
     quantization report (empty for fp32)."""
     cfg: ModelConfig = src.config
     d = cfg.dims
-    H, D, Hq, Hkv = d.hidden, d.head_dim, d.n_heads, d.n_kv_heads
-    G = Hq // Hkv
+    H = d.hidden
     onnx_path = Path(out_dir) / f"{graph_name}.onnx"
     data_path = Path(out_dir) / f"{graph_name}.onnx.data"
     w = ExternalWeights(data_path)
@@ -167,33 +169,13 @@ def build_model_graph(
     say = progress or (lambda s: None)
     linear = _Linears(g, w, src, fmt)
 
-    # ---- shared prologue: masks and RoPE tables -----------------------------
-    i64 = np.int64
-    shape_ids = g.op("Shape", "input_ids")  # [B, T]
-    T = g.op("Gather", shape_ids, g.const(1), axis=0)  # scalar
-    S = g.op("Gather", g.op("Shape", "past_key_values.0.key"), g.const(2), axis=0)  # scalar S_max
-    ar_T = g.op("Range", g.const(0), T, g.const(1))  # [T]
-    ar_S = g.op("Range", g.const(0), S, g.const(1))  # [S_max]
-    past_col = g.op("Unsqueeze", "past_len", g.const([1]))  # [B, 1]
-    mask_past = g.op("Less", g.op("Unsqueeze", ar_S, g.const([0])), past_col)  # [B, S_max]
-    mask_past = g.op("Unsqueeze", mask_past, g.const([1, 2, 3]))  # [B, 1, 1, 1, S_max]
-    mask_new = g.op("LessOrEqual", g.op("Unsqueeze", ar_T, g.const([0])), g.op("Unsqueeze", ar_T, g.const([1])))
-    mask_new = g.op("Unsqueeze", mask_new, g.const([0, 1, 2]))  # [1, 1, 1, T, T]  (col j <= row t)
-    neg_inf = g.const(-np.inf, np.float32)
-
-    positions = g.op("Add", past_col, g.op("Unsqueeze", ar_T, g.const([0])))  # [B, T]
-    pos_f = g.op("Unsqueeze", g.op("Cast", positions, to=TensorProto.FLOAT), g.const([2]))  # [B, T, 1]
-    inv_freq = w.add("rope.inv_freq", cfg.inv_freq(src.rope_freq_factors))  # [D/2]
-    freqs = g.op("Mul", pos_f, inv_freq)  # [B, T, D/2]
-    emb = g.op("Concat", freqs, freqs, axis=-1)  # [B, T, D]
-    cos = g.op("Unsqueeze", g.op("Cos", emb), g.const([2]))  # [B, T, 1, D]
-    sin = g.op("Unsqueeze", g.op("Sin", emb), g.const([2]))
-    half = g.const([D // 2, D // 2])
-
-    def rope(x: str) -> str:  # x [B, T, heads, D], rotate-half convention
-        x1, x2 = g.op("Split", x, half, axis=-1, n_out=2)
-        rot = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
-        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
+    inv_freq = cfg.inv_freq(src.rope_freq_factors)  # [D/2]
+    if kv_mode == "portable":
+        attention = PortableAttention(g, w, cfg, inv_freq)
+    elif kv_mode == "ort-inplace":
+        attention = InplaceGqaAttention(g, w, cfg, inv_freq, max_positions)
+    else:
+        raise UnsupportedModelError(f"kv mode {kv_mode!r}: choose one of {', '.join(KV_MODES)}")
 
     def rmsnorm(x: str, weight: str) -> str:
         # Pow -> ReduceMean -> Add -> Sqrt -> Div: the pattern ONNX Runtime fuses into SimplifiedLayerNormalization
@@ -211,8 +193,6 @@ def build_model_graph(
         x = g.op("Gather", embed, "input_ids", axis=0)  # [B, T, H]
     if not cfg.tie_embeddings or not fmt.quantized:
         del embed_f32
-    scale = g.const(1.0 / np.sqrt(D), np.float32)
-    qkv_split = g.const([Hq * D, Hkv * D, Hkv * D])
     gu_split = g.const([d.ffn, d.ffn])
 
     for i in range(d.n_layers):
@@ -223,29 +203,7 @@ def build_model_graph(
         if cfg.family.qkv_bias:
             bias = np.concatenate([src.get(f"l{i}.q_bias"), src.get(f"l{i}.k_bias"), src.get(f"l{i}.v_bias")])
             qkv = g.op("Add", qkv, w.add(f"{p}.attn.qkv.bias", bias))
-        q, k, v = g.op("Split", qkv, qkv_split, axis=-1, n_out=3)
-        q = rope(g.op("Reshape", q, g.const([0, 0, Hq, D])))  # [B, T, Hq, D]
-        k = rope(g.op("Reshape", k, g.const([0, 0, Hkv, D])))  # [B, T, Hkv, D]
-        v = g.op("Reshape", v, g.const([0, 0, Hkv, D]))
-        k_new = g.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
-        v_new = g.op("Transpose", v, perm=[0, 2, 1, 3])
-        g.nodes.append(helper.make_node("Identity", [k_new], [f"present.{i}.key"]))
-        g.nodes.append(helper.make_node("Identity", [v_new], [f"present.{i}.value"]))
-
-        q = g.op("Reshape", q, g.const([0, 0, Hkv, G, D]))
-        q = g.op("Mul", g.op("Transpose", q, perm=[0, 2, 3, 1, 4]), scale)  # [B, Hkv, G, T, D]
-        k_past = g.op("Unsqueeze", f"past_key_values.{i}.key", g.const([2]))  # [B, Hkv, 1, S_max, D]
-        v_past = g.op("Unsqueeze", f"past_key_values.{i}.value", g.const([2]))
-        s_past = g.op("MatMul", q, g.op("Transpose", k_past, perm=[0, 1, 2, 4, 3]))  # [B, Hkv, G, T, S_max]
-        s_new = g.op("MatMul", q, g.op("Unsqueeze", g.op("Transpose", k, perm=[0, 2, 3, 1]), g.const([2])))
-        s_past = g.op("Where", mask_past, s_past, neg_inf)
-        s_new = g.op("Where", mask_new, s_new, neg_inf)  # [B, Hkv, G, T, T]
-        probs = g.op("Softmax", g.op("Concat", s_past, s_new, axis=-1), axis=-1)
-        p_past, p_new = g.op("Split", probs, g.op("Concat", g.op("Unsqueeze", S, g.const([0])),
-                                                   g.op("Unsqueeze", T, g.const([0])), axis=0), axis=-1, n_out=2)
-        attn = g.op("Add", g.op("MatMul", p_past, v_past),
-                    g.op("MatMul", p_new, g.op("Unsqueeze", v_new, g.const([2]))))  # [B, Hkv, G, T, D]
-        attn = g.op("Reshape", g.op("Transpose", attn, perm=[0, 3, 1, 2, 4]), g.const([0, 0, Hq * D]))
+        attn = attention(i, qkv)  # [B, T, Hq D]; writes present.{i}.*
         x = g.op("Add", x, linear(attn, f"{p}.attn.o", [f"l{i}.o"]))
 
         h = rmsnorm(x, w.add(f"{p}.mlp_norm.weight", src.get(f"l{i}.mlp_norm")))
@@ -269,15 +227,15 @@ def build_model_graph(
     g.nodes.append(helper.make_node("Reshape", [logits, out_shape], ["logits"]))
     w.close()
 
-    inputs, outputs = io_spec(d)
+    inputs, outputs = io_spec(d, kv_mode)
     vi = lambda s: helper.make_tensor_value_info(s.name, _NP_TO_ONNX[s.dtype], list(s.shape))  # noqa: E731
     graph = helper.make_graph(
         g.nodes, graph_name, [vi(s) for s in inputs], [vi(s) for s in outputs],
         initializer=g.consts + w.initializers,
     )
     opsets = [helper.make_opsetid("", ONNX_OPSET)]
-    if fmt.quantized:
-        opsets.append(helper.make_opsetid("com.microsoft", 1))  # MatMulNBits
+    if fmt.quantized or kv_mode != "portable":
+        opsets.append(helper.make_opsetid("com.microsoft", 1))  # MatMulNBits, GroupQueryAttention
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specedge")
     model.ir_version = 8  # readable by ONNX Runtime >= 1.14 and TensorRT 10.x
     onnx.save_model(model, str(onnx_path))

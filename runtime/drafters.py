@@ -161,9 +161,12 @@ def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: 
     """
     i, n = 0, len(tokens)
     logits = None
-    widths = sorted(w.T for w in runner.entry.widths)
+    all_widths = sorted(w.T for w in runner.entry.widths)
     while i < n:
         rem = n - i
+        # a runner that writes its padding rows into the cache can only use widths that end inside S_max
+        widths = [t for t in all_widths
+                  if not getattr(runner, "pads_into_cache", False) or past_len + i + t <= runner.max_context]
         fit = [t for t in widths if t >= rem]
         if rem >= prefill_chunk:
             take = prefill_chunk

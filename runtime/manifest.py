@@ -28,6 +28,7 @@ ROLE_PREFILL = "prefill"  # T = P, logits only at the last real position
 ROLE_VERIFY = "verify"  # T = K+1, logits at every position
 ROLE_DECODE = "decode"  # T = 1
 DRAFTER_KINDS = ("model", "prompt-lookup", "none")
+KV_MODES = ("portable", "ort-inplace")  # see specedge.export.attention
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,8 @@ class Manifest:
                 f"max_context S_max={self.max_context} is too small: it must hold at least "
                 f"P + K + 1 = {self.prefill_chunk} + {self.k} + 1 = {need} positions"
             )
+        if self.kv_mode not in KV_MODES:
+            raise BundleError(f"unknown kv_mode {self.kv_mode!r}; this specedge reads {', '.join(KV_MODES)}")
         if self.drafter not in DRAFTER_KINDS:
             raise BundleError(f"unknown drafter {self.drafter!r}; allowed: {', '.join(DRAFTER_KINDS)}")
         if (self.drafter == "model") != (self.draft is not None):
@@ -191,15 +194,20 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
     return tuple(sorted(by_t.values(), key=lambda w: w.T))
 
 
-def io_spec(dims: ModelDims) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs and outputs of one model graph (portable KV mode)."""
+def io_spec(dims: ModelDims, kv_mode: str = "portable") -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs and outputs of one model graph.
+
+    portable: ``present`` holds the T new rows, copied into the cache by the runtime.
+    ort-inplace: ``present`` is the cache itself (bound to the same buffer as ``past``).
+    """
     kv_in = [
         TensorSpec(f"past_key_values.{i}.{kind}", "float32", ("B", dims.n_kv_heads, "S_max", dims.head_dim))
         for i in range(dims.n_layers)
         for kind in ("key", "value")
     ]
     kv_out = [
-        TensorSpec(f"present.{i}.{kind}", "float32", ("B", dims.n_kv_heads, "T", dims.head_dim))
+        TensorSpec(f"present.{i}.{kind}", "float32",
+                   ("B", dims.n_kv_heads, "T" if kv_mode == "portable" else "S_max", dims.head_dim))
         for i in range(dims.n_layers)
         for kind in ("key", "value")
     ]

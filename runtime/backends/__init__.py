@@ -24,6 +24,7 @@ BACKENDS = ("auto", "ort-cpu", "ort-cuda", "trt")
 class GraphRunner(Protocol):
     entry: ModelEntry
     max_context: int
+    pads_into_cache: bool  # True: a step writes all T rows (padding too) at past_len, so past_len + T <= S_max
 
     def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
         """Run len(tokens) new tokens at positions past_len.. and write their KV rows there.

@@ -10,6 +10,10 @@ Buffer ownership (all allocated once, when the runner opens):
 
 A step fills ids and past_len, runs the bound graph, and copies the first n present rows into
 the cache at past_len (a numpy slice on CPU; one strided cudaMemcpy2D per tensor on GPU).
+
+In the ``ort-inplace`` KV mode the ``present.{i}.*`` outputs are bound to the cache tensors
+themselves: GroupQueryAttention writes all T rows (padding included) at past_len, so nothing is
+copied, and a width is usable only where past_len + T <= S_max (:attr:`pads_into_cache`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class OrtRunner:
         self.entry = manifest.models[role]
         self.max_context = manifest.max_context
         self.device = device
+        self.pads_into_cache = manifest.kv_mode == "ort-inplace"  # a step writes all T rows at past_len
         d = self.entry.dims
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -88,6 +93,19 @@ class OrtRunner:
         for name, val in zip(names, self._kv_values):
             io.bind_ortvalue_input(f"past_key_values.{name}", val)
         pshape = (1, d.n_kv_heads, w.T, d.head_dim)
+        if self.pads_into_cache:  # present IS the cache: same OrtValues as the past inputs
+            for name, val in zip(names, self._kv_values):
+                io.bind_ortvalue_output(f"present.{name}", val)
+            if self.device == "cpu":
+                logits = np.zeros((1, w.L, d.vocab), dtype=np.float32)
+                io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+                logits_dev = None
+            else:
+                logits = None
+                logits_dev = ort.OrtValue.ortvalue_from_shape_and_type((1, w.L, d.vocab), np.float32, "cuda", 0)
+                io.bind_ortvalue_output("logits", logits_dev)
+            self._keepalive = getattr(self, "_keepalive", []) + [host_inputs]
+            return _Bound(w, io, ids, past, at, logits, logits_dev, [])
         if self.device == "cpu":
             logits = np.zeros((1, w.L, d.vocab), dtype=np.float32)
             io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
@@ -106,18 +124,20 @@ class OrtRunner:
         self._keepalive = getattr(self, "_keepalive", []) + [host_inputs]
         return _Bound(w, io, ids, past, at, logits, logits_dev, present)
 
-    def _pick(self, n: int, all_logits: bool) -> _Bound:
-        fits = [b for b in self._bound.values() if b.width.T >= n and (not all_logits or b.width.L == b.width.T)]
+    def _pick(self, n: int, all_logits: bool, past_len: int) -> _Bound:
+        fits = [b for b in self._bound.values() if b.width.T >= n and (not all_logits or b.width.L == b.width.T)
+                and (not self.pads_into_cache or past_len + b.width.T <= self.max_context)]
         if not fits:
-            raise ValueError(f"no width of {self.entry.graph} takes {n} tokens with "
-                             f"{'all' if all_logits else 'last'} logits; widths {[w.T for w in self.entry.widths]}")
+            raise ValueError(f"no width of {self.entry.graph} takes {n} tokens at position {past_len} with "
+                             f"{'all' if all_logits else 'last'} logits; widths {[w.T for w in self.entry.widths]}, "
+                             f"S_max {self.max_context}")
         return min(fits, key=lambda b: b.width.T)
 
     # --------------------------------------------------------------------- step
     def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
         n = len(tokens)
         assert 0 < n and past_len + n <= self.max_context, (n, past_len, self.max_context)
-        b = self._pick(n, all_logits)
+        b = self._pick(n, all_logits, past_len)
         b.input_ids[0, :n] = tokens
         b.input_ids[0, n:] = tokens[-1]  # padding: computed, never committed
         b.past_len[0] = past_len
@@ -131,6 +151,8 @@ class OrtRunner:
         return logits[0, :n] if all_logits else logits[0, :1]
 
     def _commit_rows(self, b: _Bound, past_len: int, n: int) -> None:
+        if self.pads_into_cache:
+            return  # written in place by the graph
         if self.device == "cpu":
             kv = self.kv.reshape(-1, *self.kv.shape[2:])  # [n_layers*2, 1, H_kv, S_max, D] view
             for j, present in enumerate(b.present):

@@ -1,0 +1,109 @@
+"""The two attention forms a graph can carry, chosen per bundle by its KV mode.
+
+Both take the fused projection ``qkv`` [B, T, (Hq + 2 Hkv) D] of layer i (bias added) and
+return the attention output [B, T, Hq D]; both write ``present.{i}.key|value``.
+
+* ``portable`` (every backend, TensorRT included): plain ONNX ops. Scores against the whole
+  cache [.., T, S_max] are masked to positions < past_len and joined with the causal scores
+  against the T new rows for one softmax; the cache is read, never concatenated or repeated
+  (GQA through a broadcast group axis G = Hq / Hkv). ``present`` holds only the T new rows;
+  the runtime copies them into the cache. Cost grows with S_max, not with the valid length.
+* ``ort-inplace`` (ONNX Runtime only): ``com.microsoft.GroupQueryAttention`` with the cache
+  bound as both ``past_key_values.{i}.*`` and ``present.{i}.*`` (one buffer, [B, Hkv, S_max,
+  D]). The op writes the T new rows at past_len itself, applies RoPE from cos/sin tables, and
+  reads only the valid past_len + T rows. ``seqlens_k`` = past_len + T - 1 and
+  ``total_sequence_length`` = past_len + T are computed in the graph from ``past_len``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from specedge.runtime.manifest import KV_MODES  # noqa: F401  (re-exported: the modes defined here)
+
+
+class PortableAttention:
+    def __init__(self, g, w, cfg, inv_freq: np.ndarray):
+        d = cfg.dims
+        self.g, self.D, self.Hq, self.Hkv = g, d.head_dim, d.n_heads, d.n_kv_heads
+        self.G = self.Hq // self.Hkv
+        # ---- prologue shared by all layers: masks and RoPE tables ----
+        T = g.op("Gather", g.op("Shape", "input_ids"), g.const(1), axis=0)  # scalar
+        S = g.op("Gather", g.op("Shape", "past_key_values.0.key"), g.const(2), axis=0)  # scalar S_max
+        ar_T = g.op("Range", g.const(0), T, g.const(1))  # [T]
+        ar_S = g.op("Range", g.const(0), S, g.const(1))  # [S_max]
+        past_col = g.op("Unsqueeze", "past_len", g.const([1]))  # [B, 1]
+        mask_past = g.op("Less", g.op("Unsqueeze", ar_S, g.const([0])), past_col)  # [B, S_max]
+        self.mask_past = g.op("Unsqueeze", mask_past, g.const([1, 2, 3]))  # [B, 1, 1, 1, S_max]
+        mask_new = g.op("LessOrEqual", g.op("Unsqueeze", ar_T, g.const([0])), g.op("Unsqueeze", ar_T, g.const([1])))
+        self.mask_new = g.op("Unsqueeze", mask_new, g.const([0, 1, 2]))  # [1, 1, 1, T, T]  (col j <= row t)
+        self.neg_inf = g.const(-np.inf, np.float32)
+        self.split_past_new = g.op("Concat", g.op("Unsqueeze", S, g.const([0])), g.op("Unsqueeze", T, g.const([0])),
+                                   axis=0)  # [S_max, T]
+        positions = g.op("Add", past_col, g.op("Unsqueeze", ar_T, g.const([0])))  # [B, T]
+        pos_f = g.op("Unsqueeze", g.op("Cast", positions, to=TensorProto.FLOAT), g.const([2]))  # [B, T, 1]
+        freqs = g.op("Mul", pos_f, w.add("rope.inv_freq", inv_freq))  # [B, T, D/2]
+        emb = g.op("Concat", freqs, freqs, axis=-1)  # [B, T, D]
+        self.cos = g.op("Unsqueeze", g.op("Cos", emb), g.const([2]))  # [B, T, 1, D]
+        self.sin = g.op("Unsqueeze", g.op("Sin", emb), g.const([2]))
+        self.half = g.const([self.D // 2, self.D // 2])
+        self.qkv_split = g.const([self.Hq * self.D, self.Hkv * self.D, self.Hkv * self.D])
+        self.scale = g.const(1.0 / np.sqrt(self.D), np.float32)
+
+    def _rope(self, x: str) -> str:  # x [B, T, heads, D], rotate-half convention
+        g = self.g
+        x1, x2 = g.op("Split", x, self.half, axis=-1, n_out=2)
+        rot = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+        return g.op("Add", g.op("Mul", x, self.cos), g.op("Mul", rot, self.sin))
+
+    def __call__(self, i: int, qkv: str) -> str:
+        g, D, Hq, Hkv, G = self.g, self.D, self.Hq, self.Hkv, self.G
+        q, k, v = g.op("Split", qkv, self.qkv_split, axis=-1, n_out=3)
+        q = self._rope(g.op("Reshape", q, g.const([0, 0, Hq, D])))  # [B, T, Hq, D]
+        k = self._rope(g.op("Reshape", k, g.const([0, 0, Hkv, D])))  # [B, T, Hkv, D]
+        v = g.op("Reshape", v, g.const([0, 0, Hkv, D]))
+        k_new = g.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
+        v_new = g.op("Transpose", v, perm=[0, 2, 1, 3])
+        g.nodes.append(helper.make_node("Identity", [k_new], [f"present.{i}.key"]))
+        g.nodes.append(helper.make_node("Identity", [v_new], [f"present.{i}.value"]))
+
+        q = g.op("Reshape", q, g.const([0, 0, Hkv, G, D]))
+        q = g.op("Mul", g.op("Transpose", q, perm=[0, 2, 3, 1, 4]), self.scale)  # [B, Hkv, G, T, D]
+        k_past = g.op("Unsqueeze", f"past_key_values.{i}.key", g.const([2]))  # [B, Hkv, 1, S_max, D]
+        v_past = g.op("Unsqueeze", f"past_key_values.{i}.value", g.const([2]))
+        s_past = g.op("MatMul", q, g.op("Transpose", k_past, perm=[0, 1, 2, 4, 3]))  # [B, Hkv, G, T, S_max]
+        s_new = g.op("MatMul", q, g.op("Unsqueeze", g.op("Transpose", k, perm=[0, 2, 3, 1]), g.const([2])))
+        s_past = g.op("Where", self.mask_past, s_past, self.neg_inf)
+        s_new = g.op("Where", self.mask_new, s_new, self.neg_inf)  # [B, Hkv, G, T, T]
+        probs = g.op("Softmax", g.op("Concat", s_past, s_new, axis=-1), axis=-1)
+        p_past, p_new = g.op("Split", probs, self.split_past_new, axis=-1, n_out=2)
+        attn = g.op("Add", g.op("MatMul", p_past, v_past),
+                    g.op("MatMul", p_new, g.op("Unsqueeze", v_new, g.const([2]))))  # [B, Hkv, G, T, D]
+        return g.op("Reshape", g.op("Transpose", attn, perm=[0, 3, 1, 2, 4]), g.const([0, 0, Hq * D]))
+
+
+class InplaceGqaAttention:
+    def __init__(self, g, w, cfg, inv_freq: np.ndarray, max_positions: int):
+        d = cfg.dims
+        self.g, self.D, self.Hq, self.Hkv = g, d.head_dim, d.n_heads, d.n_kv_heads
+        T = g.op("Gather", g.op("Shape", "input_ids"), g.const(1), axis=0)  # scalar
+        total = g.op("Add", "past_len", T)  # [B] past_len + T
+        self.seqlens_k = g.op("Cast", g.op("Sub", total, g.const(1)), to=TensorProto.INT32)  # [B]
+        self.total_len = g.op("Cast", g.op("ReduceMax", total, keepdims=0), to=TensorProto.INT32)  # scalar
+        freqs = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))  # [S_max, D/2]
+        self.cos = w.add("rope.cos_cache", np.cos(freqs).astype(np.float32))
+        self.sin = w.add("rope.sin_cache", np.sin(freqs).astype(np.float32))
+
+    def __call__(self, i: int, qkv: str) -> str:
+        g = self.g
+        g._n += 1
+        out = f"gqa_{g._n}"
+        g.nodes.append(helper.make_node(
+            "GroupQueryAttention",
+            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", self.seqlens_k, self.total_len,
+             self.cos, self.sin],
+            [out, f"present.{i}.key", f"present.{i}.value"], name=f"GroupQueryAttention_{g._n}",
+            domain="com.microsoft", num_heads=self.Hq, kv_num_heads=self.Hkv, do_rotary=1, rotary_interleaved=0,
+            scale=float(1.0 / np.sqrt(self.D))))
+        return out  # [B, T, Hq D]
