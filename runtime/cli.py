@@ -35,10 +35,13 @@ def main() -> None:
 @click.argument("prompt")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the bundle's chat template.")
 @click.option("--backend", default="auto", show_default=True, help="auto | ort-cpu | ort-cuda | trt")
-@click.option("--drafter", type=click.Choice(["model", "prompt-lookup", "none"]), default=None,
-              help="Who drafts (default: the bundle's drafter).")
-@click.option("--no-spec", is_flag=True, help="Plain decoding (same as --drafter none).")
-@click.option("--k", "k", type=int, default=None, help="Draft length, 1..K of the bundle (default K).")
+@click.option("--spec", "--drafter", "drafter", type=click.Choice(["auto", "hybrid", "model", "lookup", "prompt-lookup",
+                                                                  "off", "none"]), default="auto", show_default=True,
+              help="auto: every round, plain, prompt lookup or the draft model (and its k), whichever the measured "
+                   "cost model predicts fastest; hybrid: prompt lookup when the context has a match, else the model; "
+                   "model / lookup: fixed drafter; off: plain decoding.")
+@click.option("--no-spec", is_flag=True, help="Plain decoding (same as --spec off).")
+@click.option("--k", "k", type=int, default=None, help="(Maximum) draft length, 1..K of the bundle (default K).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -93,7 +96,8 @@ def _csv(cast):
                    "used instead of the suites.")
 @click.option("--k", "ks", default="2,4,6,8", show_default=True, callback=_csv(int), help="Draft lengths (<= K).")
 @click.option("--drafter", "drafters", default="model,prompt-lookup,none", show_default=True, callback=_csv(str),
-              help="Drafters to compare; plain (none) is always measured as the baseline.")
+              help="Drafters to compare: model, prompt-lookup, auto, hybrid; plain (none) is always measured as the "
+                   "baseline. auto and hybrid run once, at the bundle's K.")
 @click.option("--temperature", "temps", default="0", show_default=True, callback=_csv(float),
               help="Sampling temperatures (0 = greedy; greedy runs are also checked token-identical to plain).")
 @click.option("--repeats", type=int, default=1, show_default=True)

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, feed
 from .errors import ContextLengthError, PromptError, SamplingParamsError
@@ -77,6 +78,7 @@ class SpecDecoder:
         self.bundle_dir, self.manifest, self.backend = bundle_dir, manifest, backend
         self.target, self.draft_runner, self.codec = target, draft, codec
         self._lock = threading.Lock()
+        self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
 
     @classmethod
     def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "sha256",
@@ -89,18 +91,34 @@ class SpecDecoder:
         return cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer))
 
     # ---------------------------------------------------------------- drafters
+    DRAFTER_ALIASES = {"lookup": "prompt-lookup", "off": "none"}
+
     def make_drafter(self, kind: str | None = None) -> Drafter:
-        kind = kind or self.manifest.drafter
+        """kind: auto (default) | hybrid | model | prompt-lookup (lookup) | none (off)."""
+        kind = self.DRAFTER_ALIASES.get(kind or "auto", kind or "auto")
+        p = self.manifest.drafter_params
         if kind == "model":
             if self.draft_runner is None:
                 raise SamplingParamsError("this bundle has no draft model; use drafter 'prompt-lookup' or 'none'")
             return ModelDrafter(self.draft_runner, self.manifest.target.dims.vocab, self.manifest.prefill_chunk)
         if kind == "prompt-lookup":
-            p = self.manifest.drafter_params
             return PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", 1))
         if kind == "none":
             return NoDrafter()
-        raise SamplingParamsError(f"unknown drafter {kind!r}; choose model, prompt-lookup or none")
+        if kind in SPEC_MODES:
+            model = self.make_drafter("model") if self.draft_runner is not None else None
+            return AutoDrafter(self.cost_model(), PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", 1)),
+                               model, mode=kind)
+        raise SamplingParamsError(f"unknown drafter {kind!r}; choose auto, hybrid, model, prompt-lookup (lookup) "
+                                  f"or none (off)")
+
+    def cost_model(self) -> CostModel:
+        """The measured step costs adaptive speculation decides with (measured once, then refreshed by every
+        round's own timings)."""
+        if self._costs is None:
+            steps = self.time_steps(repeats=3, all_logits_only=True)
+            self._costs = CostModel(dict(steps["target"]), steps.get("draft", {}).get(1))
+        return self._costs
 
     # ------------------------------------------------------------------ public
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -123,8 +141,9 @@ class SpecDecoder:
 
     def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams(), *, drafter: str | None = None,
                k: int | None = None, chat: bool | None = None) -> Iterator[StreamEvent]:
-        """Yield text as tokens are accepted. drafter: model | prompt-lookup | none (default: the bundle's);
-        k: draft length, 1..K of the bundle (default K)."""
+        """Yield text as tokens are accepted. drafter: auto (default: picks plain, prompt lookup or the draft
+        model with its k every round) | hybrid | model | prompt-lookup | none; k: (maximum) draft length,
+        1..K of the bundle (default K)."""
         K = self.manifest.k
         k = K if k is None else k
         if not 0 <= k <= K:
@@ -166,6 +185,8 @@ class SpecDecoder:
             while req.finish is None:
                 ev = self._round(req, drafter, k)
                 stats.decode_s = time.perf_counter() - t_first
+                if ev.finished:
+                    stats.strategies = dict(getattr(drafter, "rounds", {drafter.name: stats.rounds}))
                 yield ev
 
     def _round(self, req: _Request, drafter: Drafter, k: int) -> StreamEvent:
@@ -177,6 +198,8 @@ class SpecDecoder:
         verify_in = np.concatenate([req.tokens[req.n - 1: req.n], prop.tokens])  # [last committed, d_1..d_n]
         logits = self.target.step(verify_in, req.n - 1, all_logits=True)  # [n+1, V]
         t2 = time.perf_counter()
+        if self._costs is not None:
+            self._costs.observe_target(len(verify_in), t2 - t1)
         m, nxt = self._accept(logits, prop, req)
         drafter.commit(m)
         st.record_round(len(prop.tokens), m)
@@ -229,12 +252,14 @@ class SpecDecoder:
         req.stats.new_tokens = req.generated
         return StreamEvent(piece, out, done, req.finish, req.stats if done else None)
 
-    def time_steps(self, repeats: int = 5, past_len: int | None = None) -> dict[str, dict[int, float]]:
+    def time_steps(self, repeats: int = 5, past_len: int | None = None,
+                   all_logits_only: bool = False) -> dict[str, dict[int, float]]:
         """Median seconds of one forward step per model and declared width: {"target": {T: s}, "draft": {T: s}}.
 
         The cost model's inputs (draft/target cost ratio, verify vs 1-token cost). Runs dummy tokens
         at ``past_len`` (default: a quarter of S_max); the rows it writes are never read, because
-        every request starts with its own prefill.
+        every request starts with its own prefill. ``all_logits_only`` skips the prefill widths
+        (the expensive ones, which no cost decision needs).
         """
         S = self.manifest.max_context
         out: dict[str, dict[int, float]] = {}
@@ -244,6 +269,8 @@ class SpecDecoder:
                     continue
                 out[role] = {}
                 for w in runner.entry.widths:
+                    if all_logits_only and w.L != w.T:
+                        continue
                     pos = min(S // 4 if past_len is None else past_len, S - w.T)
                     ids = np.zeros(w.T, dtype=np.int64)
                     runner.step(ids, pos, all_logits=w.L == w.T)  # warm this width

@@ -123,7 +123,10 @@ class ModelDrafter:
         pad = np.full(logits.shape[:-1] + (self.target_vocab - v,), -np.inf, dtype=logits.dtype)
         return np.concatenate([logits, pad], axis=-1)
 
-    def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
+    def propose(self, tokens, k, params, rng, keep=None) -> Proposal:  # noqa: ANN001
+        """Draft up to k tokens. ``keep(confidence)``, if given, is asked after each draw with the draft's
+        top probability at that step; a False stops drafting and drops that draw (at least one is kept).
+        ``self.confidences`` holds the kept tokens' confidences."""
         n = len(tokens)
         t0 = time.perf_counter()
         if self.rows < n - 1:
@@ -131,22 +134,33 @@ class ModelDrafter:
             self.rows = n - 1
         self.time_catch_up += time.perf_counter() - t0
         self._base, self._k = n, k
+        self.confidences: list[float] = []
         if k <= 0:
             return EMPTY
         draft = np.zeros(k, dtype=np.int64)
         q = None if params.greedy else np.zeros((k, self.target_vocab))
         last, pos = int(tokens[-1]), n - 1
+        t1 = time.perf_counter()
+        kept = k
         for i in range(k):
             logits = self._logits_for_target(self.runner.step([last], pos, all_logits=False)[0])
             if params.greedy:
                 last = int(np.argmax(logits))
+                conf = float(1.0 / np.exp(logits - logits[last]).sum()) if keep is not None else 1.0
             else:
                 q[i] = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]
                 last = sample(q[i], rng)
+                conf = float(q[i].max())
+            if keep is not None and i > 0 and not keep(conf):
+                kept = i
+                break
             draft[i] = last
+            self.confidences.append(conf)
             pos += 1
-        self.rows = n - 1 + k  # rows for tokens[-1], d_1..d_{k-1}
-        return Proposal(draft, q)
+        self.step_time = (time.perf_counter() - t1) / (min(kept + 1, k))  # seconds per draft step
+        self._k = kept
+        self.rows = n - 1 + kept  # rows for tokens[-1], d_1..d_{kept-1} (a dropped draw's row is not counted)
+        return Proposal(draft[:kept], None if q is None else q[:kept])
 
     def commit(self, n_accepted: int) -> None:
         if self._k > 0:

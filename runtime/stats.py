@@ -21,6 +21,7 @@ class Stats:
     time_verify_s: float = 0.0
     time_host_s: float = 0.0  # sampling, acceptance, bookkeeping, detokenization
     finish_reason: str = ""
+    strategies: dict[str, int] = field(default_factory=dict)  # rounds per strategy (auto/hybrid pick per round)
 
     @property
     def decode_tok_s(self) -> float:
@@ -56,5 +57,5 @@ class Stats:
             f"drafted={self.drafted} accepted={self.accepted} ({self.acceptance_rate:.0%}, "
             f"{self.mean_accepted_per_round:.2f}/round) hist={self.accept_hist} "
             f"time draft={self.time_draft_s:.3f}s verify={self.time_verify_s:.3f}s host={self.time_host_s:.3f}s "
-            f"finish={self.finish_reason}"
+            f"finish={self.finish_reason}" + (f" strategies={self.strategies}" if self.strategies else "")
         )

@@ -76,19 +76,21 @@ def test_prompt_files(tmp_path):
 
 def test_bench_end_to_end_writes_json_markdown_and_plots(decoders, tmp_path):
     dec = decoders["model"]
-    plan = BenchPlan(suites=("chat",), per_suite=2, ks=(2, 4, 99), drafters=("model", "prompt-lookup"),
+    plan = BenchPlan(suites=("chat",), per_suite=2, ks=(2, 4, 99), drafters=("model", "prompt-lookup", "auto"),
                      temperatures=(0.0, 0.8), max_new_tokens=12, ignore_eos=True)
     raw = run_bench(dec, plan, progress=lambda s: None)
-    assert len(raw["runs"]) == 2 * 2 * (1 + 2 * 2)  # prompts x temperatures x (plain + drafters x k<=K)
+    assert len(raw["runs"]) == 2 * 2 * (1 + 2 * 2 + 1)  # prompts x temperatures x (plain + drafters x k<=K + auto)
     files = write_report(raw, tmp_path / "out")
     data = json.loads(files["json"].read_text())
     rows = data["summary"]["rows"]
     greedy = [r for r in rows if r["temperature"] == 0]
     assert all(r["identical_to_plain"] == "2/2" for r in greedy)  # exactness, checked by the bench itself
-    spec = [r for r in rows if r["drafter"] != "none"]
-    assert all(r["speedup"]["n"] == 2 and r["predicted_speedup"] > 0 for r in spec)
+    fixed = [r for r in rows if r["drafter"] in ("model", "prompt-lookup")]
+    assert all(r["speedup"]["n"] == 2 and r["predicted_speedup"] > 0 for r in fixed)
+    auto = [r for r in rows if r["drafter"] == "auto"]
+    assert len(auto) == 2 and all(sum(r["strategies"].values()) > 0 for r in auto)
     assert {(b["drafter"], b["temperature"]) for b in data["summary"]["best_k"]} == {
-        ("model", 0.0), ("model", 0.8), ("prompt-lookup", 0.0), ("prompt-lookup", 0.8)}
+        ("model", 0.0), ("model", 0.8), ("prompt-lookup", 0.0), ("prompt-lookup", 0.8), ("auto", 0.0), ("auto", 0.8)}
     for name in ("speedup_vs_k", "acceptance_hist", "time_split"):
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| chat | model | 4 | 0 |" in files["markdown"].read_text()

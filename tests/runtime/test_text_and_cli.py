@@ -25,7 +25,10 @@ def test_incremental_detok_never_emits_half_a_character(decoders):
 def test_spec_run_cli_streams_text_to_stdout(bundles):
     r = CliRunner().invoke(run_cli, [str(bundles["model"]), "def fib(n):", "--max-new-tokens", "8", "--stats"])
     assert r.exit_code == 0, r.output
-    assert "drafter=model" in r.stderr and "new=" in r.stderr
+    assert "drafter=auto" in r.stderr and "new=" in r.stderr and "strategies=" in r.stderr  # auto is the default
+    r = CliRunner().invoke(run_cli, [str(bundles["model"]), "def fib(n):", "--max-new-tokens", "8", "--stats",
+                                     "--spec", "model", "--k", "2"])
+    assert r.exit_code == 0 and "drafter=model K=2" in r.stderr
     r = CliRunner().invoke(run_cli, [str(bundles["lookup"]), "", "--no-spec"])
     assert r.exit_code == 2 and "error: the prompt is empty" in r.stderr
 

@@ -1,0 +1,225 @@
+"""Speculation that knows when it pays: a measured cost model and a per-round choice of drafter.
+
+Each round the :class:`AutoDrafter` predicts tokens per second for every option it has —
+
+    plain:               1 / t_v(1)
+    prompt lookup (m):   E(alpha_lookup, m) / t_v(m+1)                       (drafting is free)
+    draft model (k):     E(alpha_model, k) / (k * t_d + t_v(k+1))
+    E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha)   tokens committed per round
+
+— with t_v(n) the measured time of a target step at the width n tokens run in, t_d of one
+draft step, and alpha the running per-token acceptance of each drafter — and proposes with
+the best. ``hybrid`` takes prompt lookup whenever it has a match and the draft model
+otherwise. When no speculative option beats plain decoding the round is plain ("auto-off"),
+and every ``probe_every`` plain rounds one speculative round is forced so that alpha can
+recover when the text changes.
+
+Inside a model round drafting stops early when the draft's top probability falls below a
+threshold learned online: acceptance is tracked per confidence bin, and a token is drafted
+only while its bin's acceptance beats the break-even ratio (t_d + marginal verify cost) / t_v(1).
+
+None of this touches the acceptance rule: it only changes which tokens are proposed, so
+greedy output and the sampled distribution stay exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .drafters import EMPTY, ModelDrafter, PromptLookupDrafter, Proposal
+
+SPEC_MODES = ("auto", "hybrid")
+
+
+def expected_tokens_per_round(alpha: float, k: int) -> float:
+    """E[tokens committed per round] = (1 - alpha^(k+1)) / (1 - alpha): accepted drafts + the target's token,
+    for i.i.d. per-token acceptance alpha (Leviathan et al. 2023, eq. 1)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"acceptance alpha must be in [0, 1], got {alpha}")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class CostModel:
+    """Seconds per target step at each width and per draft step; refreshed from every round.
+
+    ``observe_*`` fold new timings in with an exponential moving average, so the model follows a
+    device that heats up or gets busy.
+    """
+
+    target: dict[int, float]  # width T -> seconds of one target step
+    draft: float | None = None  # seconds of one 1-token draft step
+    decay: float = 0.9
+
+    def verify_time(self, n: int) -> float:
+        """Time of the target step that n tokens run in (the smallest width >= n)."""
+        fits = [t for t in self.target if t >= n]
+        return self.target[min(fits)] if fits else float("inf")
+
+    def observe_target(self, n: int, seconds: float) -> None:
+        fits = [t for t in self.target if t >= n]
+        if fits:
+            w = min(fits)
+            self.target[w] = self.decay * self.target[w] + (1 - self.decay) * seconds
+
+    def observe_draft(self, seconds_per_step: float) -> None:
+        self.draft = seconds_per_step if self.draft is None else \
+            self.decay * self.draft + (1 - self.decay) * seconds_per_step
+
+    # -- predicted tokens per second ------------------------------------------------
+    def rate_plain(self) -> float:
+        return 1.0 / self.verify_time(1)
+
+    def rate_lookup(self, alpha: float, m: int) -> float:
+        return expected_tokens_per_round(alpha, m) / self.verify_time(m + 1)
+
+    def rate_model(self, alpha: float, k: int) -> float:
+        if self.draft is None:
+            return 0.0
+        return expected_tokens_per_round(alpha, k) / (k * self.draft + self.verify_time(k + 1))
+
+    def break_even_acceptance(self, k_max: int) -> float:
+        """Acceptance a draft token needs to pay for itself: (t_d + marginal verify time) / t_v(1)."""
+        marginal = max(0.0, (self.verify_time(k_max + 1) - self.verify_time(1)) / max(k_max, 1))
+        return ((self.draft or 0.0) + marginal) / self.verify_time(1)
+
+
+@dataclass
+class Acceptance:
+    """Running per-token acceptance of one drafter: accepted tokens are successes, the first rejection
+    a failure (tokens after it are unobserved) — the geometric MLE, with decay and a weak prior."""
+
+    successes: float = 1.0
+    failures: float = 1.0
+    decay: float = 0.95
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.successes = self.decay * self.successes + accepted
+        self.failures = self.decay * self.failures + (1.0 if accepted < drafted else 0.0)
+
+
+@dataclass
+class ConfidenceGate:
+    """Acceptance per bin of the draft's top probability, learned online; ``keep(conf)`` says whether a
+    token drafted at that confidence is expected to pay (acceptance above the break-even ratio)."""
+
+    bins: int = 10
+    accepted: np.ndarray = field(default_factory=lambda: np.full(10, 1.0))  # prior: 50 %
+    seen: np.ndarray = field(default_factory=lambda: np.full(10, 2.0))
+
+    def _bin(self, conf: float) -> int:
+        return min(int(conf * self.bins), self.bins - 1)
+
+    def acceptance(self, conf: float) -> float:
+        b = self._bin(conf)
+        return float(self.accepted[b] / self.seen[b])
+
+    def record(self, confs: list[float], accepted: int) -> None:
+        """The first ``accepted`` tokens were accepted, the next one (if any) rejected."""
+        for i, c in enumerate(confs[: accepted + 1]):
+            b = self._bin(c)
+            self.seen[b] += 1
+            self.accepted[b] += 1.0 if i < accepted else 0.0
+
+
+@dataclass
+class Decision:
+    kind: str  # "none" | "prompt-lookup" | "model"
+    k: int
+    rate: float  # predicted tokens per second
+
+
+def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: float | None, k_max: int,
+           mode: str = "auto") -> Decision:
+    """The option with the highest predicted tokens/s (pure function of the cost model and the estimates).
+
+    auto: best of plain, prompt lookup (if it has a match of lookup_len tokens) and the draft model at
+    k = 1..k_max. hybrid: prompt lookup when it has a match, else the draft model's best k (never plain).
+    """
+    options = [Decision("none", 0, costs.rate_plain())]
+    if lookup_len > 0:
+        options.append(Decision("prompt-lookup", lookup_len, costs.rate_lookup(alpha_lookup, lookup_len)))
+    if alpha_model is not None and costs.draft is not None:
+        options += [Decision("model", k, costs.rate_model(alpha_model, k)) for k in range(1, k_max + 1)]
+    if mode == "hybrid":
+        lookup = [o for o in options if o.kind == "prompt-lookup"]
+        model = [o for o in options if o.kind == "model"]
+        pool = lookup or model or options
+        return max(pool, key=lambda o: o.rate)
+    return max(options, key=lambda o: o.rate)
+
+
+class AutoDrafter:
+    """Chooses plain, prompt lookup or the draft model (with its k) every round; see the module docstring."""
+
+    def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
+                 mode: str = "auto", probe_every: int = 16):
+        if mode not in SPEC_MODES:
+            raise ValueError(f"mode must be one of {SPEC_MODES}, got {mode!r}")
+        self.name = mode
+        self.costs, self.lookup, self.model, self.mode = costs, lookup, model, mode
+        self.probe_every = probe_every
+        self.alpha = {"prompt-lookup": Acceptance(), "model": Acceptance()}
+        self.gate = ConfidenceGate()
+        self.rounds: dict[str, int] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        if self.model is not None:
+            self.model.reset()
+        self._last: tuple[str, int] = ("none", 0)
+        self._confs: list[float] = []
+        self._plain_streak = 0
+        self.rounds = {}
+
+    def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
+        if k <= 0:  # the last token of a request: nothing to draft
+            self._last = ("none", 0)
+            self.rounds["none"] = self.rounds.get("none", 0) + 1
+            return EMPTY
+        look = self.lookup.propose(tokens, k, params, rng)
+        d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens),
+                   self.alpha["model"].alpha if self.model is not None else None, k, self.mode)
+        if d.kind == "none":
+            self._plain_streak += 1
+            if self._plain_streak >= self.probe_every:  # re-probe: one speculative round refreshes alpha
+                self._plain_streak = 0
+                d = Decision("prompt-lookup", len(look.tokens), 0.0) if len(look.tokens) else \
+                    Decision("model", 1, 0.0) if self.model is not None else d
+        else:
+            self._plain_streak = 0
+        self.rounds[d.kind] = self.rounds.get(d.kind, 0) + 1
+        if d.kind == "prompt-lookup":
+            self._last = ("prompt-lookup", len(look.tokens))
+            return look
+        if d.kind == "model":
+            assert self.model is not None
+            threshold = self.costs.break_even_acceptance(k)
+            prop = self.model.propose(tokens, d.k, params, rng,
+                                      keep=lambda conf: self.gate.acceptance(conf) >= threshold)
+            self._confs = self.model.confidences
+            self.costs.observe_draft(self.model.step_time)
+            self._last = ("model", len(prop.tokens))
+            return prop
+        self._last = ("none", 0)
+        return EMPTY
+
+    def commit(self, n_accepted: int) -> None:
+        kind, n = self._last
+        if kind == "none":
+            return
+        self.alpha[kind].update(n, n_accepted)
+        if kind == "model":
+            assert self.model is not None
+            self.gate.record(self._confs, n_accepted)
+            self.model.commit(n_accepted)

@@ -1,0 +1,114 @@
+"""The cost model and the per-round decision, on synthetic timings and a scripted draft model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specedge.runtime import SamplingParams
+from specedge.runtime.adaptive import (
+    Acceptance, AutoDrafter, ConfidenceGate, CostModel, decide, expected_tokens_per_round,
+)
+from specedge.runtime.drafters import Proposal, PromptLookupDrafter
+
+
+def costs(draft: float | None = 0.01) -> CostModel:
+    # a CPU-like target: a 9-token verify costs 2x a 1-token step
+    return CostModel({1: 0.100, 3: 0.120, 5: 0.140, 9: 0.200}, draft)
+
+
+def test_expected_tokens():
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+
+
+def test_rates_follow_the_formulas():
+    c = costs()
+    assert c.rate_plain() == pytest.approx(10.0)
+    assert c.rate_model(0.8, 4) == pytest.approx(expected_tokens_per_round(0.8, 4) / (4 * 0.01 + 0.14))
+    assert c.rate_lookup(0.8, 6) == pytest.approx(expected_tokens_per_round(0.8, 6) / 0.2)  # 7 tokens run at width 9
+    assert c.break_even_acceptance(8) == pytest.approx((0.01 + 0.1 / 8) / 0.1)
+
+
+def test_decide_picks_the_fastest_option_and_turns_speculation_off_when_it_cannot_pay():
+    c = costs()
+    d = decide(c, alpha_lookup=0.5, lookup_len=0, alpha_model=0.9, k_max=8)
+    assert d.kind == "model" and d.rate > c.rate_plain()
+    assert d.k == max(range(1, 9), key=lambda k: c.rate_model(0.9, k))
+    assert decide(c, 0.5, 0, alpha_model=0.05, k_max=8).kind == "none"  # auto-off
+    assert decide(c, 0.95, 8, alpha_model=0.3, k_max=8).kind == "prompt-lookup"
+    assert decide(costs(draft=None), 0.5, 0, alpha_model=0.9, k_max=8).kind == "none"  # no model timing: no model
+    # hybrid never decodes plainly while it has a drafter, and prefers a lookup match
+    assert decide(c, 0.5, 0, alpha_model=0.05, k_max=8, mode="hybrid").kind == "model"
+    assert decide(c, 0.1, 3, alpha_model=0.99, k_max=8, mode="hybrid").kind == "prompt-lookup"
+
+
+def test_cost_model_follows_observed_timings():
+    c = costs()
+    for _ in range(100):
+        c.observe_target(4, 0.5)  # 4 tokens run at width 5
+        c.observe_draft(0.05)
+    assert c.target[5] == pytest.approx(0.5, rel=1e-3) and c.target[1] == 0.1 and c.draft == pytest.approx(0.05, rel=1e-3)
+
+
+def test_acceptance_estimate_and_confidence_gate():
+    a = Acceptance()
+    for _ in range(200):
+        a.update(4, 4)  # everything accepted: no failures observed
+    assert a.alpha > 0.95
+    for _ in range(200):
+        a.update(4, 0)
+    assert a.alpha < 0.05
+    g = ConfidenceGate()
+    for _ in range(100):
+        g.record([0.95, 0.15], accepted=1)  # confident token accepted, unsure one rejected
+    assert g.acceptance(0.97) > 0.9 and g.acceptance(0.12) < 0.1
+
+
+class ScriptedModel:
+    """Stands in for ModelDrafter: proposes k fixed tokens at a fixed confidence."""
+
+    def __init__(self):
+        self.calls, self.rows = 0, 0
+
+    def reset(self):
+        pass
+
+    def propose(self, tokens, k, params, rng, keep=None):  # noqa: ANN001
+        self.calls += 1
+        n = k
+        for i in range(1, k):
+            if keep is not None and not keep(0.9):
+                n = i
+                break
+        self.confidences, self.step_time = [0.9] * n, 0.01
+        return Proposal(np.full(n, 7, dtype=np.int64), None)
+
+    def commit(self, n_accepted):
+        pass
+
+
+def test_auto_drafter_switches_strategy_when_acceptance_changes():
+    model = ScriptedModel()
+    auto = AutoDrafter(costs(), PromptLookupDrafter(), model, probe_every=16)
+    tokens = np.arange(10, 40, dtype=np.int64)  # no repeated n-gram: prompt lookup has nothing
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    for _ in range(30):  # the draft is always right
+        prop = auto.propose(tokens, 8, params, rng)
+        auto.commit(len(prop.tokens))
+    assert auto.rounds.get("model", 0) >= 28
+    for _ in range(60):  # the draft turns useless: rejected at once
+        prop = auto.propose(tokens, 8, params, rng)
+        auto.commit(0)
+    assert auto.alpha["model"].alpha < 0.5 and auto.rounds.get("none", 0) > 0  # it stopped drafting
+    before = dict(auto.rounds)
+    for _ in range(32):
+        prop = auto.propose(tokens, 8, params, rng)
+        auto.commit(0)
+    plain = auto.rounds.get("none", 0) - before.get("none", 0)
+    probes = auto.rounds.get("model", 0) - before.get("model", 0)
+    assert plain == 30 and probes == 2  # auto-off, with one re-probe every 16 rounds
+    repeated = np.array([5, 6, 7, 8, 9, 5, 6, 7], dtype=np.int64)  # a match appears: lookup is free
+    auto.alpha["prompt-lookup"] = Acceptance(successes=50, failures=1)
+    assert len(auto.propose(repeated, 8, params, rng).tokens) > 0 and auto._last[0] == "prompt-lookup"
