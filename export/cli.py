@@ -114,6 +114,12 @@ def info(bundle: str, verify: bool) -> None:
         click.echo(f"{role:<11} {e.family} {e.precision}: layers {d.n_layers}, hidden {d.hidden}, heads {d.n_heads}"
                    f"/{d.n_kv_heads}, head_dim {d.head_dim}, ffn {d.ffn}, vocab {d.vocab}")
         click.echo(f"{'':<11} widths: {widths}; source {e.source.get('kind')} {e.source.get('path')}")
+        if e.quant:
+            q = e.quant
+            click.echo(f"{'':<11} MatMulNBits int{q['bits']} block {q['block']} "
+                       f"{'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level {q['accuracy_level']}, "
+                       f"lm_head {q['lm_head']}, embedding {q['embedding']}; {q['repacked_from_gguf']} re-packed from "
+                       f"GGUF, {q['requantized']} re-quantized (weight rel. RMS error {q['requant_weight_rel_rms_error']})")
     t = m.tokenizer
     click.echo(f"tokenizer   {t.file}: {t.vocab_size} tokens, bos {t.bos_id} (add_bos={t.add_bos}), eos {list(t.eos_ids)}, "
                f"chat template {'yes' if t.chat_template else 'no'}")

@@ -13,14 +13,19 @@ exp smollm2-int4   --target smollm2-135m --draft prompt-lookup --weights int4 --
 exp qwen-coder     --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
 exp qwen-int4      --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --weights int4 --kv-mode ort-inplace
 
-B="spec-run bench --suite code,edit,chat,summarize,json --k 2,4,6,8"
-$B "$ENGINES/smollm2"      --drafter prompt-lookup --per-suite 2 --max-new-tokens 128 --out "$OUT/smollm2"
-$B "$ENGINES/smollm2-int4" --drafter prompt-lookup --per-suite 2 --max-new-tokens 128 --temperature 0,0.7 --out "$OUT/smollm2-int4"
-$B "$ENGINES/qwen-int4"    --drafter model,prompt-lookup --per-suite 2 --max-new-tokens 128 --out "$OUT/qwen-int4"
-$B "$ENGINES/qwen-coder"   --drafter model,prompt-lookup --per-suite 1 --max-new-tokens 64 --out "$OUT/qwen-coder"
+B="spec-run bench --k 2,4,6,8"
+ALL="--suite code,edit,chat,summarize,json --per-suite 2"
+$B "$ENGINES/smollm2"      $ALL --drafter prompt-lookup,auto --max-new-tokens 128 --out "$OUT/smollm2"
+$B "$ENGINES/smollm2-int4" $ALL --drafter prompt-lookup,auto --max-new-tokens 128 --temperature 0,0.7 --out "$OUT/smollm2-int4"
+$B "$ENGINES/qwen-int4"    $ALL --drafter model,prompt-lookup,auto,hybrid --max-new-tokens 96 --out "$OUT/qwen-int4"
+$B "$ENGINES/qwen-coder"   --suite code,chat --per-suite 1 --drafter model,prompt-lookup,auto --max-new-tokens 64 \
+                           --out "$OUT/qwen-coder"
 
 P="python tools/bench_peers.py"
 $P "$ENGINES/smollm2"      --peers hf       --spec prompt-lookup:4 --suite code,edit,chat --out "$OUT/peers-smollm2-hf"
-$P "$ENGINES/qwen-coder"   --peers hf       --spec model:4,prompt-lookup:4 --suite code,edit,chat --per-suite 1 --out "$OUT/peers-qwen-hf"
-$P "$ENGINES/smollm2-int4" --peers llamacpp --spec prompt-lookup:8 --suite code,edit,chat --max-new-tokens 128 --out "$OUT/peers-smollm2-llamacpp"
-$P "$ENGINES/qwen-int4"    --peers llamacpp --spec model:4,prompt-lookup:8 --suite code,edit,chat --max-new-tokens 128 --out "$OUT/peers-qwen-llamacpp"
+$P "$ENGINES/smollm2-int4" --peers llamacpp --spec prompt-lookup:8 --suite code,edit,chat --max-new-tokens 128 \
+                           --out "$OUT/peers-smollm2-llamacpp"
+$P "$ENGINES/qwen-int4"    --peers llamacpp --spec model:4,prompt-lookup:8 --suite code,edit,chat --max-new-tokens 128 \
+                           --out "$OUT/peers-qwen-llamacpp"
+$P "$ENGINES/qwen-coder"   --peers hf       --spec model:4,prompt-lookup:4 --suite code,edit,chat --per-suite 1 \
+                           --out "$OUT/peers-qwen-hf"
