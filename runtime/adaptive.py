@@ -143,12 +143,11 @@ def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: 
            mode: str = "auto") -> Decision:
     """The option with the highest predicted tokens/s (pure function of the cost model and the estimates).
 
-    auto: best of plain, prompt lookup (if it has a match of lookup_len tokens) and the draft model at
+    auto: best of plain, prompt lookup (the first 1..lookup_len tokens of its match) and the draft model at
     k = 1..k_max. hybrid: prompt lookup when it has a match, else the draft model's best k (never plain).
     """
     options = [Decision("none", 0, costs.rate_plain())]
-    if lookup_len > 0:
-        options.append(Decision("prompt-lookup", lookup_len, costs.rate_lookup(alpha_lookup, lookup_len)))
+    options += [Decision("prompt-lookup", m, costs.rate_lookup(alpha_lookup, m)) for m in range(1, lookup_len + 1)]
     if alpha_model is not None and costs.draft is not None:
         options += [Decision("model", k, costs.rate_model(alpha_model, k)) for k in range(1, k_max + 1)]
     if mode == "hybrid":
@@ -200,6 +199,7 @@ class AutoDrafter:
             self._plain_streak = 0
         self.rounds[d.kind] = self.rounds.get(d.kind, 0) + 1
         if d.kind == "prompt-lookup":
+            look = Proposal(look.tokens[: d.k] if d.k else look.tokens, None)
             self._last = ("prompt-lookup", len(look.tokens))
             return look
         if d.kind == "model":
