@@ -1,0 +1,189 @@
+"""The measurement loop: every configuration on the same prompt back to back, plain included.
+
+Order: one warm-up generation per drafter, then for each prompt, repeat and temperature the
+plain baseline followed by every speculative configuration — interleaved, so slow drifts of
+the machine (thermal, other load) hit baseline and speculation alike. Nothing here is timed
+that the decoder's own :class:`Stats` do not time; this module only orders and records.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..decoder import SpecDecoder
+from ..errors import SamplingParamsError
+from ..sampling import SamplingParams
+from .suites import BenchPrompt, suite_prompts
+
+DRAFTERS = ("model", "prompt-lookup", "none", "auto", "hybrid")  # auto/hybrid run once, at the bundle's K
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    suites: tuple[str, ...] = ("code", "edit", "chat", "summarize", "json")
+    ks: tuple[int, ...] = (2, 4, 6, 8)  # k larger than the bundle's K is dropped (and reported)
+    drafters: tuple[str, ...] = ("model", "prompt-lookup", "none")
+    temperatures: tuple[float, ...] = (0.0,)
+    repeats: int = 1
+    max_new_tokens: int = 128
+    per_suite: int = 0  # 0: every prompt of each suite
+    ignore_eos: bool = False  # True: always generate max_new_tokens (same length for every config)
+    seed: int = 0  # sampled runs use seed + repeat, the same for plain and speculative
+    prompts: tuple[BenchPrompt, ...] = field(default=())  # if given, used instead of the suites
+
+    def __post_init__(self) -> None:
+        bad = [d for d in self.drafters if d not in DRAFTERS]
+        if bad:
+            raise SamplingParamsError(f"unknown drafter(s) {bad}; choose from {list(DRAFTERS)}")
+        if self.repeats < 1 or self.max_new_tokens < 2:
+            raise SamplingParamsError("repeats must be >= 1 and max_new_tokens >= 2")
+        if any(k < 1 for k in self.ks):
+            raise SamplingParamsError(f"k values must be >= 1, got {list(self.ks)}")
+
+    def prompt_list(self) -> list[BenchPrompt]:
+        return list(self.prompts) if self.prompts else suite_prompts(self.suites, self.per_suite)
+
+    def configs(self, dec: SpecDecoder) -> list[tuple[str, int]]:
+        """[(drafter, k)] runnable on this bundle; plain ("none", 0) first."""
+        K = dec.manifest.k
+        drafters = [d for d in self.drafters if d != "none" and (d != "model" or dec.draft_runner is not None)]
+        return [("none", 0)] + [(d, k) for d in drafters if d in ("model", "prompt-lookup")
+                                for k in sorted(set(self.ks)) if k <= K] + \
+            [(d, K) for d in drafters if d in ("auto", "hybrid")]
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def mem_total_gb() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 1024 ** 2
+    except OSError:
+        pass
+    return float("nan")
+
+
+def copy_bandwidth_gbs(mb: int = 512) -> float:
+    """Best of 3 large copies, bytes read + written per second: the ceiling decode runs against.
+
+    Runs in a child process where fork exists, so its 2 x ``mb`` buffers never count in this
+    process's peak RSS (which the benchmark reports)."""
+    import multiprocessing as mp
+
+    if "fork" in mp.get_all_start_methods():
+        with mp.get_context("fork").Pool(1) as pool:
+            return pool.apply(_copy_bandwidth_gbs, (mb,))
+    return _copy_bandwidth_gbs(mb)
+
+
+def _copy_bandwidth_gbs(mb: int) -> float:
+    src = np.ones(mb * 1024 * 1024 // 8)
+    dst = np.empty_like(src)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = max(best, 2 * src.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def peak_rss_mb() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / 1024 ** 2 if sys.platform == "darwin" else r / 1024
+
+
+def machine_info() -> dict[str, Any]:
+    import onnxruntime
+
+    from .. import __version__
+
+    return {"cpu": cpu_name(), "cpus": os.cpu_count(), "memory_gb": round(mem_total_gb(), 1),
+            "copy_bandwidth_gbs": round(copy_bandwidth_gbs(), 1), "platform": platform.platform(),
+            "python": platform.python_version(), "numpy": np.__version__, "onnxruntime": onnxruntime.__version__,
+            "specedge": __version__}
+
+
+def bundle_info(dec: SpecDecoder) -> dict[str, Any]:
+    m = dec.manifest
+    models = {}
+    for role, e in (("target", m.target), ("draft", m.draft)):
+        if e is None:
+            continue
+        d = e.dims
+        kv_bytes = d.n_layers * 2 * d.n_kv_heads * m.max_context * d.head_dim * 4
+        models[role] = {"family": e.family, "layers": d.n_layers, "hidden": d.hidden, "vocab": d.vocab,
+                        "precision": e.precision, "weights_bytes": m.files.get(e.weights, {}).get("bytes", 0),
+                        "kv_bytes": kv_bytes, "widths": [w.T for w in e.widths],
+                        "source": str(e.source.get("path", "")) if isinstance(e.source, dict) else ""}
+    return {"path": str(dec.bundle_dir), "backend": dec.backend, "K": m.k, "max_context": m.max_context,
+            "prefill_chunk": m.prefill_chunk, "kv_mode": m.kv_mode, "drafter": m.drafter, "models": models}
+
+
+def run_bench(dec: SpecDecoder, plan: BenchPlan,
+              progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
+    """Run the plan; return the raw results (JSON-able): meta, step costs and one record per generation."""
+    prompts = plan.prompt_list()
+    configs = plan.configs(dec)
+    dropped = sorted({k for k in plan.ks if k > dec.manifest.k})
+    if dropped:
+        progress(f"k {dropped} > the bundle's K={dec.manifest.k}: skipped (re-export with a larger --k)")
+    total = len(prompts) * plan.repeats * len(plan.temperatures) * len(configs)
+    progress(f"measuring machine and step costs …")
+    meta = {"machine": machine_info(), "bundle": bundle_info(dec), "plan": _plan_dict(plan),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    steps = dec.time_steps()
+    for drafter in sorted({d for d, _ in configs}):  # warm-up: first use of every graph width and drafter
+        dec.generate("Hello", SamplingParams(max_new_tokens=8), drafter=drafter, k=dec.manifest.k if drafter != "none" else 0)
+    runs: list[dict[str, Any]] = []
+    t_start, i = time.perf_counter(), 0
+    for bp in prompts:
+        prompt, chat = bp.as_request()
+        for rep in range(plan.repeats):
+            for temp in plan.temperatures:
+                params = SamplingParams(max_new_tokens=plan.max_new_tokens, temperature=temp,
+                                        seed=plan.seed + rep if temp > 0 else None, ignore_eos=plan.ignore_eos)
+                for drafter, k in configs:
+                    i += 1
+                    res = dec.generate(prompt, params, drafter=drafter, k=k, chat=chat)
+                    s = res.stats.as_dict()
+                    runs.append({"suite": bp.suite, "prompt_id": bp.id, "repeat": rep, "temperature": temp,
+                                 "drafter": drafter, "k": k, **{x: s[x] for x in _STAT_KEYS},
+                                 "e2e_tok_s": s["new_tokens"] / (s["ttft_s"] + s["decode_s"]),
+                                 "peak_rss_mb": peak_rss_mb(), "token_ids": res.token_ids})
+                    eta = (time.perf_counter() - t_start) / i * (total - i)
+                    progress(f"[{i}/{total}] {bp.id} t={temp:g} {drafter:13} k={k} "
+                             f"{s['decode_tok_s']:6.1f} tok/s acc={s['acceptance_rate']:.2f} "
+                             f"new={s['new_tokens']} (eta {eta / 60:.1f} min)")
+    meta["seconds"] = round(time.perf_counter() - t_start, 1)
+    meta["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    return {"meta": meta, "step_costs_s": steps, "runs": runs}
+
+
+_STAT_KEYS = ("prompt_tokens", "new_tokens", "ttft_s", "decode_s", "decode_tok_s", "rounds", "drafted", "accepted",
+              "acceptance_rate", "mean_accepted_per_round", "accept_hist", "time_draft_s", "time_verify_s",
+              "time_host_s", "finish_reason", "strategies")
+
+
+def _plan_dict(plan: BenchPlan) -> dict[str, Any]:
+    d = asdict(plan)
+    d["prompts"] = [p.id for p in plan.prompts]
+    return d
