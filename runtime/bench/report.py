@@ -134,7 +134,31 @@ def to_markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
             "| suite | drafter | temp | best k | speedup |", "|---|---|---|---|---|"]
     out += [f"| {x['suite']} | {x['drafter']} | {x['temperature']:g} | {x['best_k']} | {x['speedup']:.2f}× |"
             for x in summary["best_k"]]
+    out += ["", "Per suite: the plain baseline, the best fixed configuration chosen in hindsight, and the adaptive modes "
+            "(median paired decode speedup):", "",
+            "| suite | temp | plain tok/s | best fixed (drafter, k) | best fixed speedup | auto | hybrid | auto / best fixed |",
+            "|---|---|---|---|---|---|---|---|"]
+    out += [f"| {suite} | {temp:g} | {line} |" for suite, temp, line in _suite_overview(summary)]
     return "\n".join(out) + "\n"
+
+
+def _suite_overview(summary: dict[str, Any]) -> list[tuple[str, float, str]]:
+    rows = summary["rows"]
+    out = []
+    for suite, temp in sorted({(r["suite"], r["temperature"]) for r in rows}):
+        sel = [r for r in rows if r["suite"] == suite and r["temperature"] == temp]
+        plain = next((r for r in sel if r["drafter"] == "none"), None)
+        fixed = [r for r in sel if r["drafter"] in ("model", "prompt-lookup")]
+        best = max(fixed, key=lambda r: r["speedup"]["median"], default=None)
+        adaptive = {r["drafter"]: r["speedup"]["median"] for r in sel if r["drafter"] in ("auto", "hybrid")}
+        b = best["speedup"]["median"] if best else float("nan")
+        out.append((suite, temp, " | ".join([
+            f"{plain['decode_tok_s']['median']:.1f}" if plain else "—",
+            f"{best['drafter']}, {best['k']}" if best else "—", f"{b:.2f}×",
+            _f(adaptive.get("auto")) + ("×" if "auto" in adaptive else ""),
+            _f(adaptive.get("hybrid")) + ("×" if "hybrid" in adaptive else ""),
+            f"{adaptive['auto'] / b:.2f}" if "auto" in adaptive and best else "—"])))
+    return out
 
 
 def write_plots(summary: dict[str, Any], out: Path) -> list[Path]:
