@@ -10,9 +10,11 @@ Each round the :class:`AutoDrafter` predicts tokens per second for every option 
 — with t_v(n) the measured time of a target step at the width n tokens run in, t_d of one
 draft step, and alpha the running per-token acceptance of each drafter — and proposes with
 the best. ``hybrid`` takes prompt lookup whenever it has a match and the draft model
-otherwise. When no speculative option beats plain decoding the round is plain ("auto-off"),
-and every ``probe_every`` plain rounds one speculative round is forced so that alpha can
-recover when the text changes.
+otherwise. When no speculative option beats plain decoding the round is plain ("auto-off");
+after ``probe_every`` plain rounds the best option under an optimistic acceptance is tried
+once (if even that would not pay, nothing is), and the gap to the next probe doubles. The
+draft model's catch-up (the committed tokens it has not seen, fed in prefill chunks) is
+charged to the round that would use it.
 
 Inside a model round drafting stops early when the draft's top probability falls below a
 threshold learned online: acceptance is tracked per confidence bin, and a token is drafted
@@ -54,6 +56,7 @@ class CostModel:
     target: dict[int, float]  # width T -> seconds of one target step
     draft: float | None = None  # seconds of one 1-token draft step
     decay: float = 0.9
+    catchup_per_token: float | None = None  # seconds per token the draft needs to catch up on (prefill chunks)
 
     def verify_time(self, n: int) -> float:
         """Time of the target step that n tokens run in (the smallest width >= n)."""
@@ -66,6 +69,18 @@ class CostModel:
             w = min(fits)
             self.target[w] = self.decay * self.target[w] + (1 - self.decay) * seconds
 
+    def observe_catchup(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            per = seconds / tokens
+            self.catchup_per_token = per if self.catchup_per_token is None else \
+                self.decay * self.catchup_per_token + (1 - self.decay) * per
+
+    def catchup_time(self, tokens: int) -> float:
+        """Time for the draft model to catch up on ``tokens`` committed tokens it has not seen (before it has
+        been measured: a quarter of a draft step per token, prefill being cheaper per token than a step)."""
+        per = self.catchup_per_token if self.catchup_per_token is not None else (self.draft or 0.0) / 4
+        return tokens * per
+
     def observe_draft(self, seconds_per_step: float) -> None:
         self.draft = seconds_per_step if self.draft is None else \
             self.decay * self.draft + (1 - self.decay) * seconds_per_step
@@ -77,10 +92,11 @@ class CostModel:
     def rate_lookup(self, alpha: float, m: int) -> float:
         return expected_tokens_per_round(alpha, m) / self.verify_time(m + 1)
 
-    def rate_model(self, alpha: float, k: int) -> float:
+    def rate_model(self, alpha: float, k: int, overhead: float = 0.0) -> float:
+        """overhead: one-off seconds this round pays before drafting (the draft's catch-up)."""
         if self.draft is None:
             return 0.0
-        return expected_tokens_per_round(alpha, k) / (k * self.draft + self.verify_time(k + 1))
+        return expected_tokens_per_round(alpha, k) / (k * self.draft + self.verify_time(k + 1) + overhead)
 
     def break_even_acceptance(self, k_max: int) -> float:
         """Acceptance a draft token needs to pay for itself: (t_d + marginal verify time) / t_v(1)."""
@@ -140,16 +156,16 @@ class Decision:
 
 
 def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: float | None, k_max: int,
-           mode: str = "auto") -> Decision:
+           mode: str = "auto", model_overhead: float = 0.0) -> Decision:
     """The option with the highest predicted tokens/s (pure function of the cost model and the estimates).
 
     auto: best of plain, prompt lookup (the first 1..lookup_len tokens of its match) and the draft model at
-    k = 1..k_max. hybrid: prompt lookup when it has a match, else the draft model's best k (never plain).
+    k = 1..k_max (charged ``model_overhead`` seconds of catch-up). hybrid: prompt lookup when it has a match, else the draft model's best k (never plain).
     """
     options = [Decision("none", 0, costs.rate_plain())]
     options += [Decision("prompt-lookup", m, costs.rate_lookup(alpha_lookup, m)) for m in range(1, lookup_len + 1)]
     if alpha_model is not None and costs.draft is not None:
-        options += [Decision("model", k, costs.rate_model(alpha_model, k)) for k in range(1, k_max + 1)]
+        options += [Decision("model", k, costs.rate_model(alpha_model, k, model_overhead)) for k in range(1, k_max + 1)]
     if mode == "hybrid":
         lookup = [o for o in options if o.kind == "prompt-lookup"]
         model = [o for o in options if o.kind == "model"]
@@ -160,6 +176,8 @@ def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: 
 
 class AutoDrafter:
     """Chooses plain, prompt lookup or the draft model (with its k) every round; see the module docstring."""
+
+    OPTIMISTIC_ALPHA = 0.9  # what a re-probe assumes: is the option worth trying if its drafts were good?
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -179,6 +197,7 @@ class AutoDrafter:
         self._last: tuple[str, int] = ("none", 0)
         self._confs: list[float] = []
         self._plain_streak = 0
+        self._probe_gap = self.probe_every
         self.rounds = {}
 
     def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
@@ -187,16 +206,22 @@ class AutoDrafter:
             self.rounds["none"] = self.rounds.get("none", 0) + 1
             return EMPTY
         look = self.lookup.propose(tokens, k, params, rng)
-        d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens),
-                   self.alpha["model"].alpha if self.model is not None else None, k, self.mode)
+        behind = max(0, len(tokens) - 1 - self.model.rows) if self.model is not None else 0
+        catchup = self.costs.catchup_time(behind)
+        alpha_model = self.alpha["model"].alpha if self.model is not None else None
+        d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,
+                   model_overhead=catchup)
         if d.kind == "none":
             self._plain_streak += 1
-            if self._plain_streak >= self.probe_every:  # re-probe: one speculative round refreshes alpha
-                self._plain_streak = 0
-                d = Decision("prompt-lookup", len(look.tokens), 0.0) if len(look.tokens) else \
-                    Decision("model", 1, 0.0) if self.model is not None else d
+            if self._plain_streak >= self._probe_gap:
+                # Re-probe: would any option pay if its drafts were good? Then try it once, so a stale acceptance
+                # estimate can recover; the gap doubles each time, so hopeless probing fades out.
+                self._plain_streak, self._probe_gap = 0, min(2 * self._probe_gap, 256)
+                hope = self.OPTIMISTIC_ALPHA
+                d = decide(self.costs, hope, len(look.tokens), hope if self.model is not None else None, k,
+                           self.mode, model_overhead=catchup)
         else:
-            self._plain_streak = 0
+            self._plain_streak, self._probe_gap = 0, self.probe_every
         self.rounds[d.kind] = self.rounds.get(d.kind, 0) + 1
         if d.kind == "prompt-lookup":
             look = Proposal(look.tokens[: d.k] if d.k else look.tokens, None)
@@ -205,8 +230,10 @@ class AutoDrafter:
         if d.kind == "model":
             assert self.model is not None
             threshold = self.costs.break_even_acceptance(k)
+            behind, t0 = len(tokens) - 1 - self.model.rows, self.model.time_catch_up
             prop = self.model.propose(tokens, d.k, params, rng,
                                       keep=lambda conf: self.gate.acceptance(conf) >= threshold)
+            self.costs.observe_catchup(behind, self.model.time_catch_up - t0)
             self._confs = self.model.confidences
             self.costs.observe_draft(self.model.step_time)
             self._last = ("model", len(prop.tokens))

@@ -35,8 +35,6 @@ exp smollm2-int8   --target smollm2-135m --draft prompt-lookup --weights int8 --
 $B "$ENGINES/smollm2-int8" $ALL --drafter prompt-lookup,auto --max-new-tokens 128 --out "$OUT/smollm2-int8"
 $B "$ENGINES/smollm2-int4" --prompts configs/mixed_prompts.jsonl --drafter prompt-lookup,auto,hybrid \
                            --max-new-tokens 128 --repeats 2 --out "$OUT/smollm2-int4-mixed"
-$B "$ENGINES/qwen-int4"    --prompts configs/mixed_prompts.jsonl --drafter model,prompt-lookup,auto,hybrid \
-                           --k 2,4,8 --max-new-tokens 96 --out "$OUT/qwen-int4-mixed"
 for S in 512 4096; do
   [ -d "$ENGINES/smollm2-int4-s$S" ] || spec-export export --out "$ENGINES/smollm2-int4-s$S" --target smollm2-135m \
       --draft prompt-lookup --weights int4 --kv-mode ort-inplace --max-context $S
