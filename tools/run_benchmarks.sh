@@ -13,8 +13,8 @@ exp smollm2-int4   --target smollm2-135m --draft prompt-lookup --weights int4 --
 exp qwen-coder     --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
 exp qwen-int4      --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --weights int4 --kv-mode ort-inplace
 
-B="spec-run bench --k 2,4,6,8"
-ALL="--suite code,edit,chat,summarize,json --per-suite 2"
+B="spec-run bench"
+ALL="--suite code,edit,chat,summarize,json --per-suite 2 --k 2,4,6,8"
 $B "$ENGINES/smollm2"      $ALL --drafter prompt-lookup,auto --max-new-tokens 128 --out "$OUT/smollm2"
 $B "$ENGINES/smollm2-int4" $ALL --drafter prompt-lookup,auto --max-new-tokens 128 --temperature 0,0.7 --out "$OUT/smollm2-int4"
 $B "$ENGINES/qwen-int4"    $ALL --drafter model,prompt-lookup,auto,hybrid --max-new-tokens 96 --out "$OUT/qwen-int4"
@@ -41,3 +41,10 @@ for S in 512 4096; do
   $B "$ENGINES/smollm2-int4-s$S" --suite chat,edit --per-suite 2 --drafter prompt-lookup --k 4 --max-new-tokens 128 \
       --out "$OUT/smollm2-int4-s$S"
 done
+
+# auto after the decision-rule fixes, against the best fixed configuration of the first Qwen int4 run
+$B "$ENGINES/qwen-int4" --suite code,edit,chat,summarize,json --per-suite 2 --drafter prompt-lookup,auto --k 2 \
+                        --max-new-tokens 96 --out "$OUT/qwen-int4-auto2"
+# how far the formats move the logits
+python tools/quant_accuracy.py "$ENGINES/smollm2" "$ENGINES/smollm2-int8" "$ENGINES/smollm2-int4"
+python tools/quant_accuracy.py "$ENGINES/qwen-coder" "$ENGINES/qwen-int4" --per-suite 1 --max-new-tokens 32
