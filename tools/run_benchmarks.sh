@@ -48,3 +48,7 @@ $B "$ENGINES/qwen-int4" --suite code,edit,chat,summarize,json --per-suite 2 --dr
 # how far the formats move the logits
 python tools/quant_accuracy.py "$ENGINES/smollm2" "$ENGINES/smollm2-int8" "$ENGINES/smollm2-int4"
 python tools/quant_accuracy.py "$ENGINES/qwen-coder" "$ENGINES/qwen-int4" --per-suite 1 --max-new-tokens 32
+for b in smollm2 smollm2-int4; do
+  $B "$ENGINES/$b" --suite code,edit,chat,summarize,json --per-suite 2 --drafter prompt-lookup,auto --k 2,4 \
+                   --max-new-tokens 128 --out "$OUT/$b-auto2"
+done
