@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from specedge.runtime.cli import comma_list
 from specedge.runtime.errors import SpecEdgeError
 
 
@@ -17,13 +18,6 @@ def _say(msg: str) -> None:
 def _fail(e: Exception) -> None:
     click.echo(f"error: {e}", err=True)
     sys.exit(2)
-
-
-def _int_list(value: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in value.split(",") if t.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,7 +47,7 @@ def fetch(name: str, cache_dir: str | None) -> None:
 @click.option("--draft", default="prompt-lookup", show_default=True,
               help="Draft model (dir, .gguf, known name), or 'prompt-lookup', or 'none'.")
 @click.option("--k", "k", type=int, default=4, show_default=True, help="Draft length K (verify width K+1).")
-@click.option("--verify-widths", default="", callback=lambda c, p, v: _int_list(v), help="Extra, narrower verify widths, e.g. 3,5,7 with --k 8: a draft of "
+@click.option("--verify-widths", default="", callback=comma_list(int), help="Extra, narrower verify widths, e.g. 3,5,7 with --k 8: a draft of "
               "k < K tokens runs at the smallest width >= k+1 instead of K+1. Default: K+1 only.")
 @click.option("--max-context", type=int, default=2048, show_default=True, help="KV buffer length S_max.")
 @click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P.")

@@ -122,10 +122,8 @@ class _Linears:
         if weights is None and spec.symmetric and spec.block == 32:
             raws = [self.src.raw(p) for p in parts]
             if all(r is not None and GGUF_REPACKABLE.get(r[0], (0, 0, 0))[2] == spec.bits for r in raws):
-                d = self.src.config.dims
-                k = d.ffn if parts[0].endswith(".down") else d.n_heads * d.head_dim if parts[0].endswith(".o") else d.hidden
                 self.repacked += 1
-                return concat_rows([repack_gguf(t, rows, k) for t, rows in raws])
+                return concat_rows([repack_gguf(t, rows) for t, rows in raws])
         w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
         packed = quantize(w_cat, spec)
         self.requantized += 1

@@ -20,7 +20,7 @@ import numpy as np
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import ModelDims
 
-from .families import Family, ModelConfig, family_for_gguf, family_for_hf
+from .families import ModelConfig, family_for_gguf, family_for_hf
 
 
 @dataclass

@@ -128,14 +128,17 @@ def dequantize(p: Packed) -> np.ndarray:
 GGUF_REPACKABLE = {"Q4_0": (32, 18, 4), "Q8_0": (32, 34, 8)}  # type -> (block, bytes, bits)
 
 
-def repack_gguf(type_name: str, raw: np.ndarray, k: int) -> Packed:
-    """GGUF Q4_0 / Q8_0 rows (uint8 [N, row bytes], K = k inputs per row) -> Packed, bit-exact."""
+def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed:
+    """GGUF Q4_0 / Q8_0 rows (uint8 [N, row bytes]) -> Packed, bit-exact. K (inputs per row) follows from
+    the row bytes; ``k``, if given, is checked against it."""
     if type_name not in GGUF_REPACKABLE:
         raise UnsupportedModelError(f"GGUF {type_name} has no exact MatMulNBits form; only {sorted(GGUF_REPACKABLE)}")
     block, nbytes, bits = GGUF_REPACKABLE[type_name]
-    if k % block:
-        raise UnsupportedModelError(f"GGUF {type_name} row of {k} values is not a whole number of blocks")
-    kb = k // block
+    kb, rem = divmod(raw.shape[1], nbytes)
+    if rem or (k is not None and k != kb * block):
+        raise UnsupportedModelError(f"GGUF {type_name} rows of {raw.shape[1]} bytes do not hold "
+                                    f"{k if k is not None else 'whole blocks of'} {block}-value blocks")
+    k = kb * block
     blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], kb, nbytes)  # [N, k_blocks, bytes]
     scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, k_blocks]
     qs = blocks[..., 2:]

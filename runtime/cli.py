@@ -78,7 +78,8 @@ def generate(bundle, prompt, chat, backend, drafter, no_spec, k, max_new_tokens,
             click.echo(json.dumps(last.stats.as_dict()), err=True)
 
 
-def _csv(cast):
+def comma_list(cast):
+    """A click callback parsing "a,b,c" into a tuple of cast values (also used by spec-export)."""
     def parse(ctx, param, value):
         try:
             return tuple(cast(v) for v in value.split(",") if v.strip())
@@ -89,16 +90,16 @@ def _csv(cast):
 
 @main.command()
 @click.argument("bundle", type=click.Path())
-@click.option("--suite", default="code,edit,chat,summarize,json", show_default=True, callback=_csv(str),
+@click.option("--suite", default="code,edit,chat,summarize,json", show_default=True, callback=comma_list(str),
               help="Built-in suites: code, edit, chat, summarize, json.")
 @click.option("--prompts", type=click.Path(dir_okay=False), default=None,
               help="JSONL prompt file ({\"text\": ...} or {\"messages\": [...]}, optional \"suite\", \"id\") "
                    "used instead of the suites.")
-@click.option("--k", "ks", default="2,4,6,8", show_default=True, callback=_csv(int), help="Draft lengths (<= K).")
-@click.option("--drafter", "drafters", default="model,prompt-lookup,none", show_default=True, callback=_csv(str),
+@click.option("--k", "ks", default="2,4,6,8", show_default=True, callback=comma_list(int), help="Draft lengths (<= K).")
+@click.option("--drafter", "drafters", default="model,prompt-lookup,none", show_default=True, callback=comma_list(str),
               help="Drafters to compare: model, prompt-lookup, auto, hybrid; plain (none) is always measured as the "
                    "baseline. auto and hybrid run once, at the bundle's K.")
-@click.option("--temperature", "temps", default="0", show_default=True, callback=_csv(float),
+@click.option("--temperature", "temps", default="0", show_default=True, callback=comma_list(float),
               help="Sampling temperatures (0 = greedy; greedy runs are also checked token-identical to plain).")
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)

@@ -109,8 +109,6 @@ def run_hf(manifest, ids_list, specs, max_new: int, rows: list[dict]) -> dict:
             else:
                 continue
             _record(rows, i, f"hf {drafter}:{k}", out, ttft, dt)
-    del target, assistant
-    gc.collect()
     return {"transformers": transformers.__version__, "torch": torch.__version__}
 
 

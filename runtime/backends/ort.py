@@ -92,34 +92,25 @@ class OrtRunner:
         names = [f"{i}.{k}" for i in range(d.n_layers) for k in ("key", "value")]
         for name, val in zip(names, self._kv_values):
             io.bind_ortvalue_input(f"past_key_values.{name}", val)
-        pshape = (1, d.n_kv_heads, w.T, d.head_dim)
-        if self.pads_into_cache:  # present IS the cache: same OrtValues as the past inputs
-            for name, val in zip(names, self._kv_values):
-                io.bind_ortvalue_output(f"present.{name}", val)
-            if self.device == "cpu":
-                logits = np.zeros((1, w.L, d.vocab), dtype=np.float32)
-                io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-                logits_dev = None
-            else:
-                logits = None
-                logits_dev = ort.OrtValue.ortvalue_from_shape_and_type((1, w.L, d.vocab), np.float32, "cuda", 0)
-                io.bind_ortvalue_output("logits", logits_dev)
-            self._keepalive = getattr(self, "_keepalive", []) + [host_inputs]
-            return _Bound(w, io, ids, past, at, logits, logits_dev, [])
         if self.device == "cpu":
             logits = np.zeros((1, w.L, d.vocab), dtype=np.float32)
             io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-            present = [np.zeros(pshape, dtype=np.float32) for _ in names]
-            for name, arr in zip(names, present):
-                io.bind_ortvalue_output(f"present.{name}", ort.OrtValue.ortvalue_from_numpy(arr))
             logits_dev = None
         else:
             logits = None
             logits_dev = ort.OrtValue.ortvalue_from_shape_and_type((1, w.L, d.vocab), np.float32, "cuda", 0)
             io.bind_ortvalue_output("logits", logits_dev)
+        pshape = (1, d.n_kv_heads, w.T, d.head_dim)
+        if self.pads_into_cache:  # present IS the cache: the same OrtValues as the past inputs
+            present_values, present = self._kv_values, []
+        elif self.device == "cpu":
+            present = [np.zeros(pshape, dtype=np.float32) for _ in names]
+            present_values = [ort.OrtValue.ortvalue_from_numpy(arr) for arr in present]
+        else:
             present = [ort.OrtValue.ortvalue_from_shape_and_type(pshape, np.float32, "cuda", 0) for _ in names]
-            for name, val in zip(names, present):
-                io.bind_ortvalue_output(f"present.{name}", val)
+            present_values = present
+        for name, val in zip(names, present_values):
+            io.bind_ortvalue_output(f"present.{name}", val)
         # Keep the host arrays alive: the OrtValues above only borrow their memory.
         self._keepalive = getattr(self, "_keepalive", []) + [host_inputs]
         return _Bound(w, io, ids, past, at, logits, logits_dev, present)

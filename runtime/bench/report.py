@@ -115,7 +115,6 @@ def to_markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         d = r["decode_tok_s"]
         sp = r.get("speedup")
         spd = f"**{sp['median']:.2f}×** ({sp['min']:.2f}–{sp['max']:.2f})" if sp else "1 (baseline)"
-        ts = r["time_split"]
         out.append(
             f"| {r['suite']} | {r['drafter']} | {r['k']} | {r['temperature']:g} | {d['median']:.1f} ({d['min']:.1f}–{d['max']:.1f}) "
             f"| {spd} | {_f(r['e2e_speedup']['median']) + '×' if sp else '—'} | {r['ttft_s']['median'] * 1000:.0f} "

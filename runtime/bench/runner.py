@@ -147,7 +147,7 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
     if dropped:
         progress(f"k {dropped} > the bundle's K={dec.manifest.k}: skipped (re-export with a larger --k)")
     total = len(prompts) * plan.repeats * len(plan.temperatures) * len(configs)
-    progress(f"measuring machine and step costs …")
+    progress("measuring machine and step costs …")
     meta = {"machine": machine_info(), "bundle": bundle_info(dec), "plan": _plan_dict(plan),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     steps = dec.time_steps()
