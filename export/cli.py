@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from specedge.runtime.cli import comma_list
+from specedge.runtime.config import config_option
 from specedge.runtime.errors import SpecEdgeError
 
 
@@ -43,6 +44,7 @@ def fetch(name: str, cache_dir: str | None) -> None:
 
 
 @main.command()
+@config_option("export")
 @click.option("--target", required=True, help="HF model dir, .gguf file, or a known model name.")
 @click.option("--draft", default="prompt-lookup", show_default=True,
               help="Draft model (dir, .gguf, known name), or 'prompt-lookup', or 'none'.")
@@ -122,6 +124,120 @@ def info(bundle: str, verify: bool) -> None:
         click.echo(f"  {name:<24} {meta['bytes'] / 1e6:>10.1f} MB  sha256 {meta['sha256'][:16]}…")
     if verify:
         click.echo("all files match their sha256")
+
+
+@main.command()
+@config_option("build")
+@click.argument("bundle", type=click.Path(file_okay=False))
+@click.option("--backend", type=click.Choice(["trt", "onnx"]), default="trt", show_default=True,
+              help="trt: TensorRT engines (needs TensorRT and a GPU); onnx: only the reduced-precision ONNX graphs "
+                   "(run by ONNX Runtime, validated anywhere, the input of a TensorRT build).")
+@click.option("--precision", type=click.Choice(["fp16", "bf16"]), default="fp16", show_default=True,
+              help="Precision of the graph (norms, softmax, RoPE tables and logits stay fp32; the KV cache follows).")
+@click.option("--workspace-gb", type=float, default=2.0, show_default=True, help="TensorRT builder workspace cap.")
+@click.option("--timing-cache", type=click.Path(dir_okay=False), default=None,
+              help="TensorRT timing cache file, reused and updated (default ~/.cache/specedge/trt-timing-<trt>-sm<cc>.cache).")
+@click.option("--opt-level", type=click.IntRange(0, 5), default=3, show_default=True,
+              help="TensorRT builder optimization level (lower builds faster, may run slower).")
+@click.option("--head", type=click.Choice(["fp32", "low"]), default="fp32", show_default=True,
+              help="lm_head weights and matmul: fp32, or the reduced precision (saves ~1 GB for a 150k vocabulary; "
+                   "logits stay fp32 outputs either way).")
+@click.option("--force", is_flag=True, help="Redo the ONNX conversion even if it is up to date.")
+def build(bundle: str, backend: str, precision: str, workspace_gb: float, timing_cache: str | None, opt_level: int,
+          head: str, force: bool) -> None:
+    """Build reduced-precision graphs and TensorRT engines for BUNDLE, recorded in its manifest."""
+    import time
+
+    from .engines import TrtBuildOptions, build_onnx, build_trt
+
+    t0 = time.perf_counter()
+    try:
+        if backend == "onnx":
+            es = build_onnx(bundle, precision, _say, force=force, head=head)
+        else:
+            opts = TrtBuildOptions(precision, workspace_gb, timing_cache, opt_level, head)
+            if force:
+                build_onnx(bundle, precision, _say, force=True, head=head)
+            es = build_trt(bundle, opts, _say)
+    except SpecEdgeError as e:
+        _fail(e)
+    _say(f"{es.key}: {', '.join(f'{r} {f}' for r, f in es.graphs.items())} in {time.perf_counter() - t0:.1f}s")
+    click.echo(bundle)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(file_okay=False))
+@click.option("--candidate", type=click.Choice(["ort-fp16", "ort-cuda-fp16", "trt"]), default="ort-fp16",
+              show_default=True, help="What to check: the fp16 ONNX graphs on ONNX Runtime (CPU or CUDA), or the "
+                                      "TensorRT engines.")
+@click.option("--reference", type=click.Choice(["ort-cpu"]), default="ort-cpu", show_default=True,
+              help="The reference: the fp32 graphs on ONNX Runtime, CPU.")
+@click.option("--precision", type=click.Choice(["fp16", "bf16"]), default=None, help="Which engines (default: the only ones built).")
+@click.option("--prompts", type=click.Path(dir_okay=False), default=None,
+              help="JSONL prompt file (as spec-run bench reads); default: three built-in prompts.")
+@click.option("--tokens", type=int, default=24, show_default=True, help="Greedy tokens per prompt for the agreement check.")
+@click.option("--logits-atol", type=float, default=None, help="Default 0.5 (fp16), 2.0 (bf16).")
+@click.option("--logits-rtol", type=float, default=None, help="Default 0.05 (fp16), 0.1 (bf16).")
+@click.option("--kv-atol", type=float, default=None, help="present.* outputs. Default 0.05 (fp16), 0.25 (bf16).")
+@click.option("--kv-rtol", type=float, default=None, help="Default 0.05 (fp16), 0.1 (bf16).")
+@click.option("--min-agreement", type=float, default=0.95, show_default=True,
+              help="Minimum teacher-forced greedy top-1 agreement with the reference, per model.")
+@click.option("--save-goldens", type=click.Path(dir_okay=False), default=None,
+              help="Save recorded inputs + reference outputs (.npz) to compare on another machine or run.")
+@click.option("--goldens", type=click.Path(dir_okay=False), default=None,
+              help="Compare against saved goldens instead of running the reference.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
+              help="JSON report path (default BUNDLE/validate-<candidate>.json).")
+def validate(bundle: str, candidate: str, reference: str, precision: str | None, prompts: str | None, tokens: int,
+             logits_atol: float | None, logits_rtol: float | None, kv_atol: float | None, kv_rtol: float | None,
+             min_agreement: float, save_goldens: str | None, goldens: str | None, report_path: str | None) -> None:
+    """Compare a candidate (fp16 ONNX or TensorRT) with the fp32 reference on recorded real inputs (polygraphy,
+    per-output tolerances) and by greedy token agreement. Exit status 0 = passed, 1 = failed, 2 = error."""
+    import json
+
+    from .validate import DEFAULT_PROMPTS, DEFAULT_TOLERANCES, Tolerance, ValidateOptions
+    from .validate import validate as run_validate
+
+    try:
+        texts = DEFAULT_PROMPTS
+        if prompts:
+            from specedge.runtime.bench import load_prompts
+
+            texts = tuple(p.prompt if isinstance(p.prompt, str) else p.prompt[-1]["content"]
+                          for p in load_prompts(prompts))
+        base = DEFAULT_TOLERANCES[precision or "fp16"]
+        lt = Tolerance(logits_atol if logits_atol is not None else base["logits"].atol,
+                       logits_rtol if logits_rtol is not None else base["logits"].rtol)
+        kt = Tolerance(kv_atol if kv_atol is not None else base["present"].atol,
+                       kv_rtol if kv_rtol is not None else base["present"].rtol)
+        custom = any(v is not None for v in (logits_atol, logits_rtol, kv_atol, kv_rtol))
+        opts = ValidateOptions(candidate=candidate, precision=precision, prompts=texts, tokens=tokens,
+                               logits=lt if custom else None, present=kt if custom else None,
+                               min_agreement=min_agreement, goldens=goldens, save_goldens=save_goldens)
+        rep = run_validate(bundle, opts, _say)
+    except SpecEdgeError as e:
+        _fail(e)
+    out = Path(report_path or Path(bundle) / f"validate-{candidate}.json")
+    out.write_text(json.dumps(rep, indent=2) + "\n")
+    verdict = "PASSED" if rep["passed"] else "FAILED"
+    click.echo(f"validate {candidate} vs {reference} fp32: {verdict} "
+               f"({sum(c['passed'] for c in rep['cases'])}/{len(rep['cases'])} graph cases, greedy "
+               + ", ".join(f"{r} {100 * g['fraction']:.1f} %" for r, g in rep["greedy"].items())
+               + f"); report {out}")
+    sys.exit(0 if rep["passed"] else 1)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(as_json: bool) -> None:
+    """Report this platform (Jetson/L4T/JetPack, CUDA, GPU, TensorRT, ONNX Runtime, memory, power mode) and which
+    backends will work here, and why not."""
+    import json
+
+    from specedge.runtime.doctor import format_report, report
+
+    rep = report()
+    click.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,7 +11,13 @@ import sys
 
 import click
 
+from .config import config_option
 from .errors import SpecEdgeError
+
+BACKEND_HELP = ("auto (TensorRT where engines are built, else ONNX Runtime CUDA, else CPU) | ort-cpu | ort-cuda | "
+                "ort-trt (ONNX Runtime's TensorRT execution provider, engine cache in the bundle) | trt")
+PRECISION_HELP = ("Graphs to run: default fp32 on ONNX Runtime and the built engines on TensorRT; fp16/bf16 picks the "
+                  "bundle's reduced-precision graphs (spec-export build).")
 
 
 class _DefaultGenerate(click.Group):
@@ -31,10 +37,12 @@ def main() -> None:
 
 
 @main.command()
+@config_option("run")
 @click.argument("bundle", type=click.Path())
 @click.argument("prompt")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the bundle's chat template.")
-@click.option("--backend", default="auto", show_default=True, help="auto | ort-cpu | ort-cuda | trt")
+@click.option("--backend", default="auto", show_default=True, help=BACKEND_HELP)
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None, help=PRECISION_HELP)
 @click.option("--spec", "--drafter", "drafter", type=click.Choice(["auto", "hybrid", "model", "lookup", "prompt-lookup",
                                                                   "off", "none"]), default="auto", show_default=True,
               help="auto: every round, plain, prompt lookup or the draft model (and its k), whichever the measured "
@@ -51,7 +59,7 @@ def main() -> None:
 @click.option("--stats", is_flag=True, help="Print statistics to stderr.")
 @click.option("--stats-json", is_flag=True, help="Print statistics as JSON to stderr.")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: physical cores).")
-def generate(bundle, prompt, chat, backend, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k, seed, stop,
+def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k, seed, stop,
          stats, stats_json, threads) -> None:
     """Generate a completion of PROMPT with the speculative runtime over BUNDLE."""
     from .decoder import SpecDecoder
@@ -61,7 +69,7 @@ def generate(bundle, prompt, chat, backend, drafter, no_spec, k, max_new_tokens,
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop))
         click.echo(f"loading {bundle} …", err=True)
-        dec = SpecDecoder.load(bundle, backend=backend, threads=threads)
+        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, precision=precision)
         last = None
         for ev in dec.stream(prompt, params, drafter="none" if no_spec else drafter, k=k, chat=chat):
             sys.stdout.write(ev.text)
@@ -89,6 +97,7 @@ def comma_list(cast):
 
 
 @main.command()
+@config_option("bench")
 @click.argument("bundle", type=click.Path())
 @click.option("--suite", default="code,edit,chat,summarize,json", show_default=True, callback=comma_list(str),
               help="Built-in suites: code, edit, chat, summarize, json.")
@@ -107,10 +116,11 @@ def comma_list(cast):
 @click.option("--ignore-eos", is_flag=True, help="Always generate --max-new-tokens.")
 @click.option("--out", type=click.Path(file_okay=False), default="bench/latest", show_default=True)
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
-@click.option("--backend", default="auto", show_default=True)
+@click.option("--backend", default="auto", show_default=True, help=BACKEND_HELP)
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None, help=PRECISION_HELP)
 @click.option("--threads", type=int, default=None)
 def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, per_suite, ignore_eos, out, no_plots,
-          backend, threads) -> None:
+          backend, precision, threads) -> None:
     """Benchmark speculative vs plain decoding on BUNDLE: every configuration and the plain baseline on the same
     prompts, interleaved, in one run. Writes OUT/results.json, OUT/report.md and plots; prints the table."""
     from .bench import BenchPlan, load_prompts, run_bench, write_report
@@ -122,7 +132,7 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
                          prompts=tuple(load_prompts(prompts)) if prompts else ())
         plan.prompt_list()  # unknown suite names fail here, before loading the models
         click.echo(f"loading {bundle} …", err=True)
-        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size")
+        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", precision=precision)
         raw = run_bench(dec, plan)
     except SpecEdgeError as e:
         click.echo(f"error: {e}", err=True)

@@ -79,16 +79,23 @@ class SpecDecoder:
         self.target, self.draft_runner, self.codec = target, draft, codec
         self._lock = threading.Lock()
         self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
+        self._shared: dict = {}  # what the runners share (TensorRT: CUDA stream and scratch memory)
 
     @classmethod
     def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "sha256",
-             threads: int | None = None) -> "SpecDecoder":
+             threads: int | None = None, precision: str | None = None) -> "SpecDecoder":
+        """backend: auto | ort-cpu | ort-cuda | ort-trt | trt. precision: None (fp32 graphs on ONNX Runtime; the
+        built engines on TensorRT) or fp16/bf16 (the bundle's reduced-precision graphs or engines)."""
         bundle_dir = Path(bundle)
         manifest = read_manifest(bundle_dir, verify=verify)
         backend = resolve_backend(backend, manifest)
-        target = open_runner(backend, bundle_dir, manifest, "target", threads)
-        draft = open_runner(backend, bundle_dir, manifest, "draft", threads) if manifest.draft else None
-        return cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer))
+        shared: dict = {}
+        target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared)
+        draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared)
+                 if manifest.draft else None)
+        dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer))
+        dec._shared = shared
+        return dec
 
     # ---------------------------------------------------------------- drafters
     DRAFTER_ALIASES = {"lookup": "prompt-lookup", "off": "none"}
@@ -288,3 +295,8 @@ class SpecDecoder:
         self.target.close()
         if self.draft_runner is not None:
             self.draft_runner.close()
+        shared = self._shared
+        if "scratch" in shared:  # TensorRT: the scratch and stream both runners used
+            shared["scratch"].close()
+            shared["cuda"].stream_destroy(shared["stream"])
+            shared.clear()

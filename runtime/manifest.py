@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ class Manifest:
     opset: int = ONNX_OPSET
     schema: str = SCHEMA
     created_by: str = ""
-    engines: dict[str, Any] = field(default_factory=dict)
+    engines: dict[str, Any] = field(default_factory=dict)  # key "<kind>-<precision>" -> EngineSet.to_json()
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -137,6 +138,22 @@ class Manifest:
             raise BundleError(f"unknown drafter {self.drafter!r}; allowed: {', '.join(DRAFTER_KINDS)}")
         if (self.drafter == "model") != (self.draft is not None):
             raise BundleError("drafter 'model' needs a draft model entry, and only it has one")
+
+    def engine_set(self, kind: str, precision: str | None = None) -> "EngineSet":
+        """The bundle's reduced-precision graphs ("onnx") or TensorRT engines ("trt") of one precision.
+
+        precision None: the only set of that kind (an error if there are several or none)."""
+        have = {key: EngineSet.from_json(v) for key, v in self.engines.items()}
+        sets = [e for e in have.values() if e.kind == kind and (precision is None or e.precision == precision)]
+        if len(sets) == 1:
+            return sets[0]
+        built = ", ".join(sorted(have)) or "none"
+        if not sets:
+            what = f"{kind} {precision}" if precision else kind
+            how = ("spec-export build BUNDLE --backend trt --precision fp16" if kind == "trt"
+                   else "spec-export build BUNDLE --backend onnx --precision fp16")
+            raise BundleError(f"this bundle has no {what} engines (built: {built}); build them with: {how}")
+        raise BundleError(f"this bundle has {kind} engines in several precisions ({built}); pick one with --precision")
 
     @property
     def models(self) -> dict[str, ModelEntry]:
@@ -161,6 +178,49 @@ class Manifest:
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise BundleError(f"manifest is malformed: {e}") from e
+
+
+ENGINE_KINDS = ("onnx", "trt")
+
+
+@dataclass(frozen=True)
+class EngineSet:
+    """Graphs of every model of a bundle in one reduced precision, for one backend.
+
+    kind "onnx": reduced-precision ONNX graphs (ONNX Runtime, and the input of TensorRT builds).
+    kind "trt": serialized TensorRT engines, valid only for the TensorRT version and GPU (compute
+    capability) recorded here; one optimization profile per width, in ``profiles`` order.
+    """
+
+    kind: str
+    precision: str  # fp16 | bf16
+    kv_dtype: str  # numpy-style name of the cache element type: float16 | bfloat16
+    graphs: dict[str, str]  # role -> file inside the bundle
+    sources: dict[str, str]  # role -> sha256 of the ONNX file the graph was made from
+    profiles: dict[str, list[list[int]]] = field(default_factory=dict)  # role -> [[T, L], ...] (trt)
+    tensorrt: str | None = None  # TensorRT version that built the engines (trt)
+    gpu: dict[str, Any] = field(default_factory=dict)  # {"name", "compute_capability"} (trt)
+    build: dict[str, Any] = field(default_factory=dict)  # how: seconds, workspace, timing cache, conversion report
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINE_KINDS:
+            raise BundleError(f"engine kind {self.kind!r} unknown; this specedge reads {', '.join(ENGINE_KINDS)}")
+        if self.kind == "trt" and (not self.tensorrt or not self.gpu.get("compute_capability")):
+            raise BundleError("a TensorRT engine entry must record the TensorRT version and GPU compute capability")
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}-{self.precision}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "EngineSet":
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise BundleError(f"manifest engine entry is malformed: {e}") from e
 
 
 def _model_from_json(d: dict[str, Any]) -> ModelEntry:
@@ -194,19 +254,22 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
     return tuple(sorted(by_t.values(), key=lambda w: w.T))
 
 
-def io_spec(dims: ModelDims, kv_mode: str = "portable") -> tuple[list[TensorSpec], list[TensorSpec]]:
+def io_spec(dims: ModelDims, kv_mode: str = "portable",
+            kv_dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Inputs and outputs of one model graph.
 
     portable: ``present`` holds the T new rows, copied into the cache by the runtime.
     ort-inplace: ``present`` is the cache itself (bound to the same buffer as ``past``).
+    kv_dtype: the cache's element type (float32; float16 / bfloat16 in reduced-precision graphs).
+    Logits are float32 in every graph.
     """
     kv_in = [
-        TensorSpec(f"past_key_values.{i}.{kind}", "float32", ("B", dims.n_kv_heads, "S_max", dims.head_dim))
+        TensorSpec(f"past_key_values.{i}.{kind}", kv_dtype, ("B", dims.n_kv_heads, "S_max", dims.head_dim))
         for i in range(dims.n_layers)
         for kind in ("key", "value")
     ]
     kv_out = [
-        TensorSpec(f"present.{i}.{kind}", "float32",
+        TensorSpec(f"present.{i}.{kind}", kv_dtype,
                    ("B", dims.n_kv_heads, "T" if kv_mode == "portable" else "S_max", dims.head_dim))
         for i in range(dims.n_layers)
         for kind in ("key", "value")
@@ -219,6 +282,16 @@ def io_spec(dims: ModelDims, kv_mode: str = "portable") -> tuple[list[TensorSpec
     ]
     outputs = [TensorSpec("logits", "float32", ("B", "L", dims.vocab)), *kv_out]
     return inputs, outputs
+
+
+def width_shapes(dims: ModelDims, w: Width, max_context: int) -> dict[str, tuple[int, ...]]:
+    """Every input's shape at one width (B = 1): a TensorRT optimization profile (min = opt = max), the
+    TensorRT execution provider's profile strings, and the buffers a runner binds all come from here."""
+    kv = (1, dims.n_kv_heads, max_context, dims.head_dim)
+    shapes: dict[str, tuple[int, ...]] = {"input_ids": (1, w.T), "past_len": (1,), "logits_at": (1, w.L)}
+    for i in range(dims.n_layers):
+        shapes[f"past_key_values.{i}.key"] = shapes[f"past_key_values.{i}.value"] = kv
+    return shapes
 
 
 # ---- files and hashes ----------------------------------------------------
@@ -234,7 +307,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:
-    (Path(bundle_dir) / MANIFEST_NAME).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+    """Write atomically: a reader never sees a half-written manifest, a crash leaves the old one."""
+    path = Path(bundle_dir) / MANIFEST_NAME
+    tmp = path.with_name(f".{MANIFEST_NAME}.tmp")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def read_manifest(bundle_dir: str | Path, verify: str = "sha256") -> Manifest:

@@ -10,15 +10,17 @@ Heavy imports (onnxruntime, tensorrt, CUDA) happen inside the backend modules.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
 
 from ..errors import BackendUnavailableError
-from ..manifest import Manifest, ModelEntry
+from ..manifest import Manifest, ModelEntry, width_shapes
 
-BACKENDS = ("auto", "ort-cpu", "ort-cuda", "trt")
+BACKENDS = ("auto", "ort-cpu", "ort-cuda", "ort-trt", "trt")
+TRT_EP_CACHE = "trt-ep-cache"  # inside the bundle: the TensorRT execution provider's engine and timing caches
 
 
 class GraphRunner(Protocol):
@@ -36,13 +38,20 @@ class GraphRunner(Protocol):
     def close(self) -> None: ...
 
 
+def tensorrt_installed() -> bool:
+    return importlib.util.find_spec("tensorrt") is not None
+
+
 def available_backends() -> list[str]:
-    """Backends usable here, best first."""
-    out = []
+    """Backends whose libraries are importable here, best first (a GPU is checked when a runner opens)."""
+    out = ["trt"] if tensorrt_installed() else []
     try:
         import onnxruntime as ort
 
-        if "CUDAExecutionProvider" in ort.get_available_providers():
+        providers = ort.get_available_providers()
+        if "TensorrtExecutionProvider" in providers:
+            out.append("ort-trt")
+        if "CUDAExecutionProvider" in providers:
             out.append("ort-cuda")
         out.append("ort-cpu")
     except ImportError:  # pragma: no cover - base dependency
@@ -51,27 +60,54 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend(name: str, manifest: Manifest) -> str:
+    """`name`, or for "auto" the best backend this machine and bundle allow: TensorRT where engines are built
+    and TensorRT is installed, then ONNX Runtime CUDA, then CPU."""
     if name not in BACKENDS:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     have = available_backends()
     if name == "auto":
-        # trt is preferred once engines are built for the bundle; the TensorRT backend is its own issue.
-        if not have:
+        has_engines = any(v.get("kind") == "trt" for v in manifest.engines.values())
+        pick = [b for b in have if b != "ort-trt" and (b != "trt" or has_engines)]
+        if not pick:
             raise BackendUnavailableError("no backend available: install onnxruntime")
-        return have[0]
-    if name == "trt":
-        raise BackendUnavailableError(
-            "the TensorRT backend is not implemented yet (tracked in the TensorRT issue); use ort-cpu or ort-cuda")
+        return pick[0]
     if name not in have:
+        how = {"trt": "install TensorRT (JetPack's python3-libnvinfer, or pip install 'specedge[trt]')",
+               "ort-cuda": "install onnxruntime-gpu and a CUDA driver",
+               "ort-trt": "install onnxruntime-gpu built with TensorRT, and TensorRT"}.get(name, "")
         raise BackendUnavailableError(
-            f"backend {name!r} is not available here (available: {', '.join(have) or 'none'}); "
-            + ("install onnxruntime-gpu and a CUDA driver" if name == "ort-cuda" else ""))
+            f"backend {name!r} is not available here (available: {', '.join(have) or 'none'}); {how}; "
+            "`spec-export doctor` explains what this machine has")
     return name
 
 
-def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str,
-                threads: int | None = None) -> GraphRunner:
+def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, threads: int | None = None,
+                precision: str | None = None, shared: dict | None = None) -> GraphRunner:
+    """One model's runner. precision: None/"fp32" runs the fp32 graph on ONNX Runtime; "fp16" runs the bundle's
+    fp16 ONNX graphs (``spec-export build --backend onnx``); TensorRT runs the built engines (None: the only
+    precision built). shared: per-decoder state the runners of one bundle share (TensorRT: stream, scratch)."""
+    if backend == "trt":
+        from .trt import TrtRunner
+
+        return TrtRunner(bundle_dir, manifest, role, manifest.engine_set("trt", precision), shared)
     from .ort import OrtRunner
 
-    return OrtRunner(bundle_dir, manifest, role, device="cuda" if backend == "ort-cuda" else "cpu",
-                     threads=threads)
+    engines = manifest.engine_set("onnx", precision) if precision not in (None, "fp32") else None
+    providers = None
+    if backend == "ort-trt":
+        providers = [("TensorrtExecutionProvider", trt_ep_options(bundle_dir, manifest, role)),
+                     ("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+    return OrtRunner(bundle_dir, manifest, role, device="cpu" if backend == "ort-cpu" else "cuda",
+                     threads=threads, engines=engines, providers=providers)
+
+
+def trt_ep_options(bundle_dir: Path, manifest: Manifest, role: str) -> dict[str, object]:
+    """ONNX Runtime TensorRT execution provider options: engine and timing caches inside the bundle, and one
+    explicit optimization profile per declared width (an input named once per profile, in width order)."""
+    entry = manifest.models[role]
+    shapes = [width_shapes(entry.dims, w, manifest.max_context) for w in entry.widths]
+    profile = ",".join(f"{name}:{'x'.join(map(str, shape))}" for s in shapes for name, shape in s.items())
+    cache = str(Path(bundle_dir) / TRT_EP_CACHE)
+    return {"device_id": 0, "trt_engine_cache_enable": True, "trt_engine_cache_path": cache,
+            "trt_timing_cache_enable": True, "trt_timing_cache_path": cache,
+            "trt_profile_min_shapes": profile, "trt_profile_opt_shapes": profile, "trt_profile_max_shapes": profile}

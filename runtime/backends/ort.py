@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import BackendUnavailableError
-from ..manifest import Manifest, Width
+from ..manifest import EngineSet, Manifest, Width
 
 
 @dataclass
@@ -45,10 +45,19 @@ class OrtRunner:
     """One model of a bundle on ONNX Runtime, buffers bound once per width."""
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, role: str, device: str = "cpu",
-                 threads: int | None = None):
+                 threads: int | None = None, engines: EngineSet | None = None, providers: list | None = None):
+        """engines: a reduced-precision ("onnx") engine set to run instead of the fp32 graph.
+        providers: ONNX Runtime execution providers (default: CUDA for device "cuda", else CPU)."""
         import onnxruntime as ort
 
         self.entry = manifest.models[role]
+        graph = self.entry.graph
+        self.kv_dtype = np.dtype(np.float32)
+        if engines is not None:
+            if engines.kind != "onnx" or engines.kv_dtype != "float16":
+                raise BackendUnavailableError(
+                    f"ONNX Runtime runs the fp32 graphs and fp16 ONNX engine sets; {engines.key} needs TensorRT")
+            graph, self.kv_dtype = engines.graphs[role], np.dtype(np.float16)
         self.max_context = manifest.max_context
         self.device = device
         self.pads_into_cache = manifest.kv_mode == "ort-inplace"  # a step writes all T rows at past_len
@@ -61,21 +70,21 @@ class OrtRunner:
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BackendUnavailableError("ort-cuda needs onnxruntime-gpu with a working CUDA install")
-            providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+            providers = providers or [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
         else:
-            providers = ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(Path(bundle_dir) / self.entry.graph), so, providers=providers)
+            providers = providers or ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(Path(bundle_dir) / graph), so, providers=providers)
         self._ort = ort
         kv_shape = (d.n_layers, 2, 1, d.n_kv_heads, self.max_context, d.head_dim)
         if device == "cpu":
-            self.kv = np.zeros(kv_shape, dtype=np.float32)  # owned here; see module docstring
+            self.kv = np.zeros(kv_shape, dtype=self.kv_dtype)  # owned here; see module docstring
             self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.kv[i, j]) for i in range(d.n_layers)
                                for j in range(2)]
         else:
             from .cuda_rt import CudaRuntime
 
             self._cuda = CudaRuntime()
-            self._kv_values = [ort.OrtValue.ortvalue_from_shape_and_type(kv_shape[2:], np.float32, "cuda", 0)
+            self._kv_values = [ort.OrtValue.ortvalue_from_shape_and_type(kv_shape[2:], self.kv_dtype, "cuda", 0)
                                for _ in range(d.n_layers * 2)]
         self._bound = {w.T: self._bind(w) for w in self.entry.widths}
 
@@ -104,10 +113,10 @@ class OrtRunner:
         if self.pads_into_cache:  # present IS the cache: the same OrtValues as the past inputs
             present_values, present = self._kv_values, []
         elif self.device == "cpu":
-            present = [np.zeros(pshape, dtype=np.float32) for _ in names]
+            present = [np.zeros(pshape, dtype=self.kv_dtype) for _ in names]
             present_values = [ort.OrtValue.ortvalue_from_numpy(arr) for arr in present]
         else:
-            present = [ort.OrtValue.ortvalue_from_shape_and_type(pshape, np.float32, "cuda", 0) for _ in names]
+            present = [ort.OrtValue.ortvalue_from_shape_and_type(pshape, self.kv_dtype, "cuda", 0) for _ in names]
             present_values = present
         for name, val in zip(names, present_values):
             io.bind_ortvalue_output(f"present.{name}", val)
@@ -125,6 +134,22 @@ class OrtRunner:
         return min(fits, key=lambda b: b.width.T)
 
     # --------------------------------------------------------------------- step
+    def feed(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> dict[str, np.ndarray]:
+        """The exact inputs (copies) the next ``step(tokens, past_len, all_logits)`` will run with: what
+        validation records as a graph's real input (CPU only)."""
+        if self.device != "cpu":
+            raise ValueError("feed() reads the cache from host memory: CPU runners only")
+        n = len(tokens)
+        w = self._pick(n, all_logits, past_len).width
+        ids = np.full((1, w.T), tokens[-1], dtype=np.int64)
+        ids[0, :n] = tokens
+        at = np.arange(w.T, dtype=np.int64)[None] if w.L == w.T else np.array([[n - 1]], dtype=np.int64)
+        out = {"input_ids": ids, "past_len": np.array([past_len], dtype=np.int64), "logits_at": at}
+        for i in range(self.entry.dims.n_layers):
+            out[f"past_key_values.{i}.key"] = self.kv[i, 0].copy()
+            out[f"past_key_values.{i}.value"] = self.kv[i, 1].copy()
+        return out
+
     def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
         n = len(tokens)
         assert 0 < n and past_len + n <= self.max_context, (n, past_len, self.max_context)
@@ -150,7 +175,7 @@ class OrtRunner:
                 kv[j, :, :, past_len:past_len + n] = present[:, :, :n]
             return
         d = self.entry.dims
-        row = d.head_dim * 4
+        row = d.head_dim * self.kv_dtype.itemsize
         for dst, src in zip(self._kv_values, b.present):
             # [H_kv] rows of n*D floats: src pitch T*D, dst pitch S_max*D, offset past_len*D.
             self._cuda.memcpy2d_d2d(dst.data_ptr() + past_len * row, self.max_context * row,

@@ -1,0 +1,372 @@
+"""`spec-export validate`: a candidate graph against the fp32 ONNX Runtime reference, with polygraphy.
+
+Two checks, on real inputs recorded from real prompts:
+
+1. **Per graph** (polygraphy ``Comparator.compare_accuracy``, per-output tolerances): for every
+   model of the bundle, the inputs of a prefill chunk, a verify step (target) and a decode step,
+   each with the KV cache filled by the preceding prompt, are recorded by running the fp32 graph
+   with the specedge runtime; the reference (ONNX Runtime fp32, CPU) and the candidate (the
+   bundle's fp16 ONNX graph on ONNX Runtime, or its TensorRT engine, one polygraphy runner per
+   optimization profile) run them; ``logits`` and every ``present.*`` output are compared.
+2. **Per model, greedy**: the reference's greedy continuation of every prompt is fed to the
+   candidate token by token (teacher forcing, so one early difference does not derail the rest)
+   and the candidate's top-1 is compared with the reference's next token. Where they differ, the
+   reference's top-2 logit gap is reported: a small gap is a near-tie, a large one is a bug.
+
+Goldens (recorded inputs, reference outputs and greedy tokens) can be saved in one run and
+compared in another (``--save-goldens`` / ``--goldens``): a small device then never holds the
+fp32 reference and the candidate at once. The report is JSON; the exit status says pass/fail.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from specedge.runtime.errors import BundleError
+from specedge.runtime.manifest import Manifest, read_manifest
+from specedge.runtime.text import TextCodec
+
+DEFAULT_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "Explain in two sentences why the sky is blue.",
+    "Summarize: The meeting moved the launch from May to June because the supplier delayed the parts, "
+    "and the budget stays the same.",
+)
+CANDIDATES = ("ort-fp16", "ort-cuda-fp16", "trt")
+GOLDENS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    stat: str = "elemwise"  # polygraphy check_error_stat: elemwise | max | mean | median
+
+    def to_json(self) -> dict:
+        return {"atol": self.atol, "rtol": self.rtol, "stat": self.stat}
+
+
+# Defaults, per candidate precision. fp16 weights move logits of magnitude ~20 by a few 0.01 and
+# the KV rows by ~1e-3 (measured on SmolLM2-135M: docs in README); the bounds leave ~5x room.
+DEFAULT_TOLERANCES = {
+    "fp16": {"logits": Tolerance(0.5, 0.05), "present": Tolerance(0.05, 0.05)},
+    "bf16": {"logits": Tolerance(2.0, 0.1), "present": Tolerance(0.25, 0.1)},
+}
+
+
+@dataclass
+class ValidateOptions:
+    candidate: str = "ort-fp16"
+    precision: str | None = None  # trt: which engines (None: the only ones built); ort-*: fp16
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    chat: bool = True
+    tokens: int = 24  # greedy tokens per prompt
+    logits: Tolerance | None = None  # None: DEFAULT_TOLERANCES[precision]
+    present: Tolerance | None = None
+    min_agreement: float = 0.95  # teacher-forced top-1 agreement with the reference, per model
+    goldens: Path | None = None  # compare against these instead of running the reference
+    save_goldens: Path | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.candidate not in CANDIDATES:
+            raise BundleError(f"--candidate {self.candidate!r}: choose one of {', '.join(CANDIDATES)}")
+        if self.tokens < 1 or not self.prompts:
+            raise BundleError("validation needs at least one prompt and --tokens >= 1")
+        if not 0 <= self.min_agreement <= 1:
+            raise BundleError(f"--min-agreement must be in [0, 1], got {self.min_agreement}")
+
+
+@dataclass
+class Case:
+    role: str
+    name: str  # prefill | verify | decode
+    T: int
+    feed: dict[str, np.ndarray]
+    reference: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class Greedy:
+    role: str
+    prompt: list[int]
+    tokens: list[int]  # the reference's greedy continuation
+    gaps: list[float]  # the reference's top-1 minus top-2 logit at each of them
+
+
+# ------------------------------------------------------------------ recording (reference side)
+def record(bundle_dir: Path, manifest: Manifest, opts: ValidateOptions, say: Callable[[str], None]
+           ) -> tuple[list[Case], list[Greedy]]:
+    """Run the fp32 graphs with the runtime (ONNX Runtime, CPU) on the prompts: graph inputs of a prefill
+    chunk, a verify step and a decode step of the first prompt, and every prompt's greedy continuation."""
+    from specedge.runtime.backends.ort import OrtRunner
+
+    codec = TextCodec(bundle_dir, manifest.tokenizer)
+    prompts = [codec.encode(codec.render_chat([{"role": "user", "content": p}]), add_bos=False) if opts.chat
+               else codec.encode(p) for p in opts.prompts]
+    cases, greedy = [], []
+    P, K = manifest.prefill_chunk, manifest.k
+    for role in manifest.models:
+        runner = OrtRunner(bundle_dir, manifest, role, threads=opts.threads)
+        try:
+            for i, ids in enumerate(prompts):
+                need = len(ids) + opts.tokens + K + 1
+                if need > manifest.max_context:
+                    raise BundleError(f"prompt {i + 1} needs {need} positions, the bundle holds {manifest.max_context}")
+                logits = None
+                for start in range(0, len(ids), P):  # prefill, recording the last chunk of the first prompt
+                    chunk = ids[start:start + P]
+                    if i == 0 and start + P >= len(ids):
+                        f = runner.feed(chunk, start, False)
+                        cases.append(Case(role, "prefill", f["input_ids"].shape[1], f))
+                    logits = runner.step(chunk, start, all_logits=False)
+                toks, gaps, pos = [], [], len(ids)
+                for _ in range(opts.tokens):  # plain greedy decoding, one token per step
+                    top2 = np.partition(logits[-1], -2)[-2:]
+                    toks.append(int(np.argmax(logits[-1])))
+                    gaps.append(float(top2[1] - top2[0]))
+                    logits = runner.step([toks[-1]], pos, all_logits=False)
+                    pos += 1
+                greedy.append(Greedy(role, list(ids), toks, gaps))
+                if i == 0:  # a verify step (target) and a decode step over the filled cache
+                    extra = (toks + toks)[:K + 1]
+                    if role == "target":
+                        f = runner.feed(extra, pos, True)
+                        cases.append(Case(role, "verify", f["input_ids"].shape[1], f))
+                        runner.step(extra, pos, all_logits=True)
+                        pos += len(extra)
+                    f = runner.feed([toks[-1]], pos, False)
+                    cases.append(Case(role, "decode", f["input_ids"].shape[1], f))
+            say(f"{role}: recorded {sum(c.role == role for c in cases)} graph inputs and "
+                f"{sum(len(g.tokens) for g in greedy if g.role == role)} greedy tokens")
+        finally:
+            runner.close()
+    return cases, greedy
+
+
+def run_reference(bundle_dir: Path, manifest: Manifest, cases: list[Case], say: Callable[[str], None]) -> None:
+    """Fill each case's reference outputs with polygraphy's ONNX Runtime runner on the fp32 graph (CPU)."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+
+    for role, e in manifest.models.items():
+        runner = OnnxrtRunner(SessionFromOnnx(str(bundle_dir / e.graph), providers=["CPUExecutionProvider"]),
+                              name=f"ort-fp32-{role}")
+        with runner:
+            for c in (c for c in cases if c.role == role):
+                c.reference = {k: np.asarray(v, dtype=np.float32) for k, v in runner.infer(c.feed).items()}
+        say(f"{role}: reference outputs computed (ONNX Runtime fp32, CPU)")
+
+
+# ------------------------------------------------------------------ goldens
+def save_goldens(path: Path, bundle_dir: Path, manifest: Manifest, cases: list[Case], greedy: list[Greedy],
+                 opts: ValidateOptions) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    meta = {"version": GOLDENS_VERSION, "bundle": str(bundle_dir),
+            "graphs": {r: manifest.files[e.graph]["sha256"] for r, e in manifest.models.items()},
+            "cases": [], "greedy": [], "prompts": list(opts.prompts), "chat": opts.chat}
+    for j, c in enumerate(cases):
+        meta["cases"].append({"role": c.role, "name": c.name, "T": c.T})
+        for k, v in c.feed.items():
+            arrays[f"c{j}/in/{k}"] = v
+        for k, v in c.reference.items():
+            arrays[f"c{j}/out/{k}"] = v
+    for g in greedy:
+        meta["greedy"].append({"role": g.role, "prompt": g.prompt, "tokens": g.tokens, "gaps": g.gaps})
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    tmp = Path(str(path) + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    tmp.replace(path)
+
+
+def load_goldens(path: Path, manifest: Manifest) -> tuple[list[Case], list[Greedy], dict]:
+    if not Path(path).is_file():
+        raise BundleError(f"goldens file {path} does not exist; make it with --save-goldens")
+    try:
+        z = np.load(path)
+        meta = json.loads(bytes(z["meta"]).decode())
+    except (OSError, ValueError, KeyError) as e:
+        raise BundleError(f"{path} is not a specedge goldens file: {e}") from e
+    if meta.get("version") != GOLDENS_VERSION:
+        raise BundleError(f"{path} is goldens format {meta.get('version')}, this specedge reads {GOLDENS_VERSION}")
+    mine = {r: manifest.files[e.graph]["sha256"] for r, e in manifest.models.items()}
+    if meta["graphs"] != mine:
+        raise BundleError(f"{path} was recorded from other graphs than this bundle's (fp32 graph sha256 differ); "
+                          "record goldens from this bundle")
+    cases = []
+    for j, c in enumerate(meta["cases"]):
+        feed = {k.split("/", 2)[2]: z[k] for k in z.files if k.startswith(f"c{j}/in/")}
+        ref = {k.split("/", 2)[2]: z[k] for k in z.files if k.startswith(f"c{j}/out/")}
+        cases.append(Case(c["role"], c["name"], c["T"], feed, ref))
+    greedy = [Greedy(g["role"], g["prompt"], g["tokens"], g["gaps"]) for g in meta["greedy"]]
+    return cases, greedy, meta
+
+
+# ------------------------------------------------------------------ candidate
+def _candidate_runners(bundle_dir: Path, manifest: Manifest, opts: ValidateOptions, role: str,
+                       cases: list[Case]) -> Iterator[tuple[Any, list[Case], np.dtype]]:
+    """(polygraphy runner, the cases it runs, the KV dtype it takes), one runner per engine profile."""
+    if opts.candidate == "trt":
+        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+        es = manifest.engine_set("trt", opts.precision)
+        if es.kv_dtype != "float16":
+            raise NotImplementedError(f"validating {es.precision} TensorRT engines is not implemented: polygraphy's "
+                                      "numpy path has no bfloat16; validate the fp16 engines")
+        plan = (bundle_dir / es.graphs[role]).read_bytes()
+        widths = [w.T for w in manifest.models[role].widths]
+        engine = EngineFromBytes(plan)()
+        for p, T in enumerate(widths):
+            mine = [c for c in cases if c.T == T]
+            if mine:
+                yield TrtRunner(engine, name=f"trt-{es.precision}-{role}-T{T}", optimization_profile=p), mine, \
+                    np.dtype(np.float16)
+        return
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+
+    from .engines import build_onnx
+
+    es = build_onnx(bundle_dir, opts.precision or "fp16")
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if opts.candidate == "ort-cuda-fp16" \
+        else ["CPUExecutionProvider"]
+    sess = SessionFromOnnx(str(bundle_dir / es.graphs[role]), providers=providers)
+    yield OnnxrtRunner(sess, name=f"{opts.candidate}-{role}"), cases, np.dtype(np.float16)
+
+
+def _runtime_candidate(bundle_dir: Path, manifest: Manifest, opts: ValidateOptions, role: str):
+    from specedge.runtime.backends import open_runner
+
+    backend = {"ort-fp16": "ort-cpu", "ort-cuda-fp16": "ort-cuda", "trt": "trt"}[opts.candidate]
+    precision = opts.precision or ("fp16" if backend != "trt" else None)
+    return open_runner(backend, bundle_dir, manifest, role, opts.threads, precision, {})
+
+
+def compare_cases(bundle_dir: Path, manifest: Manifest, cases: list[Case], opts: ValidateOptions,
+                  tol: dict[str, Tolerance], say: Callable[[str], None]) -> list[dict]:
+    from polygraphy.comparator import CompareFunc, Comparator, IterationResult, RunResults
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR  # our summary lines replace polygraphy's per-tensor statistics
+    out = []
+    for role in manifest.models:
+        for runner, mine, kv_dtype in _candidate_runners(bundle_dir, manifest, opts, role,
+                                                         [c for c in cases if c.role == role]):
+            with runner:
+                for c in mine:
+                    feed = {k: (v.astype(kv_dtype) if k.startswith("past_key_values.") else v) for k, v in c.feed.items()}
+                    got = {k: np.asarray(v, dtype=np.float32) for k, v in runner.infer(feed).items()}
+                    names = sorted(c.reference)
+                    t = {n: tol["logits" if n == "logits" else "present"] for n in names}
+                    func = CompareFunc.simple(atol={n: t[n].atol for n in names}, rtol={n: t[n].rtol for n in names},
+                                              check_error_stat={n: t[n].stat for n in names})
+                    results = RunResults()
+                    results.append(("reference", [IterationResult(c.reference, runner_name="reference")]))
+                    results.append(("candidate", [IterationResult({n: got[n] for n in names}, runner_name="candidate")]))
+                    acc = Comparator.compare_accuracy(results, compare_func=func)
+                    if not hasattr(acc, "values"):  # polygraphy >= 0.50: one AccuracyResult per compare function
+                        acc = acc[0]
+                    per = next(iter(acc.values()))[0]  # (reference, candidate), iteration 0
+                    out.append(_case_summary(c, per, tol))
+                    say(_case_line(out[-1]))
+    return out
+
+
+def _case_summary(c: Case, per: dict, tol: dict[str, Tolerance]) -> dict:
+    def agg(names: list[str]) -> dict:
+        return {"passed": all(bool(per[n]) for n in names),
+                "max_absdiff": max(per[n].max_absdiff for n in names),
+                "mean_absdiff": float(np.mean([per[n].mean_absdiff for n in names])),
+                "max_reldiff": max(per[n].max_reldiff for n in names),
+                "failed": sorted(n for n in names if not bool(per[n]))[:8]}
+
+    kv = [n for n in per if n.startswith("present.")]
+    return {"role": c.role, "case": c.name, "T": c.T, "logits": {**agg(["logits"]), **tol["logits"].to_json()},
+            "present": {**agg(kv), **tol["present"].to_json(), "tensors": len(kv)},
+            "passed": all(bool(v) for v in per.values())}
+
+
+def _case_line(s: dict) -> str:
+    ok = lambda b: "ok" if b else "FAIL"  # noqa: E731
+    lg, kv = s["logits"], s["present"]
+    return (f"{s['role']} {s['case']} T={s['T']}: logits max|d| {lg['max_absdiff']:.4g} mean {lg['mean_absdiff']:.3g} "
+            f"(atol {lg['atol']}, rtol {lg['rtol']}) {ok(lg['passed'])}; KV ({kv['tensors']} tensors) max|d| "
+            f"{kv['max_absdiff']:.4g} (atol {kv['atol']}) {ok(kv['passed'])}")
+
+
+def greedy_agreement(bundle_dir: Path, manifest: Manifest, greedy: list[Greedy], opts: ValidateOptions,
+                     say: Callable[[str], None]) -> dict[str, dict]:
+    """Teacher-forced top-1 agreement of the candidate (run by the specedge runtime) with the reference."""
+    out = {}
+    for role in manifest.models:
+        runs = [g for g in greedy if g.role == role]
+        runner = _runtime_candidate(bundle_dir, manifest, opts, role)
+        agree = total = 0
+        firsts, mismatches = [], []
+        try:
+            for k, g in enumerate(runs):
+                P = manifest.prefill_chunk
+                logits = None
+                for start in range(0, len(g.prompt), P):
+                    logits = runner.step(g.prompt[start:start + P], start, all_logits=False)
+                pos, first = len(g.prompt), None
+                for j, tok in enumerate(g.tokens):
+                    top = int(np.argmax(logits[-1]))
+                    if top == tok:
+                        agree += 1
+                    else:
+                        first = j if first is None else first
+                        mismatches.append({"prompt": k, "position": j, "reference": tok, "candidate": top,
+                                           "reference_top2_gap": round(g.gaps[j], 5)})
+                    total += 1
+                    logits = runner.step([tok], pos, all_logits=False)
+                    pos += 1
+                firsts.append(first)
+        finally:
+            runner.close()
+        frac = agree / total if total else 1.0
+        out[role] = {"tokens": total, "agree": agree, "fraction": round(frac, 4), "first_difference": firsts,
+                     "mismatches": mismatches[:20], "passed": frac >= opts.min_agreement,
+                     "min_agreement": opts.min_agreement}
+        gaps = ", ".join(f"{m['reference_top2_gap']:.3g}" for m in mismatches[:5])
+        say(f"{role} greedy: {agree}/{total} top-1 agree ({100 * frac:.1f} %, need {100 * opts.min_agreement:.0f} %)"
+            + (f"; reference top-2 gaps where they differ: {gaps}" if mismatches else ""))
+    return out
+
+
+def validate(bundle: str | Path, opts: ValidateOptions = ValidateOptions(),
+             progress: Callable[[str], None] | None = None) -> dict:
+    """Run both checks; return the JSON report (``report["passed"]`` is the verdict)."""
+    say = progress or (lambda s: None)
+    t0 = time.perf_counter()
+    bundle_dir = Path(bundle)
+    manifest = read_manifest(bundle_dir, verify="size")
+    if manifest.kv_mode != "portable" or any(e.quant for e in manifest.models.values()):
+        raise BundleError("validate compares reduced-precision graphs and TensorRT engines, which are built from "
+                          "fp32 bundles in the portable KV mode; this bundle is "
+                          f"{manifest.kv_mode} / {manifest.target.precision}")
+    precision = opts.precision or ("fp16" if opts.candidate != "trt" else manifest.engine_set("trt").precision)
+    base = DEFAULT_TOLERANCES.get(precision, DEFAULT_TOLERANCES["fp16"])
+    tol = {"logits": opts.logits or base["logits"], "present": opts.present or base["present"]}
+    if opts.goldens:
+        cases, greedy, meta = load_goldens(Path(opts.goldens), manifest)
+        say(f"goldens {opts.goldens}: {len(cases)} graph inputs, {len(greedy)} greedy runs")
+        prompts = meta["prompts"]
+    else:
+        cases, greedy = record(bundle_dir, manifest, opts, say)
+        run_reference(bundle_dir, manifest, cases, say)
+        prompts = list(opts.prompts)
+        if opts.save_goldens:
+            save_goldens(Path(opts.save_goldens), bundle_dir, manifest, cases, greedy, opts)
+            say(f"goldens saved to {opts.save_goldens}")
+    case_results = compare_cases(bundle_dir, manifest, cases, opts, tol, say)
+    agreement = greedy_agreement(bundle_dir, manifest, greedy, opts, say)
+    passed = all(c["passed"] for c in case_results) and all(a["passed"] for a in agreement.values())
+    return {"bundle": str(bundle_dir), "reference": "ort-cpu fp32", "candidate": opts.candidate,
+            "precision": precision, "tolerances": {k: v.to_json() for k, v in tol.items()},
+            "prompts": prompts, "cases": case_results, "greedy": agreement, "passed": passed,
+            "seconds": round(time.perf_counter() - t0, 1)}

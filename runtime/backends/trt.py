@@ -1,0 +1,301 @@
+"""TensorRT backend: serialized engines from ``spec-export build``, no torch, no CuPy.
+
+Written against the TensorRT 10 Python API (JetPack 6 ships 10.3) and libcudart through
+:mod:`.cuda_rt`. Per model, everything is created once, when the runner opens:
+
+* the engine, deserialized once, and **one execution context** whose scratch ("device memory")
+  is user-managed and shared with the other model of the bundle (target and draft never run at
+  the same time: they share one stream), see :class:`SharedScratch`;
+* one device block for the KV cache, ``[n_layers, 2, H_kv, S_max, D]`` in the engine's cache
+  dtype, and one for the new rows, ``[n_layers, 2, H_kv, T, D]`` laid out at the current width's
+  T (sized for the widest); per layer ``past_key_values.{i}.*`` and ``present.{i}.*`` point into
+  them. Because both blocks list their rows in the same order, the new rows of **every layer**
+  go into the cache with one strided copy (``cudaMemcpy2DAsync``: 2·L·H_kv rows of n·D
+  elements, source pitch T·D, destination pitch S_max·D, destination offset past_len·D);
+* ``logits`` on the device, ``[L_max, V]`` float32, and a pinned host buffer of the same size:
+  only the rows the sampler needs (n for a verify, 1 otherwise) are copied back;
+* the int64 inputs (ids, past_len, logits_at) in one pinned host block and one device block,
+  sent with one copy per step;
+* per width (= optimization profile, min = opt = max) a table of input shapes and tensor
+  addresses, applied with ``set_optimization_profile_async`` / ``set_input_shape`` /
+  ``set_tensor_address`` only when the width changes from the previous step.
+
+A step: fill the pinned inputs, one host-to-device copy, ``execute_async_v3`` on the stream,
+one device copy of the new KV rows, one device-to-host copy of the needed logits, one stream
+synchronize. The engine is checked at load against the manifest (TensorRT version, GPU
+compute capability, tensor names, dtypes and every profile's shapes); a mismatch is refused
+with the command that rebuilds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, BundleError
+from ..manifest import EngineSet, Manifest, ModelDims, Width, io_spec, width_shapes
+from .cuda_rt import D2D, D2H, H2D, CudaRuntime, host_array
+
+_NP_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+
+
+def rebuild_hint(bundle_dir: Path | str, precision: str) -> str:
+    return f"spec-export build {bundle_dir} --backend trt --precision {precision}"
+
+
+def compat_problems(es: EngineSet, trt_version: str, compute_capability: str, gpu_name: str) -> list[str]:
+    """Why engines built as `es` cannot be loaded here (empty: they can).
+
+    TensorRT engines are specific to the TensorRT version (major.minor.patch; the build number
+    may differ) and the GPU's compute capability; the GPU name is reported, not required
+    (two boards of one compute capability share engines, though the tuning may differ).
+    """
+    out = []
+    want = ".".join(es.tensorrt.split(".")[:3]) if es.tensorrt else "?"
+    have = ".".join(trt_version.split(".")[:3])
+    if want != have:
+        out.append(f"the engines were built with TensorRT {es.tensorrt}, this machine has TensorRT {trt_version}")
+    cc = es.gpu.get("compute_capability")
+    if cc != compute_capability:
+        out.append(f"the engines were built for compute capability {cc} ({es.gpu.get('name', '?')}), this GPU is "
+                   f"{gpu_name} with compute capability {compute_capability}")
+    return out
+
+
+def io_problems(desc: dict[str, Any], dims: ModelDims, widths: Sequence[Width], max_context: int,
+                kv_dtype: str) -> list[str]:
+    """Differences between an engine's tensors/profiles (:func:`describe_engine`) and the bundle's contract.
+
+    desc: {"tensors": {name: {"mode": "input"|"output", "dtype": str, "shape": [..., -1 dynamic]}},
+           "profiles": [{input name: [min, opt, max]}, ...]}.
+    """
+    out = []
+    inputs, outputs = io_spec(dims, "portable", kv_dtype)
+    want = {s.name: ("input", s.dtype) for s in inputs} | {s.name: ("output", s.dtype) for s in outputs}
+    tensors = desc["tensors"]
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    if missing:
+        out.append(f"tensors missing from the engine: {', '.join(missing[:6])}{' …' if len(missing) > 6 else ''}")
+    if extra:
+        out.append(f"tensors the bundle does not declare: {', '.join(extra[:6])}{' …' if len(extra) > 6 else ''}")
+    for name, (mode, dtype) in want.items():
+        t = tensors.get(name)
+        if t is None:
+            continue
+        if t["mode"] != mode or t["dtype"] != dtype:
+            out.append(f"{name} is {t['mode']} {t['dtype']} in the engine, the bundle declares {mode} {dtype}")
+    profiles = desc["profiles"]
+    if len(profiles) != len(widths):
+        out.append(f"the engine has {len(profiles)} optimization profiles, the bundle declares {len(widths)} widths "
+                   f"({', '.join(f'T={w.T}' for w in widths)})")
+        return out
+    for p, (w, prof) in enumerate(zip(widths, profiles)):
+        for name, shape in width_shapes(dims, w, max_context).items():
+            got = prof.get(name)
+            if got is None:
+                continue  # reported above as a missing tensor
+            if any(list(s) != list(shape) for s in got):
+                out.append(f"profile {p} ({w.role} T={w.T}): {name} is {got} (min, opt, max) in the engine, the "
+                           f"bundle needs {list(shape)} (S_max {max_context})")
+    return out
+
+
+def describe_engine(engine: Any, trt: Any) -> dict[str, Any]:
+    """An engine's tensors and profile shapes as plain data, for :func:`io_problems`."""
+    dt = {trt.float32: "float32", trt.float16: "float16", trt.int64: "int64", trt.int32: "int32", trt.bool: "bool"}
+    if hasattr(trt, "bfloat16"):
+        dt[trt.bfloat16] = "bfloat16"
+    tensors, inputs = {}, []
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        is_in = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+        tensors[name] = {"mode": "input" if is_in else "output", "dtype": dt.get(engine.get_tensor_dtype(name), "?"),
+                         "shape": list(engine.get_tensor_shape(name))}
+        if is_in:
+            inputs.append(name)
+    profiles = [{n: [list(s) for s in engine.get_tensor_profile_shape(n, p)] for n in inputs}
+                for p in range(engine.num_optimization_profiles)]
+    return {"tensors": tensors, "profiles": profiles}
+
+
+def import_tensorrt() -> Any:
+    try:
+        import tensorrt as trt
+    except ImportError as e:
+        raise BackendUnavailableError(
+            "TensorRT is not installed here (import tensorrt failed: "
+            f"{e}); on a Jetson use JetPack's python3-libnvinfer in a venv made with --system-site-packages, "
+            "elsewhere pip install 'specedge[trt]'; `spec-export doctor` shows what this machine has") from e
+    return trt
+
+
+class SharedScratch:
+    """One device allocation for the scratch memory of every execution context of a decoder.
+
+    Target and draft run one after the other on one stream, so their activations can share memory;
+    the allocation grows to the largest context attached and every context is re-pointed at it.
+    """
+
+    def __init__(self, cuda: CudaRuntime):
+        self.cuda, self.ptr, self.size, self._contexts = cuda, 0, 0, []
+
+    def attach(self, context: Any, size: int) -> None:
+        self._contexts.append(context)
+        if size > self.size:
+            old = self.ptr
+            self.ptr, self.size = self.cuda.malloc(size), size
+            self.cuda.free(old)
+        for c in self._contexts:
+            if hasattr(c, "set_device_memory"):  # TensorRT >= 10.1
+                c.set_device_memory(self.ptr, self.size)
+            else:  # TensorRT 10.0
+                c.device_memory = self.ptr
+
+    def close(self) -> None:
+        self.cuda.free(self.ptr)
+        self.ptr = self.size = 0
+
+
+@dataclass
+class _Profile:
+    index: int
+    width: Width
+    shapes: dict[str, tuple[int, ...]]
+    addresses: dict[str, int]
+
+
+class TrtRunner:
+    """One model of a bundle on TensorRT. See the module docstring for the buffers and the step."""
+
+    pads_into_cache = False  # portable graphs: only the n real rows are copied into the cache
+
+    def __init__(self, bundle_dir: Path, manifest: Manifest, role: str, engines: EngineSet,
+                 shared: dict[str, Any] | None = None):
+        trt = import_tensorrt()
+        shared = shared if shared is not None else {}
+        if "cuda" not in shared:
+            shared["cuda"] = CudaRuntime()
+            shared["stream"] = shared["cuda"].stream_create()
+            shared["scratch"] = SharedScratch(shared["cuda"])
+        self.cuda: CudaRuntime = shared["cuda"]
+        self.stream: int = shared["stream"]
+        self.entry = manifest.models[role]
+        self.max_context = manifest.max_context
+        bundle_dir = Path(bundle_dir)
+        problems = compat_problems(engines, trt.__version__, self.cuda.compute_capability(), self.cuda.device_name())
+        if problems:
+            raise BackendUnavailableError(f"the {role} engine of {bundle_dir} cannot run here: {'; '.join(problems)}. "
+                                          f"Rebuild it on this machine: {rebuild_hint(bundle_dir, engines.precision)}")
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        path = bundle_dir / engines.graphs[role]
+        self.engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise BundleError(f"TensorRT could not deserialize {path} (see the TensorRT log above); "
+                              f"rebuild it: {rebuild_hint(bundle_dir, engines.precision)}")
+        d, widths = self.entry.dims, self.entry.widths
+        problems = io_problems(describe_engine(self.engine, trt), d, widths, self.max_context, engines.kv_dtype)
+        if problems:
+            raise BundleError(f"{path} does not match the bundle's manifest: {'; '.join(problems)}. "
+                              f"Rebuild it: {rebuild_hint(bundle_dir, engines.precision)}")
+        strategy = trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        self.context = self.engine.create_execution_context(strategy)
+        size = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
+        shared["scratch"].attach(self.context, size)
+
+        es = _NP_ITEMSIZE[engines.kv_dtype]
+        self._row = d.head_dim * es  # bytes of one cached position of one head
+        self._rows = d.n_layers * 2 * d.n_kv_heads  # rows of the KV block, in io_spec order (layer, key|value, head)
+        t_max = max(w.T for w in widths)
+        self._l_max = max(w.L for w in widths)
+        c = self.cuda
+        self._bufs: list[int] = []
+        self.kv = self._alloc(self._rows * self.max_context * self._row)
+        c.memset(self.kv, 0, self._rows * self.max_context * self._row, self.stream)
+        self.present = self._alloc(self._rows * t_max * self._row)
+        self.logits_dev = self._alloc(self._l_max * d.vocab * 4)
+        self._io_n = t_max + 1 + self._l_max  # int64: ids [t_max] | past_len | logits_at [l_max]
+        self.io_dev = self._alloc(self._io_n * 8)
+        self._host_ptrs = [c.malloc_host(self._io_n * 8), c.malloc_host(self._l_max * d.vocab * 4)]
+        self.io_host = host_array(self._host_ptrs[0], (self._io_n,), np.int64)
+        self.logits_host = host_array(self._host_ptrs[1], (self._l_max, d.vocab), np.float32)
+        self.io_host[:] = 0
+        self._t_max = t_max
+        self._profiles = [self._profile(p, w) for p, w in enumerate(widths)]
+        self._active: _Profile | None = None
+        c.synchronize(self.stream)
+
+    def _alloc(self, nbytes: int) -> int:
+        ptr = self.cuda.malloc(nbytes)
+        self._bufs.append(ptr)
+        return ptr
+
+    def _profile(self, index: int, w: Width) -> _Profile:
+        d = self.entry.dims
+        addr = {"input_ids": self.io_dev, "past_len": self.io_dev + self._t_max * 8,
+                "logits_at": self.io_dev + (self._t_max + 1) * 8, "logits": self.logits_dev}
+        plane_past = d.n_kv_heads * self.max_context * self._row
+        plane_new = d.n_kv_heads * w.T * self._row  # rows laid out at this width's T
+        for i in range(d.n_layers):
+            for j, kind in enumerate(("key", "value")):
+                addr[f"past_key_values.{i}.{kind}"] = self.kv + (2 * i + j) * plane_past
+                addr[f"present.{i}.{kind}"] = self.present + (2 * i + j) * plane_new
+        return _Profile(index, w, width_shapes(d, w, self.max_context), addr)
+
+    def _activate(self, p: _Profile) -> None:
+        if self._active is p:
+            return
+        ctx = self.context
+        ctx.set_optimization_profile_async(p.index, self.stream)
+        for name, shape in p.shapes.items():
+            ctx.set_input_shape(name, shape)
+        for name, ptr in p.addresses.items():
+            ctx.set_tensor_address(name, ptr)
+        self._active = p
+
+    def _pick(self, n: int, all_logits: bool) -> _Profile:
+        fits = [p for p in self._profiles if p.width.T >= n and (not all_logits or p.width.L == p.width.T)]
+        if not fits:
+            raise ValueError(f"no profile of this engine takes {n} tokens with {'all' if all_logits else 'last'} "
+                             f"logits; widths {[w.T for w in self.entry.widths]}")
+        return min(fits, key=lambda p: p.width.T)
+
+    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
+        n = len(tokens)
+        assert 0 < n and past_len + n <= self.max_context, (n, past_len, self.max_context)
+        p = self._pick(n, all_logits)
+        T, L, c, s = p.width.T, p.width.L, self.cuda, self.stream
+        io = self.io_host
+        io[:n] = tokens
+        io[n:T] = tokens[-1]  # padding: computed, never committed
+        io[self._t_max] = past_len
+        at = io[self._t_max + 1:self._t_max + 1 + L]
+        if L == T:
+            at[:] = np.arange(T)
+        else:
+            at[0] = n - 1
+        c.memcpy(self.io_dev, self._host_ptrs[0], self._io_n * 8, H2D, s)
+        self._activate(p)
+        if not self.context.execute_async_v3(s):
+            raise RuntimeError(f"TensorRT execute_async_v3 failed for {self.entry.graph} at width T={T}")
+        # the n new rows of every layer's key and value, into the cache at past_len: one strided copy
+        c.memcpy2d(self.kv + past_len * self._row, self.max_context * self._row, self.present, T * self._row,
+                   n * self._row, self._rows, D2D, s)
+        rows = n if all_logits else 1
+        c.memcpy(self._host_ptrs[1], self.logits_dev, rows * self.entry.dims.vocab * 4, D2H, s)
+        c.synchronize(s)
+        return self.logits_host[:rows]
+
+    def close(self) -> None:
+        c = self.cuda
+        c.synchronize(self.stream)
+        for ptr in self._bufs:
+            c.free(ptr)
+        for ptr in self._host_ptrs:
+            c.free_host(ptr)
+        self._bufs, self._host_ptrs = [], []
+        self.context = self.engine = None

@@ -1,0 +1,80 @@
+"""Deployment presets (``configs/*.toml``) and the ``--config`` CLI option.
+
+A preset has one table per command — ``[export]``, ``[build]`` (spec-export), ``[run]`` and
+``[bench]`` (spec-run generate / bench) — whose keys are that
+command's option names (``max_context``, ``precision``, ``backend``, …). ``--config NAME`` (a
+preset in ``configs/``) or ``--config PATH`` (any TOML file) makes them the command's defaults;
+options given on the command line still win.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .errors import SpecEdgeError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+SECTIONS = ("export", "build", "run", "bench")
+
+
+def presets_dir() -> Path:
+    """`configs/` of a source checkout, or $SPECEDGE_CONFIGS."""
+    import os
+
+    env = os.environ.get("SPECEDGE_CONFIGS")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+
+
+def list_presets() -> list[str]:
+    d = presets_dir()
+    return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
+
+
+def load_config(name_or_path: str) -> dict[str, dict[str, Any]]:
+    p = Path(name_or_path)
+    if not p.suffix:
+        p = presets_dir() / f"{name_or_path}.toml"
+    if not p.is_file():
+        raise SpecEdgeError(f"config {name_or_path!r} not found: give a TOML file or one of the presets "
+                            f"({', '.join(list_presets()) or 'none found in ' + str(presets_dir())})")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SpecEdgeError(f"config {p} is not valid TOML: {e}") from e
+    unknown = sorted(set(data) - set(SECTIONS) - {"preset"})
+    if unknown:
+        raise SpecEdgeError(f"config {p}: unknown table(s) {', '.join(unknown)}; allowed: {', '.join(SECTIONS)}")
+    return data
+
+
+def config_option(section: str):
+    """A click ``--config`` option that loads ``[section]`` of a preset as the command's defaults."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if not value:
+            return value
+        try:
+            table = load_config(value).get(section, {})
+        except SpecEdgeError as e:
+            raise click.BadParameter(str(e)) from None
+        names = {p.name for p in ctx.command.params}
+        bad = sorted(set(table) - names)
+        if bad:
+            raise click.BadParameter(f"[{section}] of {value} has keys this command does not take: {', '.join(bad)} "
+                                     f"(options: {', '.join(sorted(names - {'config'}))})")
+        # lists become the comma-separated strings the options parse
+        table = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in table.items()}
+        ctx.default_map = {**(ctx.default_map or {}), **table}
+        return value
+
+    return click.option("--config", is_eager=True, expose_value=False, callback=callback,
+                        help=f"Preset name ({', '.join(list_presets())}) or TOML file whose [{section}] table sets "
+                             "this command's defaults; explicit options win.")
