@@ -248,8 +248,11 @@ def _runtime_candidate(bundle_dir: Path, manifest: Manifest, opts: ValidateOptio
 
 def compare_cases(bundle_dir: Path, manifest: Manifest, cases: list[Case], opts: ValidateOptions,
                   tol: dict[str, Tolerance], say: Callable[[str], None]) -> list[dict]:
-    from polygraphy.comparator import CompareFunc, Comparator, IterationResult, RunResults
+    from polygraphy import comparator as pc
+    from polygraphy.comparator import Comparator, IterationResult, RunResults
     from polygraphy.logger import G_LOGGER
+
+    simple = getattr(pc, "SimpleCompareFunc", None) or pc.CompareFunc.simple  # the class since polygraphy 0.50
 
     G_LOGGER.module_severity = G_LOGGER.ERROR  # our summary lines replace polygraphy's per-tensor statistics
     out = []
@@ -262,8 +265,8 @@ def compare_cases(bundle_dir: Path, manifest: Manifest, cases: list[Case], opts:
                     got = {k: np.asarray(v, dtype=np.float32) for k, v in runner.infer(feed).items()}
                     names = sorted(c.reference)
                     t = {n: tol["logits" if n == "logits" else "present"] for n in names}
-                    func = CompareFunc.simple(atol={n: t[n].atol for n in names}, rtol={n: t[n].rtol for n in names},
-                                              check_error_stat={n: t[n].stat for n in names})
+                    func = simple(atol={n: t[n].atol for n in names}, rtol={n: t[n].rtol for n in names},
+                                  check_error_stat={n: t[n].stat for n in names})
                     results = RunResults()
                     results.append(("reference", [IterationResult(c.reference, runner_name="reference")]))
                     results.append(("candidate", [IterationResult({n: got[n] for n in names}, runner_name="candidate")]))

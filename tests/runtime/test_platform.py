@@ -1,0 +1,221 @@
+"""doctor, deployment presets (--config), the libcudart binding, and the GPU-only checks (skipped without one)."""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from specedge.runtime.config import SECTIONS, list_presets, load_config
+from specedge.runtime.doctor import backend_verdicts, format_report, jetson_info, meminfo, report
+from specedge.runtime.errors import BackendUnavailableError, SpecEdgeError
+
+
+def _has_gpu() -> bool:
+    try:
+        from specedge.runtime.backends.cuda_rt import CudaRuntime
+
+        CudaRuntime()
+        return True
+    except SpecEdgeError:
+        return False
+
+
+HAS_GPU = _has_gpu()
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU and libcudart (none here)")
+
+
+# ---------------------------------------------------------------- doctor
+def test_doctor_on_this_machine():
+    rep = report()
+    assert rep["backends"]["ort-cpu"]["ok"]
+    assert rep["memory_gib"]["MemTotal"] > 0
+    text = format_report(rep)
+    for name in ("ort-cpu", "ort-cuda", "ort-trt", "trt"):
+        assert name in text
+    if importlib.util.find_spec("tensorrt") is None:
+        assert not rep["backends"]["trt"]["ok"] and "TensorRT is not installed" in rep["backends"]["trt"]["why"]
+    if not HAS_GPU:
+        assert not rep["cuda"]["ok"] and rep["cuda"]["why"]
+
+
+def test_doctor_cli_json():
+    import json
+
+    from specedge.export.cli import main
+
+    r = CliRunner().invoke(main, ["doctor", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["backends"]["ort-cpu"]["ok"]
+
+
+def _fake_jetson(root: Path, release: str, model: str) -> Path:
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/nv_tegra_release").write_text(release)
+    (root / "proc/device-tree").mkdir(parents=True)
+    (root / "proc/device-tree/model").write_bytes(model.encode() + b"\0")
+    (root / "proc/meminfo").write_text("MemTotal:        7990000 kB\nMemFree: 1 kB\nMemAvailable:    5100000 kB\n"
+                                       "SwapTotal:       3995000 kB\n")
+    (root / "var/lib/nvpmodel").mkdir(parents=True)
+    (root / "var/lib/nvpmodel/status").write_text("pmode:0002 fmode:fanNull")
+    return root
+
+
+def test_doctor_reads_a_jetson(tmp_path):
+    root = _fake_jetson(tmp_path, "# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: aarch64\n",
+                        "NVIDIA Jetson Orin Nano Engineering Reference Developer Kit Super")
+    j = jetson_info(root)
+    assert j["l4t"] == "36.4.3" and j["jetpack"] == "6.2"
+    assert j["model"].startswith("NVIDIA Jetson Orin Nano") and j["power_mode"] == "pmode:0002 fmode:fanNull"
+    assert meminfo(root) == {"MemTotal": 7.62, "MemAvailable": 4.86, "SwapTotal": 3.81}
+    rep = report(root)
+    text = format_report(rep)
+    assert "L4T 36.4.3, JetPack 6.2" in text and "(shared with the GPU)" in text
+    v = rep["backends"]
+    if importlib.util.find_spec("tensorrt") is None:
+        assert "python3-libnvinfer" in v["trt"]["why"] or "nvidia-tensorrt" in v["trt"]["why"]
+    if not v["ort-cuda"]["ok"] and "no CUDAExecutionProvider" in v["ort-cuda"]["why"]:
+        assert "Jetson" in v["ort-cuda"]["why"]
+    assert jetson_info(tmp_path / "nothing") is None
+    thor = _fake_jetson(tmp_path / "thor", "# R38 (release), REVISION: 2.0\n", "NVIDIA Jetson AGX Thor Developer Kit")
+    assert jetson_info(thor)["jetpack"] == "7.0"
+
+
+def test_backend_verdicts_explain_why():
+    rep = {"cuda": {"ok": True}, "ort_providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+           "tensorrt": "broken (OSError: libnvinfer.so.10: cannot open shared object file)", "jetson": None,
+           "onnxruntime": "1.20.0", "polygraphy": None}
+    v = backend_verdicts(rep)
+    assert v["ort-cuda"]["ok"] and not v["ort-trt"]["ok"]
+    assert not v["trt"]["ok"] and "does not import" in v["trt"]["why"]
+    assert not v["validate"]["ok"] and "specedge[validate]" in v["validate"]["why"]
+
+
+# ---------------------------------------------------------------- presets
+def test_every_preset_fits_its_commands():
+    """Each preset's tables only name options of the command they configure (so none silently drifts)."""
+    from specedge.export.cli import main as export_main
+    from specedge.runtime.cli import main as run_main
+
+    commands = {"export": export_main.commands["export"], "build": export_main.commands["build"],
+                "run": run_main.commands["generate"], "bench": run_main.commands["bench"]}
+    names = list_presets()
+    assert {"jetson-orin-nano-8gb", "jetson-agx-orin-64gb", "jetson-thor", "datacenter-gpu", "x86-cpu"} <= set(names)
+    for name in names:
+        cfg = load_config(name)
+        assert set(cfg) <= {*SECTIONS, "preset"}
+        for section, table in cfg.items():
+            if section == "preset":
+                continue
+            params = {p.name: p for p in commands[section].params}
+            assert set(table) <= set(params), (name, section, set(table) - set(params))
+            for key, value in table.items():  # values the option accepts
+                p = params[key]
+                if hasattr(p.type, "choices"):
+                    assert value in p.type.choices, (name, key, value)
+
+
+def test_config_sets_defaults_and_explicit_options_win(bundles, tmp_path):
+    from specedge.runtime.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[run]\nbackend = "ort-cpu"\ndrafter = "off"\nmax_new_tokens = 5\n')
+    r = CliRunner().invoke(main, [str(bundles["lookup"]), "def fib(n):", "--config", str(cfg), "--stats-json"])
+    assert r.exit_code == 0, r.output
+    r2 = CliRunner().invoke(main, [str(bundles["lookup"]), "def fib(n):", "--config", str(cfg), "--max-new-tokens",
+                                   "3", "--stats-json"])
+    assert r2.exit_code == 0, r2.output
+    import json
+
+    stats = lambda res: json.loads(res.output[res.output.rindex('{"drafter"'):].splitlines()[0])  # noqa: E731
+    s1, s2 = stats(r), stats(r2)
+    assert s1["drafter"] == "none" and s1["new_tokens"] == 5 and s2["new_tokens"] == 3
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[run]\nwarp_speed = 9\n')
+    r3 = CliRunner().invoke(main, [str(bundles["lookup"]), "x", "--config", str(bad)])
+    assert r3.exit_code == 2 and "warp_speed" in r3.output
+    bad.write_text("[run\n")
+    assert "not valid TOML" in CliRunner().invoke(main, [str(bundles["lookup"]), "x", "--config", str(bad)]).output
+    r4 = CliRunner().invoke(main, [str(bundles["lookup"]), "x", "--config", "no-such-preset"])
+    assert r4.exit_code == 2 and "jetson-orin-nano-8gb" in r4.output
+
+
+# ---------------------------------------------------------------- CUDA binding
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU path")
+def test_cuda_binding_without_a_gpu_says_so():
+    from specedge.runtime.backends.cuda_rt import CudaRuntime
+
+    with pytest.raises(BackendUnavailableError, match="libcudart was not found|sees no GPU"):
+        CudaRuntime()
+
+
+@pytest.mark.skipif(ctypes.util.find_library("cudart") is None and not Path("/usr/local/cuda/lib64").is_dir(),
+                    reason="libcudart is not installed here")
+def test_cuda_binding_loads_libcudart_and_names_errors():
+    from specedge.runtime.backends import cuda_rt
+
+    rt = object.__new__(cuda_rt.CudaRuntime)  # load the library without asking for a device
+    for name in cuda_rt._candidates():
+        try:
+            rt._lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        pytest.skip("no loadable libcudart")
+    rt._lib.cudaGetErrorName.restype = rt._lib.cudaGetErrorString.restype = ctypes.c_char_p
+    rt._lib.cudaGetErrorName.argtypes = rt._lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+    with pytest.raises(cuda_rt.CudaError, match=r"cudaMalloc failed: cudaErrorMemoryAllocation \(out of memory\)"):
+        rt._check(2, "cudaMalloc")
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_binding_strided_kv_copy_on_the_gpu():
+    """One cudaMemcpy2D moves the n new rows of every layer into the cache (the TensorRT backend's commit)."""
+    from specedge.runtime.backends.cuda_rt import D2D, D2H, H2D, CudaRuntime
+
+    c = CudaRuntime()
+    rows, S, T, D, n, past = 12, 64, 9, 16, 5, 20
+    kv = np.random.default_rng(0).normal(size=(rows, S, D)).astype(np.float16)
+    new = np.random.default_rng(1).normal(size=(rows, T, D)).astype(np.float16)
+    d_kv, d_new = c.malloc(kv.nbytes), c.malloc(new.nbytes)
+    s = c.stream_create()
+    c.memcpy(d_kv, kv.ctypes.data, kv.nbytes, H2D)
+    c.memcpy(d_new, new.ctypes.data, new.nbytes, H2D)
+    row = D * 2
+    c.memcpy2d(d_kv + past * row, S * row, d_new, T * row, n * row, rows, D2D, s)
+    c.synchronize(s)
+    out = np.empty_like(kv)
+    c.memcpy(out.ctypes.data, d_kv, kv.nbytes, D2H)
+    want = kv.copy()
+    want[:, past:past + n] = new[:, :n]
+    np.testing.assert_array_equal(out, want)
+    for p in (d_kv, d_new):
+        c.free(p)
+    c.stream_destroy(s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None or not HAS_GPU,
+                    reason="needs TensorRT and an NVIDIA GPU (run tools/gpu_check.sh on one)")
+def test_trt_engine_greedy_matches_onnx_runtime(bundles, tmp_path):
+    import shutil
+
+    from specedge.export.engines import build_trt
+    from specedge.runtime import SamplingParams, SpecDecoder
+
+    b = tmp_path / "b"
+    shutil.copytree(bundles["model"], b)
+    build_trt(b)
+    trt_dec = SpecDecoder.load(b, backend="trt")
+    ref = SpecDecoder.load(b, backend="ort-cpu", precision="fp16")
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = trt_dec.generate("def fib(n):", params, drafter="none").token_ids
+    assert trt_dec.generate("def fib(n):", params, drafter="model", k=4).token_ids == plain
+    assert len(ref.generate("def fib(n):", params, drafter="none").token_ids) == len(plain)
+    trt_dec.close()
