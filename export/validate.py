@@ -119,10 +119,15 @@ def record(bundle_dir: Path, manifest: Manifest, opts: ValidateOptions, say: Cal
                 need = len(ids) + opts.tokens + K + 1
                 if need > manifest.max_context:
                     raise BundleError(f"prompt {i + 1} needs {need} positions, the bundle holds {manifest.max_context}")
+                # prefill in chunks of P; for the first prompt the last chunk is recorded, and it starts at
+                # len - P (or half way for a short prompt) so that it too runs over a filled cache
+                split = len(ids) - P if len(ids) > P else len(ids) // 2
+                starts = [*range(0, split, P), split] if i == 0 else list(range(0, len(ids), P))
                 logits = None
-                for start in range(0, len(ids), P):  # prefill, recording the last chunk of the first prompt
-                    chunk = ids[start:start + P]
-                    if i == 0 and start + P >= len(ids):
+                for j, start in enumerate(starts):
+                    end = starts[j + 1] if j + 1 < len(starts) else len(ids)
+                    chunk = ids[start:min(end, start + P)]
+                    if i == 0 and j == len(starts) - 1:
                         f = runner.feed(chunk, start, False)
                         cases.append(Case(role, "prefill", f["input_ids"].shape[1], f))
                     logits = runner.step(chunk, start, all_logits=False)
@@ -288,7 +293,7 @@ def _case_summary(c: Case, per: dict, tol: dict[str, Tolerance]) -> dict:
                 "failed": sorted(n for n in names if not bool(per[n]))[:8]}
 
     kv = [n for n in per if n.startswith("present.")]
-    return {"role": c.role, "case": c.name, "T": c.T, "logits": {**agg(["logits"]), **tol["logits"].to_json()},
+    return {"role": c.role, "case": c.name, "T": c.T, "past_len": int(c.feed["past_len"][0]), "logits": {**agg(["logits"]), **tol["logits"].to_json()},
             "present": {**agg(kv), **tol["present"].to_json(), "tensors": len(kv)},
             "passed": all(bool(v) for v in per.values())}
 
@@ -296,7 +301,7 @@ def _case_summary(c: Case, per: dict, tol: dict[str, Tolerance]) -> dict:
 def _case_line(s: dict) -> str:
     ok = lambda b: "ok" if b else "FAIL"  # noqa: E731
     lg, kv = s["logits"], s["present"]
-    return (f"{s['role']} {s['case']} T={s['T']}: logits max|d| {lg['max_absdiff']:.4g} mean {lg['mean_absdiff']:.3g} "
+    return (f"{s['role']} {s['case']} T={s['T']} at {s['past_len']}: logits max|d| {lg['max_absdiff']:.4g} mean {lg['mean_absdiff']:.3g} "
             f"(atol {lg['atol']}, rtol {lg['rtol']}) {ok(lg['passed'])}; KV ({kv['tensors']} tensors) max|d| "
             f"{kv['max_absdiff']:.4g} (atol {kv['atol']}) {ok(kv['passed'])}")
 

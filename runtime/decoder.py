@@ -80,6 +80,7 @@ class SpecDecoder:
         self._lock = threading.Lock()
         self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
         self._shared: dict = {}  # what the runners share (TensorRT: CUDA stream and scratch memory)
+        self.precision = "fp32"  # of the graphs/engines run (set by load)
 
     @classmethod
     def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "sha256",
@@ -95,6 +96,7 @@ class SpecDecoder:
                  if manifest.draft else None)
         dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer))
         dec._shared = shared
+        dec.precision = precision or ("fp32" if backend != "trt" else manifest.engine_set("trt").precision)
         return dec
 
     # ---------------------------------------------------------------- drafters

@@ -80,3 +80,23 @@ def test_speculative_greedy_equals_plain_on_smollm2(smol, k):
         plain = dec.generate(prompt, params, drafter="none").token_ids
         spec = dec.generate(prompt, params, drafter="prompt-lookup", k=k).token_ids
         assert spec == plain
+
+
+def test_smollm2_fp16_graph_validates_against_fp32(smol, tmp_path):
+    """spec-export validate end to end on a real model: fp16 ONNX (ONNX Runtime, CPU) vs fp32, polygraphy per
+    output on recorded prefill/verify/decode inputs, and greedy agreement (the failing case: test_engines.py)."""
+    import shutil
+
+    from specedge.export.engines import build_onnx
+    from specedge.export.validate import ValidateOptions, validate
+
+    _, bundle = smol
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    build_onnx(b, "fp16")
+    rep = validate(b, ValidateOptions(tokens=16, prompts=("Write a Python function that adds two numbers.",
+                                                          "Name three colors of the rainbow.")))
+    assert rep["passed"], rep
+    assert {c["case"] for c in rep["cases"]} == {"prefill", "verify", "decode"}
+    assert max(c["logits"]["max_absdiff"] for c in rep["cases"]) < 0.1  # measured ~0.02
+    assert rep["greedy"]["target"]["fraction"] >= 0.95

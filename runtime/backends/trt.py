@@ -160,6 +160,44 @@ class SharedScratch:
         self.ptr = self.size = 0
 
 
+@dataclass(frozen=True)
+class KvLayout:
+    """Where each layer's cache and new rows live, and the one copy that commits them.
+
+    cache block: [n_layers, 2 (key, value), H_kv, S_max, D]; new-rows block: the same order at the current
+    width T, [n_layers, 2, H_kv, T, D]. Both list 2·n_layers·H_kv rows in the same order, so moving the first n
+    new positions of every row to positions past_len.. of the cache is a single 2-D copy.
+    """
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_context: int
+    itemsize: int
+
+    @property
+    def rows(self) -> int:
+        return self.n_layers * 2 * self.n_kv_heads
+
+    @property
+    def row_bytes(self) -> int:  # one position of one head
+        return self.head_dim * self.itemsize
+
+    def cache_bytes(self) -> int:
+        return self.rows * self.max_context * self.row_bytes
+
+    def past_address(self, base: int, layer: int, kind: int) -> int:
+        return base + (2 * layer + kind) * self.n_kv_heads * self.max_context * self.row_bytes
+
+    def present_address(self, base: int, layer: int, kind: int, T: int) -> int:
+        return base + (2 * layer + kind) * self.n_kv_heads * T * self.row_bytes
+
+    def commit(self, cuda: Any, cache: int, new: int, T: int, past_len: int, n: int, stream: int) -> None:
+        """Copy the first n of T new rows of every layer and head into the cache at past_len (one call)."""
+        r = self.row_bytes
+        cuda.memcpy2d(cache + past_len * r, self.max_context * r, new, T * r, n * r, self.rows, D2D, stream)
+
+
 @dataclass
 class _Profile:
     index: int
@@ -207,16 +245,15 @@ class TrtRunner:
         size = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
         shared["scratch"].attach(self.context, size)
 
-        es = _NP_ITEMSIZE[engines.kv_dtype]
-        self._row = d.head_dim * es  # bytes of one cached position of one head
-        self._rows = d.n_layers * 2 * d.n_kv_heads  # rows of the KV block, in io_spec order (layer, key|value, head)
+        self.layout = KvLayout(d.n_layers, d.n_kv_heads, d.head_dim, self.max_context,
+                               _NP_ITEMSIZE[engines.kv_dtype])
         t_max = max(w.T for w in widths)
         self._l_max = max(w.L for w in widths)
         c = self.cuda
         self._bufs: list[int] = []
-        self.kv = self._alloc(self._rows * self.max_context * self._row)
-        c.memset(self.kv, 0, self._rows * self.max_context * self._row, self.stream)
-        self.present = self._alloc(self._rows * t_max * self._row)
+        self.kv = self._alloc(self.layout.cache_bytes())
+        c.memset(self.kv, 0, self.layout.cache_bytes(), self.stream)
+        self.present = self._alloc(self.layout.rows * t_max * self.layout.row_bytes)
         self.logits_dev = self._alloc(self._l_max * d.vocab * 4)
         self._io_n = t_max + 1 + self._l_max  # int64: ids [t_max] | past_len | logits_at [l_max]
         self.io_dev = self._alloc(self._io_n * 8)
@@ -238,12 +275,10 @@ class TrtRunner:
         d = self.entry.dims
         addr = {"input_ids": self.io_dev, "past_len": self.io_dev + self._t_max * 8,
                 "logits_at": self.io_dev + (self._t_max + 1) * 8, "logits": self.logits_dev}
-        plane_past = d.n_kv_heads * self.max_context * self._row
-        plane_new = d.n_kv_heads * w.T * self._row  # rows laid out at this width's T
         for i in range(d.n_layers):
             for j, kind in enumerate(("key", "value")):
-                addr[f"past_key_values.{i}.{kind}"] = self.kv + (2 * i + j) * plane_past
-                addr[f"present.{i}.{kind}"] = self.present + (2 * i + j) * plane_new
+                addr[f"past_key_values.{i}.{kind}"] = self.layout.past_address(self.kv, i, j)
+                addr[f"present.{i}.{kind}"] = self.layout.present_address(self.present, i, j, w.T)
         return _Profile(index, w, width_shapes(d, w, self.max_context), addr)
 
     def _activate(self, p: _Profile) -> None:
@@ -282,9 +317,7 @@ class TrtRunner:
         self._activate(p)
         if not self.context.execute_async_v3(s):
             raise RuntimeError(f"TensorRT execute_async_v3 failed for {self.entry.graph} at width T={T}")
-        # the n new rows of every layer's key and value, into the cache at past_len: one strided copy
-        c.memcpy2d(self.kv + past_len * self._row, self.max_context * self._row, self.present, T * self._row,
-                   n * self._row, self._rows, D2D, s)
+        self.layout.commit(c, self.kv, self.present, T, past_len, n, s)  # every layer's new rows: one copy
         rows = n if all_logits else 1
         c.memcpy(self._host_ptrs[1], self.logits_dev, rows * self.entry.dims.vocab * 4, D2H, s)
         c.synchronize(s)

@@ -98,7 +98,7 @@ def to_markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     out = [
         f"Machine: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gb']} GB RAM, copy bandwidth {m['copy_bandwidth_gbs']} GB/s; "
         f"Python {m['python']}, numpy {m['numpy']}, onnxruntime {m['onnxruntime']}, specedge {m['specedge']}.",
-        f"Bundle: `{b['path']}`, backend {b['backend']}, K={b['K']}, S_max={b['max_context']}, P={b['prefill_chunk']}, "
+        f"Bundle: `{b['path']}`, backend {b['backend']} ({b.get('precision', 'fp32')}), K={b['K']}, S_max={b['max_context']}, P={b['prefill_chunk']}, "
         f"kv_mode {b['kv_mode']}; {models}.",
         f"Plan: max_new_tokens {plan['max_new_tokens']}, ignore_eos {plan['ignore_eos']}, repeats {plan['repeats']}, "
         f"temperatures {plan['temperatures']}; {raw['meta']['seconds']:.0f} s; peak RSS {raw['meta']['peak_rss_mb']:.0f} MB.",

@@ -134,7 +134,7 @@ def bundle_info(dec: SpecDecoder) -> dict[str, Any]:
                         "precision": e.precision, "weights_bytes": m.files.get(e.weights, {}).get("bytes", 0),
                         "kv_bytes": kv_bytes, "widths": [w.T for w in e.widths],
                         "source": str(e.source.get("path", "")) if isinstance(e.source, dict) else ""}
-    return {"path": str(dec.bundle_dir), "backend": dec.backend, "K": m.k, "max_context": m.max_context,
+    return {"path": str(dec.bundle_dir), "backend": dec.backend, "precision": dec.precision, "K": m.k, "max_context": m.max_context,
             "prefill_chunk": m.prefill_chunk, "kv_mode": m.kv_mode, "drafter": m.drafter, "models": models}
 
 

@@ -214,6 +214,7 @@ def test_validate_passes_and_goldens_round_trip(fp16_bundle, tmp_path):
     names = {(c["role"], c["case"]) for c in rep["cases"]}
     assert names == {("target", "prefill"), ("target", "verify"), ("target", "decode"), ("draft", "prefill"),
                      ("draft", "decode")}
+    assert all(c["past_len"] > 0 for c in rep["cases"])  # every recorded input runs over a filled cache
     assert all(c["logits"]["max_absdiff"] > 0 for c in rep["cases"])  # fp16 really differs from fp32 ...
     assert all(c["logits"]["max_absdiff"] < 0.1 for c in rep["cases"])  # ... by little
     assert rep["greedy"]["target"]["tokens"] == 12 * 3

@@ -219,3 +219,49 @@ def test_trt_engine_greedy_matches_onnx_runtime(bundles, tmp_path):
     assert trt_dec.generate("def fib(n):", params, drafter="model", k=4).token_ids == plain
     assert len(ref.generate("def fib(n):", params, drafter="none").token_ids) == len(plain)
     trt_dec.close()
+
+
+# ---------------------------------------------------------------- the TensorRT backend's KV commit
+class _HostMemory:
+    """memcpy2d over one numpy byte buffer; "pointers" are offsets into it (cudaMemcpy2D's semantics)."""
+
+    def __init__(self, nbytes: int):
+        self.mem = np.zeros(nbytes, dtype=np.uint8)
+        self.calls = 0
+
+    def memcpy2d(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        assert width <= dpitch and width <= spitch
+        self.calls += 1
+        for r in range(height):
+            self.mem[dst + r * dpitch:dst + r * dpitch + width] = self.mem[src + r * spitch:src + r * spitch + width]
+
+
+@pytest.mark.parametrize("T, n, past", [(9, 9, 0), (9, 3, 17), (1, 1, 63), (16, 11, 40)])
+def test_trt_kv_commit_is_one_copy_per_step(T, n, past):
+    """The engine writes present.{i}.{key,value} [H, T, D] at present_address(...); one commit() must land
+    the first n rows of each at positions past.. of cache.{i}.{key,value} [H, S, D] and touch nothing else."""
+    from specedge.runtime.backends.trt import KvLayout
+
+    L, H, D, S = 3, 2, 8, 64
+    lay = KvLayout(L, H, D, S, itemsize=2)
+    cache_base, new_base = 0, lay.cache_bytes()
+    mem = _HostMemory(lay.cache_bytes() + lay.rows * T * lay.row_bytes)
+    rng = np.random.default_rng(T + n + past)
+    cache = {}
+    for i in range(L):
+        for j in range(2):
+            c = rng.normal(size=(H, S, D)).astype(np.float16)
+            a = lay.past_address(cache_base, i, j)
+            mem.mem[a:a + c.nbytes] = c.view(np.uint8).ravel()
+            p = rng.normal(size=(H, T, D)).astype(np.float16)
+            b = lay.present_address(new_base, i, j, T)
+            mem.mem[b:b + p.nbytes] = p.view(np.uint8).ravel()
+            cache[i, j] = (c, p)
+    lay.commit(mem, cache_base, new_base, T, past, n, stream=0)
+    assert mem.calls == 1
+    for (i, j), (c, p) in cache.items():
+        a = lay.past_address(cache_base, i, j)
+        got = mem.mem[a:a + c.nbytes].view(np.float16).reshape(H, S, D)
+        want = c.copy()
+        want[:, past:past + n] = p[:, :n]
+        np.testing.assert_array_equal(got, want)
