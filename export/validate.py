@@ -52,8 +52,10 @@ class Tolerance:
         return {"atol": self.atol, "rtol": self.rtol, "stat": self.stat}
 
 
-# Defaults, per candidate precision. fp16 weights move logits of magnitude ~20 by a few 0.01 and
-# the KV rows by ~1e-3 (measured on SmolLM2-135M: docs in README); the bounds leave ~5x room.
+# Defaults, per candidate precision. An element fails only if it is off by more than atol AND by more
+# than rtol x |reference| (polygraphy's elementwise rule). Measured on SmolLM2-135M, fp16 graph on ONNX
+# Runtime CPU: logits max |d| <= 0.027, KV rows max |d| <= 0.041 (values up to ~14). ONNX Runtime CPU
+# widens fp16 to fp32 inside most kernels; TensorRT accumulates in fp16 tiles too, hence the room.
 DEFAULT_TOLERANCES = {
     "fp16": {"logits": Tolerance(0.5, 0.05), "present": Tolerance(0.05, 0.05)},
     "bf16": {"logits": Tolerance(2.0, 0.1), "present": Tolerance(0.25, 0.1)},
