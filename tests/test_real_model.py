@@ -71,6 +71,26 @@ def test_greedy_32_tokens_equal_transformers(smol, hf_ref):
     assert ours == ref
 
 
+def test_runtime_greedy_equals_a_plain_onnx_loop_at_every_prompt_length(smol):
+    """The runtime prefills in declared widths (P, and a remainder in the smallest width that holds it — a
+    verify width for 2..K+1 tokens); its first token must still come from the prompt's last position."""
+    _, bundle = smol
+    dec = SpecDecoder.load(bundle, verify="none")
+    P, K = dec.manifest.prefill_chunk, dec.manifest.k
+    words = ("def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2) # the classic "
+             "recursive form, exponential in n, which is why a loop or a cache is used in practice").split()
+    texts = {}
+    for j in range(1, len(words) + 1):
+        text = " ".join(words[:j])
+        texts.setdefault(len(dec.encode_prompt(text)), text)
+    picked = [n for n in texts if 2 <= n % P <= K + 1] + [n for n in texts if n % P in (0, 1, K + 2)][:2]
+    assert len([n for n in picked if n > P]) >= 1 and len([n for n in picked if n < P]) >= 1, texts.keys()
+    for n in picked:
+        ours = dec.generate(texts[n], SamplingParams(max_new_tokens=6, ignore_eos=True), drafter="none").token_ids
+        ref, _ = reference_greedy(bundle, dec.encode_prompt(texts[n]), 6)
+        assert ours == ref, f"prompt of {n} tokens"
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_speculative_greedy_equals_plain_on_smollm2(smol, k):
     _, bundle = smol

@@ -164,7 +164,10 @@ class OrtRunner:
         self.session.run_with_iobinding(b.binding)
         self._commit_rows(b, past_len, n)
         logits = b.logits if self.device == "cpu" else b.logits_dev.numpy()
-        return logits[0, :n] if all_logits else logits[0, :1]
+        if all_logits:
+            return logits[0, :n]
+        last = n - 1 if b.width.L == b.width.T else 0  # a width with every row's logits: the last real row
+        return logits[0, last:last + 1]
 
     def _commit_rows(self, b: _Bound, past_len: int, n: int) -> None:
         if self.pads_into_cache:

@@ -319,7 +319,9 @@ class TrtRunner:
             raise RuntimeError(f"TensorRT execute_async_v3 failed for {self.entry.graph} at width T={T}")
         self.layout.commit(c, self.kv, self.present, T, past_len, n, s)  # every layer's new rows: one copy
         rows = n if all_logits else 1
-        c.memcpy(self._host_ptrs[1], self.logits_dev, rows * self.entry.dims.vocab * 4, D2H, s)
+        first = n - 1 if not all_logits and L == T else 0  # every row computed: the last real one is n-1
+        V = self.entry.dims.vocab
+        c.memcpy(self._host_ptrs[1], self.logits_dev + first * V * 4, rows * V * 4, D2H, s)
         c.synchronize(s)
         return self.logits_host[:rows]
 

@@ -73,3 +73,21 @@ def test_unsupported_kv_mode_requests_are_refused(tiny_draft, tmp_path):
         ExportOptions(kv_mode="paged")
     with pytest.raises(UnsupportedModelError, match="head_dim 8"):  # tiny_draft: 32 hidden / 4 heads
         export_bundle(tiny_draft, "prompt-lookup", tmp_path / "b", ExportOptions(kv_mode="ort-inplace"))
+
+
+@pytest.mark.parametrize("mode", ["portable", "ort-inplace"])
+def test_last_token_logits_at_every_width(mode_decoders, mode):
+    """step(..., all_logits=False) returns the *last* token's logits whatever width runs it — also a verify
+    width, which computes logits for every row (a prefill remainder of 2..K+1 tokens lands there)."""
+    dec = mode_decoders[mode]
+    ids = dec.encode_prompt(PROMPTS[2])
+    r = dec.target
+    for n in range(1, 8):
+        full = np.array(r.step(ids[:n], 0, all_logits=True)) if n <= 5 else None
+        last = np.array(r.step(ids[:n], 0, all_logits=False))
+        assert last.shape == (1, dec.manifest.target.dims.vocab)
+        for i in range(n):  # one token at a time: the decode width, no question which row is the last
+            ref = np.array(r.step(ids[i:i + 1], i, all_logits=False))[0]
+        np.testing.assert_allclose(last[0], ref, rtol=1e-4, atol=1e-4, err_msg=f"n={n}")
+        if full is not None:
+            np.testing.assert_allclose(full[-1], ref, rtol=1e-4, atol=1e-4)
