@@ -11,7 +11,9 @@ Written against the TensorRT 10 Python API (JetPack 6 ships 10.3) and libcudart 
   T (sized for the widest); per layer ``past_key_values.{i}.*`` and ``present.{i}.*`` point into
   them. Because both blocks list their rows in the same order, the new rows of **every layer**
   go into the cache with one strided copy (``cudaMemcpy2DAsync``: 2·L·H_kv rows of n·D
-  elements, source pitch T·D, destination pitch S_max·D, destination offset past_len·D);
+  elements, source pitch T·D, destination pitch S_max·D, destination offset past_len·D) —
+  or one per tensor where 256-byte alignment of the tensor addresses needs padding between
+  them (:class:`KvLayout`);
 * ``logits`` on the device, ``[L_max, V]`` float32, and a pinned host buffer of the same size:
   only the rows the sampler needs (n for a verify, 1 otherwise) are copied back;
 * the int64 inputs (ids, past_len, logits_at) in one pinned host block and one device block,
@@ -160,13 +162,23 @@ class SharedScratch:
         self.ptr = self.size = 0
 
 
+ALIGN = 256  # bytes: every tensor address handed to TensorRT starts on this boundary (cudaMalloc's guarantee)
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 @dataclass(frozen=True)
 class KvLayout:
-    """Where each layer's cache and new rows live, and the one copy that commits them.
+    """Where each layer's cache and new rows live, and the copy that commits them.
 
-    cache block: [n_layers, 2 (key, value), H_kv, S_max, D]; new-rows block: the same order at the current
-    width T, [n_layers, 2, H_kv, T, D]. Both list 2·n_layers·H_kv rows in the same order, so moving the first n
-    new positions of every row to positions past_len.. of the cache is a single 2-D copy.
+    cache block: per (layer, key|value) one tensor [H_kv, S_max, D]; new-rows block: per (layer,
+    key|value) one tensor [H_kv, T, D] at the current width T. Tensors follow each other in io_spec
+    order, each starting on a 256-byte boundary. When no padding is needed between tensors (H_kv·T·D
+    and H_kv·S_max·D elements are whole multiples of 256 bytes, e.g. any even H_kv with D = 64 in fp16),
+    both blocks are uniform grids of 2·n_layers·H_kv rows, and moving the first n new positions of every
+    row to positions past_len.. of the cache is a single 2-D copy; otherwise one 2-D copy per tensor.
     """
 
     n_layers: int
@@ -183,19 +195,39 @@ class KvLayout:
     def row_bytes(self) -> int:  # one position of one head
         return self.head_dim * self.itemsize
 
+    def _cache_stride(self) -> int:
+        return _align(self.n_kv_heads * self.max_context * self.row_bytes)
+
+    def _new_stride(self, T: int) -> int:
+        return _align(self.n_kv_heads * T * self.row_bytes)
+
     def cache_bytes(self) -> int:
-        return self.rows * self.max_context * self.row_bytes
+        return 2 * self.n_layers * self._cache_stride()
+
+    def new_bytes(self, t_max: int) -> int:
+        return 2 * self.n_layers * max(self._new_stride(t) for t in range(1, t_max + 1))
 
     def past_address(self, base: int, layer: int, kind: int) -> int:
-        return base + (2 * layer + kind) * self.n_kv_heads * self.max_context * self.row_bytes
+        return base + (2 * layer + kind) * self._cache_stride()
 
     def present_address(self, base: int, layer: int, kind: int, T: int) -> int:
-        return base + (2 * layer + kind) * self.n_kv_heads * T * self.row_bytes
+        return base + (2 * layer + kind) * self._new_stride(T)
+
+    def copies(self, T: int) -> int:
+        """2-D copies one commit at width T takes: 1, or one per tensor where tensors are padded apart."""
+        r, H = self.row_bytes, self.n_kv_heads
+        uniform = self._cache_stride() == H * self.max_context * r and self._new_stride(T) == H * T * r
+        return 1 if uniform else 2 * self.n_layers
 
     def commit(self, cuda: Any, cache: int, new: int, T: int, past_len: int, n: int, stream: int) -> None:
-        """Copy the first n of T new rows of every layer and head into the cache at past_len (one call)."""
-        r = self.row_bytes
-        cuda.memcpy2d(cache + past_len * r, self.max_context * r, new, T * r, n * r, self.rows, D2D, stream)
+        """Copy the first n of T new rows of every layer and head into the cache at past_len."""
+        r, S = self.row_bytes, self.max_context
+        if self.copies(T) == 1:
+            cuda.memcpy2d(cache + past_len * r, S * r, new, T * r, n * r, self.rows, D2D, stream)
+            return
+        for t in range(2 * self.n_layers):
+            cuda.memcpy2d(cache + t * self._cache_stride() + past_len * r, S * r, new + t * self._new_stride(T),
+                          T * r, n * r, self.n_kv_heads, D2D, stream)
 
 
 @dataclass
@@ -253,15 +285,16 @@ class TrtRunner:
         self._bufs: list[int] = []
         self.kv = self._alloc(self.layout.cache_bytes())
         c.memset(self.kv, 0, self.layout.cache_bytes(), self.stream)
-        self.present = self._alloc(self.layout.rows * t_max * self.layout.row_bytes)
+        self.present = self._alloc(self.layout.new_bytes(t_max))
         self.logits_dev = self._alloc(self._l_max * d.vocab * 4)
-        self._io_n = t_max + 1 + self._l_max  # int64: ids [t_max] | past_len | logits_at [l_max]
+        # int64 inputs in one block, each on a 256-byte boundary: ids [t_max] | past_len [1] | logits_at [l_max]
+        self._io_off = (0, _align(t_max * 8), _align(t_max * 8) + ALIGN)
+        self._io_n = (self._io_off[2] + _align(self._l_max * 8)) // 8
         self.io_dev = self._alloc(self._io_n * 8)
         self._host_ptrs = [c.malloc_host(self._io_n * 8), c.malloc_host(self._l_max * d.vocab * 4)]
         self.io_host = host_array(self._host_ptrs[0], (self._io_n,), np.int64)
         self.logits_host = host_array(self._host_ptrs[1], (self._l_max, d.vocab), np.float32)
         self.io_host[:] = 0
-        self._t_max = t_max
         self._profiles = [self._profile(p, w) for p, w in enumerate(widths)]
         self._active: _Profile | None = None
         c.synchronize(self.stream)
@@ -273,8 +306,9 @@ class TrtRunner:
 
     def _profile(self, index: int, w: Width) -> _Profile:
         d = self.entry.dims
-        addr = {"input_ids": self.io_dev, "past_len": self.io_dev + self._t_max * 8,
-                "logits_at": self.io_dev + (self._t_max + 1) * 8, "logits": self.logits_dev}
+        o = self._io_off
+        addr = {"input_ids": self.io_dev + o[0], "past_len": self.io_dev + o[1], "logits_at": self.io_dev + o[2],
+                "logits": self.logits_dev}
         for i in range(d.n_layers):
             for j, kind in enumerate(("key", "value")):
                 addr[f"past_key_values.{i}.{kind}"] = self.layout.past_address(self.kv, i, j)
@@ -304,11 +338,11 @@ class TrtRunner:
         assert 0 < n and past_len + n <= self.max_context, (n, past_len, self.max_context)
         p = self._pick(n, all_logits)
         T, L, c, s = p.width.T, p.width.L, self.cuda, self.stream
-        io = self.io_host
-        io[:n] = tokens
-        io[n:T] = tokens[-1]  # padding: computed, never committed
-        io[self._t_max] = past_len
-        at = io[self._t_max + 1:self._t_max + 1 + L]
+        io, (o_ids, o_past, o_at) = self.io_host, (o // 8 for o in self._io_off)
+        io[o_ids:o_ids + n] = tokens
+        io[o_ids + n:o_ids + T] = tokens[-1]  # padding: computed, never committed
+        io[o_past] = past_len
+        at = io[o_at:o_at + L]
         if L == T:
             at[:] = np.arange(T)
         else:
@@ -317,7 +351,7 @@ class TrtRunner:
         self._activate(p)
         if not self.context.execute_async_v3(s):
             raise RuntimeError(f"TensorRT execute_async_v3 failed for {self.entry.graph} at width T={T}")
-        self.layout.commit(c, self.kv, self.present, T, past_len, n, s)  # every layer's new rows: one copy
+        self.layout.commit(c, self.kv, self.present, T, past_len, n, s)  # every layer's new rows (1 copy or 2L)
         rows = n if all_logits else 1
         first = n - 1 if not all_logits and L == T else 0  # every row computed: the last real one is n-1
         V = self.entry.dims.vocab

@@ -236,29 +236,32 @@ class _HostMemory:
             self.mem[dst + r * dpitch:dst + r * dpitch + width] = self.mem[src + r * spitch:src + r * spitch + width]
 
 
-@pytest.mark.parametrize("T, n, past", [(9, 9, 0), (9, 3, 17), (1, 1, 63), (16, 11, 40)])
-def test_trt_kv_commit_is_one_copy_per_step(T, n, past):
-    """The engine writes present.{i}.{key,value} [H, T, D] at present_address(...); one commit() must land
-    the first n rows of each at positions past.. of cache.{i}.{key,value} [H, S, D] and touch nothing else."""
-    from specedge.runtime.backends.trt import KvLayout
+@pytest.mark.parametrize("H, T, n, past", [(2, 9, 9, 0), (2, 9, 3, 17), (2, 1, 1, 63), (2, 16, 11, 40),
+                                            (3, 1, 1, 10), (3, 9, 4, 50)])
+def test_trt_kv_commit(H, T, n, past):
+    """The engine writes present.{i}.{key,value} [H, T, D] at present_address(...); commit() must land the
+    first n rows of each at positions past.. of cache.{i}.{key,value} [H, S, D] and touch nothing else —
+    in one copy where the tensors pack without padding, else one per tensor; every address 256-byte aligned."""
+    from specedge.runtime.backends.trt import ALIGN, KvLayout
 
-    L, H, D, S = 3, 2, 8, 64
+    L, D, S = 3, 64, 64
     lay = KvLayout(L, H, D, S, itemsize=2)
     cache_base, new_base = 0, lay.cache_bytes()
-    mem = _HostMemory(lay.cache_bytes() + lay.rows * T * lay.row_bytes)
+    mem = _HostMemory(lay.cache_bytes() + lay.new_bytes(16))
     rng = np.random.default_rng(T + n + past)
     cache = {}
     for i in range(L):
         for j in range(2):
             c = rng.normal(size=(H, S, D)).astype(np.float16)
             a = lay.past_address(cache_base, i, j)
-            mem.mem[a:a + c.nbytes] = c.view(np.uint8).ravel()
             p = rng.normal(size=(H, T, D)).astype(np.float16)
             b = lay.present_address(new_base, i, j, T)
+            assert a % ALIGN == 0 and b % ALIGN == 0
+            mem.mem[a:a + c.nbytes] = c.view(np.uint8).ravel()
             mem.mem[b:b + p.nbytes] = p.view(np.uint8).ravel()
             cache[i, j] = (c, p)
     lay.commit(mem, cache_base, new_base, T, past, n, stream=0)
-    assert mem.calls == 1
+    assert mem.calls == lay.copies(T) == (1 if (H * T) % 2 == 0 else 2 * L)  # D=64 fp16: 128-byte rows
     for (i, j), (c, p) in cache.items():
         a = lay.past_address(cache_base, i, j)
         got = mem.mem[a:a + c.nbytes].view(np.float16).reshape(H, S, D)
