@@ -189,6 +189,9 @@ def build(bundle: str, backend: str, precision: str, workspace_gb: float, timing
 @click.option("--logits-rtol", type=float, default=None, help="Default 0.05 (fp16), 0.1 (bf16).")
 @click.option("--kv-atol", type=float, default=None, help="present.* outputs. Default 0.05 (fp16), 0.25 (bf16).")
 @click.option("--kv-rtol", type=float, default=None, help="Default 0.05 (fp16), 0.1 (bf16).")
+@click.option("--kv-scale", type=float, default=None,
+              help="present.* atol grows by this times the tensor's max |value| (storage precision at its own "
+                   "magnitude). Default 2^-9 (fp16), 2^-6 (bf16).")
 @click.option("--min-agreement", type=float, default=0.95, show_default=True,
               help="Minimum teacher-forced greedy top-1 agreement with the reference, per model.")
 @click.option("--save-goldens", type=click.Path(dir_okay=False), default=None,
@@ -199,7 +202,7 @@ def build(bundle: str, backend: str, precision: str, workspace_gb: float, timing
               help="JSON report path (default BUNDLE/validate-<candidate>.json).")
 def validate(bundle: str, candidate: str, reference: str, precision: str | None, prompts: str | None, tokens: int,
              logits_atol: float | None, logits_rtol: float | None, kv_atol: float | None, kv_rtol: float | None,
-             min_agreement: float, save_goldens: str | None, goldens: str | None, report_path: str | None) -> None:
+             kv_scale: float | None, min_agreement: float, save_goldens: str | None, goldens: str | None, report_path: str | None) -> None:
     """Compare a candidate (fp16 ONNX or TensorRT) with the fp32 reference on recorded real inputs (polygraphy,
     per-output tolerances) and by greedy token agreement. Exit status 0 = passed, 1 = failed, 2 = error."""
     import json
@@ -215,11 +218,11 @@ def validate(bundle: str, candidate: str, reference: str, precision: str | None,
             texts = tuple(p.prompt if isinstance(p.prompt, str) else p.prompt[-1]["content"]
                           for p in load_prompts(prompts))
         base = DEFAULT_TOLERANCES[precision or "fp16"]
-        lt = Tolerance(logits_atol if logits_atol is not None else base["logits"].atol,
-                       logits_rtol if logits_rtol is not None else base["logits"].rtol)
-        kt = Tolerance(kv_atol if kv_atol is not None else base["present"].atol,
-                       kv_rtol if kv_rtol is not None else base["present"].rtol)
-        custom = any(v is not None for v in (logits_atol, logits_rtol, kv_atol, kv_rtol))
+        pick = lambda v, d: d if v is None else v  # noqa: E731
+        lt = Tolerance(pick(logits_atol, base["logits"].atol), pick(logits_rtol, base["logits"].rtol))
+        kt = Tolerance(pick(kv_atol, base["present"].atol), pick(kv_rtol, base["present"].rtol),
+                       pick(kv_scale, base["present"].scale))
+        custom = any(v is not None for v in (logits_atol, logits_rtol, kv_atol, kv_rtol, kv_scale))
         opts = ValidateOptions(candidate=candidate, precision=precision, prompts=texts, tokens=tokens,
                                logits=lt if custom else None, present=kt if custom else None,
                                min_agreement=min_agreement, goldens=goldens, save_goldens=save_goldens)

@@ -209,7 +209,9 @@ def test_fp16_speculative_greedy_equals_fp16_plain(fp16_bundle):
 
 def test_validate_passes_and_goldens_round_trip(fp16_bundle, tmp_path):
     goldens = tmp_path / "g.npz"
-    rep = validate(fp16_bundle, ValidateOptions(tokens=12, save_goldens=goldens, min_agreement=0.9))
+    prompts = ("def fib(n):", "The quick brown fox", "import numpy as np\nx = np.arange(10)\n")
+    rep = validate(fp16_bundle, ValidateOptions(tokens=12, prompts=prompts, chat=False, save_goldens=goldens,
+                                                min_agreement=0.9))
     assert rep["passed"], json.dumps(rep, indent=1)[:3000]
     names = {(c["role"], c["case"]) for c in rep["cases"]}
     assert names == {("target", "prefill"), ("target", "verify"), ("target", "decode"), ("draft", "prefill"),
@@ -218,7 +220,12 @@ def test_validate_passes_and_goldens_round_trip(fp16_bundle, tmp_path):
     assert all(c["logits"]["max_absdiff"] > 0 for c in rep["cases"])  # fp16 really differs from fp32 ...
     assert all(c["logits"]["max_absdiff"] < 0.1 for c in rep["cases"])  # ... by little
     assert rep["greedy"]["target"]["tokens"] == 12 * 3
-    again = validate(fp16_bundle, ValidateOptions(tokens=12, goldens=goldens, min_agreement=0.9))
+    z = np.load(goldens)
+    meta = json.loads(bytes(z["meta"]).decode())
+    pre = next(j for j, c in enumerate(meta["cases"]) if c["name"] == "prefill" and c["role"] == "target")
+    assert meta["cases"][pre]["n"] < meta["cases"][pre]["T"]  # a padded chunk ...
+    assert z[f"c{pre}/out/present.0.key"].shape[2] == meta["cases"][pre]["n"]  # ... compared on its real rows only
+    again = validate(fp16_bundle, ValidateOptions(tokens=12, goldens=goldens, chat=False, min_agreement=0.9))
     assert again["passed"] and again["prompts"] == rep["prompts"]
     for a, b in zip(rep["cases"], again["cases"]):
         assert a["logits"]["max_absdiff"] == pytest.approx(b["logits"]["max_absdiff"])
