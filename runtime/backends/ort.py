@@ -181,8 +181,8 @@ class OrtRunner:
         row = d.head_dim * self.kv_dtype.itemsize
         for dst, src in zip(self._kv_values, b.present):
             # [H_kv] rows of n*D floats: src pitch T*D, dst pitch S_max*D, offset past_len*D.
-            self._cuda.memcpy2d_d2d(dst.data_ptr() + past_len * row, self.max_context * row,
-                                    src.data_ptr(), b.width.T * row, n * row, d.n_kv_heads)
+            self._cuda.memcpy2d(dst.data_ptr() + past_len * row, self.max_context * row,
+                                src.data_ptr(), b.width.T * row, n * row, d.n_kv_heads)
         self._cuda.synchronize()
 
     def close(self) -> None:

@@ -229,11 +229,14 @@ class _HostMemory:
         self.mem = np.zeros(nbytes, dtype=np.uint8)
         self.calls = 0
 
-    def memcpy2d(self, dst, dpitch, src, spitch, width, height, kind, stream):
+    def memcpy2d(self, dst, dpitch, src, spitch, width, height, kind, stream=0):
         assert width <= dpitch and width <= spitch
         self.calls += 1
         for r in range(height):
             self.mem[dst + r * dpitch:dst + r * dpitch + width] = self.mem[src + r * spitch:src + r * spitch + width]
+
+    def synchronize(self, stream=0):
+        pass
 
 
 @pytest.mark.parametrize("H, T, n, past", [(2, 9, 9, 0), (2, 9, 3, 17), (2, 1, 1, 63), (2, 16, 11, 40),
@@ -267,4 +270,42 @@ def test_trt_kv_commit(H, T, n, past):
         got = mem.mem[a:a + c.nbytes].view(np.float16).reshape(H, S, D)
         want = c.copy()
         want[:, past:past + n] = p[:, :n]
+        np.testing.assert_array_equal(got, want)
+
+
+def test_ort_cuda_commit_copies_the_new_rows_into_each_cache_tensor(bundles):
+    """The ort-cuda runner's device commit (one 2-D copy per tensor between OrtValues on the GPU), run against the
+    byte-buffer model of cudaMemcpy2D: the call it makes must exist on the binding and land the rows right."""
+    import types
+
+    from specedge.runtime.backends.cuda_rt import CudaRuntime
+    from specedge.runtime.backends.ort import OrtRunner
+    from specedge.runtime.manifest import read_manifest
+
+    m = read_manifest(bundles["model"])
+    r = OrtRunner(bundles["model"], m, "target")
+    d, S, T, n, past = m.target.dims, m.max_context, 9, 4, 30
+    H, D = d.n_kv_heads, d.head_dim
+    tensors = 2 * d.n_layers
+    cache_bytes, new_bytes = H * S * D * 4, H * T * D * 4
+    mem = _HostMemory(tensors * (cache_bytes + new_bytes))
+    ptr = lambda off: types.SimpleNamespace(data_ptr=lambda: off)  # noqa: E731  (an OrtValue's device address)
+    rng = np.random.default_rng(0)
+    caches = [rng.normal(size=(H, S, D)).astype(np.float32) for _ in range(tensors)]
+    news = [rng.normal(size=(H, T, D)).astype(np.float32) for _ in range(tensors)]
+    for t in range(tensors):
+        mem.mem[t * cache_bytes:(t + 1) * cache_bytes] = caches[t].view(np.uint8).ravel()
+        o = tensors * cache_bytes + t * new_bytes
+        mem.mem[o:o + new_bytes] = news[t].view(np.uint8).ravel()
+    assert all(hasattr(CudaRuntime, f) for f in ("memcpy2d", "synchronize"))
+    r.device, r._cuda = "cuda", mem
+    r._kv_values = [ptr(t * cache_bytes) for t in range(tensors)]
+    bound = types.SimpleNamespace(width=next(w for w in m.target.widths if w.T == T),
+                                  present=[ptr(tensors * cache_bytes + t * new_bytes) for t in range(tensors)])
+    r._commit_rows(bound, past, n)
+    assert mem.calls == tensors
+    for t in range(tensors):
+        got = mem.mem[t * cache_bytes:(t + 1) * cache_bytes].view(np.float32).reshape(H, S, D)
+        want = caches[t].copy()
+        want[:, past:past + n] = news[t][:, :n]
         np.testing.assert_array_equal(got, want)
