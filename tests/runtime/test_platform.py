@@ -229,7 +229,7 @@ class _HostMemory:
         self.mem = np.zeros(nbytes, dtype=np.uint8)
         self.calls = 0
 
-    def memcpy2d(self, dst, dpitch, src, spitch, width, height, kind, stream=0):
+    def memcpy2d(self, dst, dpitch, src, spitch, width, height, kind=3, stream=0):  # defaults as CudaRuntime
         assert width <= dpitch and width <= spitch
         self.calls += 1
         for r in range(height):
