@@ -99,12 +99,12 @@ class _Rewriter:
             return _read_external(t, self.src_dir)
         return numpy_helper.to_array(t)
 
-    def init_dtype(self, name: str) -> int:
-        return self.inits[name].data_type
+    def type_of(self, name: str) -> int | None:
+        return self.inits[name].data_type if name in self.inits else self.dtype.get(name)
 
     def as_type(self, name: str, to: int) -> str:
         """`name` in element type `to`: the tensor itself, a converted constant, or a Cast (made once)."""
-        have = self.init_dtype(name) if name in self.inits else self.dtype.get(name)
+        have = self.type_of(name)
         if have == to or have not in _FLOATS:
             return name
         key = (name, to)
@@ -169,15 +169,16 @@ class _Rewriter:
         return self.dtype[live[0]] if live else self.low
 
     def _is_float(self, name: str) -> bool:
-        return (self.init_dtype(name) if name in self.inits else self.dtype.get(name)) in _FLOATS
+        return self.type_of(name) in _FLOATS
 
-    def rewrite(self, node: onnx.NodeProto, forced: dict[str, int]) -> None:
+    def rewrite(self, node: onnx.NodeProto, forced: dict[str, int]) -> int | None:
+        """Append `node` (inputs cast or converted to its precision) to the new graph; return that precision."""
         prec = self.precision_of(node, forced)
         if node.op_type == "Cast" and prec is not None:  # a cast to float lands in the node's precision
             self.keep_init(node.input[0])
             self.new_nodes.append(helper.make_node("Cast", [node.input[0]], list(node.output), name=node.name, to=prec))
             self.dtype[node.output[0]] = prec
-            return
+            return prec
         ins = []
         for i in node.input:
             if i and prec is not None and self._is_float(i):
@@ -192,6 +193,7 @@ class _Rewriter:
         self.new_nodes.append(new)
         for o in node.output:
             self.dtype[o] = self._out_type(node, prec, ins)
+        return prec
 
     def _out_type(self, node: onnx.NodeProto, prec: int | None, ins: list[str]) -> int:
         if node.op_type == "Cast":
@@ -204,7 +206,7 @@ class _Rewriter:
         first = ins[0] if ins else None
         if first is None:
             return TensorProto.INT64
-        return self.init_dtype(first) if first in self.inits else self.dtype.get(first, TensorProto.INT64)
+        return self.type_of(first) or TensorProto.INT64
 
 
 def _cast_to(node: onnx.NodeProto) -> int:
@@ -271,8 +273,7 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
         for i, node in enumerate(g.node):
             if i % 200 == 0:
                 say(f"  {precision}: node {i}/{len(g.node)}")
-            rw.rewrite(node, forced)
-            p = rw.precision_of(node, forced)
+            p = rw.rewrite(node, forced)
             n_low += p == low
             n_fp32 += p == TensorProto.FLOAT
         # outputs: logits in fp32, present rows in the cache's precision

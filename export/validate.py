@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from specedge.runtime.drafters import feed
 from specedge.runtime.errors import BundleError
 from specedge.runtime.manifest import Manifest, read_manifest
 from specedge.runtime.text import TextCodec
@@ -337,13 +338,10 @@ def greedy_agreement(bundle_dir: Path, manifest: Manifest, greedy: list[Greedy],
         firsts, mismatches = [], []
         try:
             for k, g in enumerate(runs):
-                P = manifest.prefill_chunk
-                logits = None
-                for start in range(0, len(g.prompt), P):
-                    logits = runner.step(g.prompt[start:start + P], start, all_logits=False)
+                last = feed(runner, np.array(g.prompt), 0, manifest.prefill_chunk)  # the runtime's own prefill
                 pos, first = len(g.prompt), None
                 for j, tok in enumerate(g.tokens):
-                    top = int(np.argmax(logits[-1]))
+                    top = int(np.argmax(last))
                     if top == tok:
                         agree += 1
                     else:
@@ -351,7 +349,7 @@ def greedy_agreement(bundle_dir: Path, manifest: Manifest, greedy: list[Greedy],
                         mismatches.append({"prompt": k, "position": j, "reference": tok, "candidate": top,
                                            "reference_top2_gap": round(g.gaps[j], 5)})
                     total += 1
-                    logits = runner.step([tok], pos, all_logits=False)
+                    last = runner.step([tok], pos, all_logits=False)[0]
                     pos += 1
                 firsts.append(first)
         finally:

@@ -205,7 +205,7 @@ class KvLayout:
         return 2 * self.n_layers * self._cache_stride()
 
     def new_bytes(self, t_max: int) -> int:
-        return 2 * self.n_layers * max(self._new_stride(t) for t in range(1, t_max + 1))
+        return 2 * self.n_layers * self._new_stride(t_max)  # the stride only grows with T
 
     def past_address(self, base: int, layer: int, kind: int) -> int:
         return base + (2 * layer + kind) * self._cache_stride()
@@ -290,6 +290,8 @@ class TrtRunner:
         # int64 inputs in one block, each on a 256-byte boundary: ids [t_max] | past_len [1] | logits_at [l_max]
         self._io_off = (0, _align(t_max * 8), _align(t_max * 8) + ALIGN)
         self._io_n = (self._io_off[2] + _align(self._l_max * 8)) // 8
+        self._io_idx = tuple(o // 8 for o in self._io_off)  # the same offsets in int64 elements
+        self._arange = np.arange(self._l_max, dtype=np.int64)  # logits_at of the all-rows widths
         self.io_dev = self._alloc(self._io_n * 8)
         self._host_ptrs = [c.malloc_host(self._io_n * 8), c.malloc_host(self._l_max * d.vocab * 4)]
         self.io_host = host_array(self._host_ptrs[0], (self._io_n,), np.int64)
@@ -338,13 +340,13 @@ class TrtRunner:
         assert 0 < n and past_len + n <= self.max_context, (n, past_len, self.max_context)
         p = self._pick(n, all_logits)
         T, L, c, s = p.width.T, p.width.L, self.cuda, self.stream
-        io, (o_ids, o_past, o_at) = self.io_host, (o // 8 for o in self._io_off)
+        io, (o_ids, o_past, o_at) = self.io_host, self._io_idx
         io[o_ids:o_ids + n] = tokens
         io[o_ids + n:o_ids + T] = tokens[-1]  # padding: computed, never committed
         io[o_past] = past_len
         at = io[o_at:o_at + L]
         if L == T:
-            at[:] = np.arange(T)
+            at[:] = self._arange[:T]
         else:
             at[0] = n - 1
         c.memcpy(self.io_dev, self._host_ptrs[0], self._io_n * 8, H2D, s)
