@@ -94,7 +94,7 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weig
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Check every file's sha256.")
 def info(bundle: str, verify: bool) -> None:
     """Print what is in a bundle: models, widths, sizes, hashes."""
-    from specedge.runtime.manifest import read_manifest
+    from specedge.runtime.manifest import EngineSet, read_manifest
 
     try:
         m = read_manifest(bundle, verify="sha256" if verify else "size")
@@ -116,14 +116,12 @@ def info(bundle: str, verify: bool) -> None:
                        f"{'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level {q['accuracy_level']}, "
                        f"lm_head {q['lm_head']}, embedding {q['embedding']}; {q['repacked_from_gguf']} re-packed from "
                        f"GGUF, {q['requantized']} re-quantized (weight rel. RMS error {q['requant_weight_rel_rms_error']})")
-    for key, raw in m.engines.items():
-        from specedge.runtime.manifest import EngineSet
-
+    for raw in m.engines.values():
         es = EngineSet.from_json(raw)
         where = (f"TensorRT {es.tensorrt} on {es.gpu.get('name')} (compute capability {es.gpu.get('compute_capability')}), "
                  if es.kind == "trt" else "ONNX Runtime / TensorRT input, ")
         head = es.build.get("head", "fp32")
-        click.echo(f"{'engines':<11} {key}: {where}KV {es.kv_dtype}, lm_head {head}: "
+        click.echo(f"{'engines':<11} {es.key}: {where}KV {es.kv_dtype}, lm_head {head}: "
                    + ", ".join(f"{r} {f}" for r, f in es.graphs.items()))
     t = m.tokenizer
     click.echo(f"tokenizer   {t.file}: {t.vocab_size} tokens, bos {t.bos_id} (add_bos={t.add_bos}), eos {list(t.eos_ids)}, "
