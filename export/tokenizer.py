@@ -10,7 +10,8 @@ from typing import Any
 from specedge.runtime.errors import BundleError, VocabularyMismatchError
 from specedge.runtime.manifest import TokenizerInfo
 
-from .loaders import WeightSource, gguf_field
+from .gguf_tokenizer import write_gguf_tokenizer
+from .loaders import WeightSource
 
 TOKENIZER_FILE = "tokenizer.json"
 # End-of-turn tokens that chat models emit besides their declared eos.
@@ -25,15 +26,17 @@ def write_tokenizer(src: WeightSource, out_dir: Path) -> TokenizerInfo:
     if src.kind == "hf":
         info = _from_hf_dir(src.path, dst)
     else:
-        info = _from_gguf(src.path, dst)
+        info = write_gguf_tokenizer(src.path, dst)  # gguf + tokenizers only: no torch
     tok = Tokenizer.from_file(str(dst))
     eos = list(info["eos_ids"])
     for t in _END_TOKENS:
         tid = tok.token_to_id(t)
         if tid is not None and tid not in eos:
             eos.append(tid)
+    named = {k: v for k, v in info.get("chat_templates", {}).items() if k != "default"}
     return TokenizerInfo(file=TOKENIZER_FILE, chat_template=info["chat_template"], bos_id=info["bos_id"],
-                         eos_ids=tuple(eos), add_bos=info["add_bos"], vocab_size=tok.get_vocab_size())
+                         eos_ids=tuple(eos), add_bos=info["add_bos"], vocab_size=tok.get_vocab_size(),
+                         chat_templates=named)
 
 
 def _from_hf_dir(d: Path, dst: Path) -> dict[str, Any]:
@@ -62,24 +65,6 @@ def _from_hf_dir(d: Path, dst: Path) -> dict[str, Any]:
         eos.append(e)
     bos = gen.get("bos_token_id") if isinstance(gen.get("bos_token_id"), int) else tid(tc.get("bos_token"))
     return {"chat_template": template, "bos_id": bos, "eos_ids": eos, "add_bos": bool(tc.get("add_bos_token", False))}
-
-
-def _from_gguf(path: Path, dst: Path) -> dict[str, Any]:
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:  # pragma: no cover
-        raise BundleError("converting a GGUF tokenizer needs transformers: pip install 'specedge[export]'") from e
-    import gguf
-
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.backend_tokenizer.save(str(dst))
-    reader = gguf.GGUFReader(str(path))
-    eos = [int(v) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-           if (v := gguf_field(reader, k)) is not None]
-    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    return {"chat_template": gguf_field(reader, "tokenizer.chat_template"),
-            "bos_id": int(bos) if bos is not None else None, "eos_ids": eos,
-            "add_bos": bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False))}
 
 
 def check_same_vocab(target_json: Path, draft_json: Path) -> None:

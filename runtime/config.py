@@ -26,11 +26,18 @@ SECTIONS = ("export", "build", "run", "bench")
 
 
 def presets_dir() -> Path:
-    """`configs/` of a source checkout, or $SPECEDGE_CONFIGS."""
+    """$SPECEDGE_CONFIGS, else the presets shipped in the package (``specedge.configs``: the checkout's
+    ``configs/`` in an editable install, package data in a wheel)."""
+    import importlib.util
     import os
 
     env = os.environ.get("SPECEDGE_CONFIGS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs"
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("specedge.configs")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parent.parent / "configs"
 
 
 def list_presets() -> list[str]:

@@ -100,6 +100,7 @@ class TokenizerInfo:
     eos_ids: tuple[int, ...]
     add_bos: bool
     vocab_size: int  # entries in the tokenizer (<= ModelDims.vocab)
+    chat_templates: dict[str, str] = field(default_factory=dict)  # named variants besides chat_template
 
 
 @dataclass(frozen=True)

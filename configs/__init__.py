@@ -1,0 +1,1 @@
+"""Deployment presets (TOML), shipped as package data; see specedge.runtime.config."""

@@ -1,0 +1,166 @@
+"""Nothing lost: --overwrite replaces only our bundles, the swap survives an interrupt at every step, SIGTERM
+cleans up, stale temp dirs of killed exports are removed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import specedge.export.bundle as bundle_mod
+import specedge.export.install as inst
+from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.runtime.errors import BundleError
+from specedge.runtime.manifest import read_manifest
+
+OPTS = ExportOptions(k=2, max_context=64, prefill_chunk=8)
+
+
+def user_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "mine"
+    (d / "sub").mkdir(parents=True)
+    (d / "thesis.txt").write_text("four years of work")
+    (d / "sub" / "data.csv").write_text("1,2,3")
+    return d
+
+
+def assert_user_dir_intact(d: Path) -> None:
+    assert (d / "thesis.txt").read_text() == "four years of work"
+    assert (d / "sub" / "data.csv").read_text() == "1,2,3"
+
+
+def siblings(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}"))
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_bundle(tmp_path, tiny_llama):
+    d = user_dir(tmp_path)
+    with pytest.raises(BundleError, match="not a specedge bundle.*even with --overwrite"):
+        export_bundle(tiny_llama, "prompt-lookup", d, ExportOptions(**{**OPTS.__dict__, "overwrite": True}))
+    assert_user_dir_intact(d)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(BundleError, match="not a directory"):
+        inst.check_destination(tmp_path / "afile", True)
+
+
+@pytest.mark.parametrize("where", [".", "..", "~", "/"])
+def test_never_the_current_home_or_root_directory(tmp_path, monkeypatch, where):
+    monkeypatch.chdir(user_dir(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(BundleError, match="refusing to write a bundle to"):
+        inst.check_destination(Path(os.path.expanduser(where)), True)
+    assert_user_dir_intact(tmp_path / "mine")
+
+
+def test_bundle_with_foreign_files_is_refused_and_kept(tmp_path, tiny_llama):
+    out = export_bundle(tiny_llama, "prompt-lookup", tmp_path / "b", OPTS).out
+    with pytest.raises(BundleError, match="already holds a bundle; pass --overwrite"):
+        inst.check_destination(out, False)
+    inst.check_destination(out, True)  # a plain bundle of ours may be replaced
+    (out / "notes.md").write_text("mine")
+    with pytest.raises(BundleError, match=r"does not account for \(notes.md\)"):
+        inst.check_destination(out, True)
+    assert (out / "notes.md").read_text() == "mine"
+
+
+def test_empty_directory_is_filled(tmp_path, tiny_llama):
+    (tmp_path / "empty").mkdir()
+    out = export_bundle(tiny_llama, "prompt-lookup", tmp_path / "empty", OPTS).out
+    read_manifest(out, verify="sha256")
+
+
+def _complete_bundle_id(out: Path) -> str:
+    m = read_manifest(out, verify="sha256")  # every file present with its hash
+    return m.drafter
+
+
+class Boom(KeyboardInterrupt):
+    pass
+
+
+def _calls_to_inject(monkeypatch):
+    """Wrap every step an export takes after its sources are loaded; raise at the n-th call (set later)."""
+    state = {"n": -1, "count": 0}
+
+    def wrap(obj, name):
+        real = getattr(obj, name)
+
+        def f(*a, **kw):
+            state["count"] += 1
+            if state["count"] == state["n"]:
+                raise Boom(f"interrupt at step {state['count']} ({name})")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(obj, name, f)
+
+    for obj, name in ((bundle_mod, "write_tokenizer"), (bundle_mod, "_export_model"), (bundle_mod, "sha256_file"),
+                      (bundle_mod, "write_manifest"), (bundle_mod, "install"), (inst.os, "replace"),
+                      (inst.shutil, "rmtree")):
+        wrap(obj, name)
+    return state
+
+
+def test_interrupt_at_every_step_of_an_overwrite_keeps_a_complete_bundle(tmp_path, tiny_llama, monkeypatch):
+    out = export_bundle(tiny_llama, "none", tmp_path / "b", OPTS).out  # the old bundle: drafter "none"
+    opts = ExportOptions(**{**OPTS.__dict__, "overwrite": True})
+    probe = export_bundle(tiny_llama, "none", tmp_path / "probe", opts).out
+    state = _calls_to_inject(monkeypatch)
+    export_bundle(tiny_llama, "prompt-lookup", probe, opts)  # count the steps of one overwriting export
+    total = state["count"]
+    assert total >= 8
+    outcomes = set()
+    for n in range(1, total + 1):
+        state.update(n=n, count=0)
+        try:
+            export_bundle(tiny_llama, "prompt-lookup", out, opts)
+        except Boom:
+            pass
+        got = _complete_bundle_id(out)  # old ("none") or new ("prompt-lookup"), never missing or partial
+        outcomes.add(got)
+        state.update(n=-1)
+        if got == "prompt-lookup":  # put the old one back for the next step
+            export_bundle(tiny_llama, "none", out, opts)
+        assert not [s for s in siblings(out) if ".tmp-" in s], f"temp dir left after an interrupt at step {n}"
+    assert outcomes == {"none", "prompt-lookup"}
+
+
+SLOW_EXPORT = """
+import sys, time
+import specedge.export.bundle as b
+real = b.sha256_file
+def slow(p, *a, **kw):
+    print("hashing", flush=True); time.sleep(30); return real(p, *a, **kw)
+b.sha256_file = slow
+b.export_bundle(sys.argv[1], "prompt-lookup", sys.argv[2],
+                b.ExportOptions(k=2, max_context=64, prefill_chunk=8, overwrite=True))
+"""
+
+
+def test_sigterm_during_export_cleans_up_and_keeps_the_old_bundle(tmp_path, tiny_llama):
+    out = export_bundle(tiny_llama, "none", tmp_path / "b", OPTS).out
+    p = subprocess.Popen([sys.executable, "-c", SLOW_EXPORT, str(tiny_llama), str(out)], stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "hashing"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) != 0
+    assert siblings(out) == []
+    assert _complete_bundle_id(out) == "none"
+
+
+def test_stale_temp_dirs_of_dead_exports_are_removed(tmp_path, tiny_llama):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    time.sleep(0.1)
+    for name in (f".b.tmp-{dead}-x1", f".b.old-{dead}"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.onnx.data").write_bytes(b"0" * 1000)
+    (tmp_path / f".b.tmp-{os.getpid()}-live").mkdir()  # a live process's: kept
+    (tmp_path / ".other.tmp-1-x").mkdir()  # another bundle's: not ours to judge here
+    export_bundle(tiny_llama, "prompt-lookup", tmp_path / "b", OPTS)
+    assert siblings(tmp_path / "b") == [f".b.tmp-{os.getpid()}-live"]
+    assert (tmp_path / ".other.tmp-1-x").is_dir()
