@@ -9,6 +9,7 @@ committed token except the last, which is fed first in the next verify call.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,10 +20,10 @@ import numpy as np
 
 from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
-from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, feed
+from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import ContextLengthError, PromptError, SamplingParamsError
 from .manifest import Manifest, read_manifest
-from .sampling import SamplingParams, choose_next, process_logits, verify_greedy, verify_sampled
+from .sampling import SamplingParams, choose_next, process_logits, verify_greedy, verify_keyed, verify_sampled
 from .stats import Stats
 from .text import IncrementalDetokenizer, TextCodec
 
@@ -74,9 +75,16 @@ class SpecDecoder:
     """
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, backend: str, target: GraphRunner,
-                 draft: GraphRunner | None, codec: TextCodec):
+                 draft: GraphRunner | None, codec: TextCodec, invariant: bool = True):
         self.bundle_dir, self.manifest, self.backend = bundle_dir, manifest, backend
         self.target, self.draft_runner, self.codec = target, draft, codec
+        # Batch invariance: the target never runs a width-1 step (GraphRunner.min_width), so every logits row is
+        # computed by the same kernels whatever the drafter, k or auto's choice; a round with nothing to verify
+        # carries a free one-token guess instead of running alone.
+        self.invariant = invariant
+        target.min_width = 2 if invariant else 1
+        p = manifest.drafter_params
+        self._guesser = PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", 1))
         self._lock = threading.Lock()
         self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
         self._shared: dict = {}  # what the runners share (TensorRT: CUDA stream and scratch memory)
@@ -84,9 +92,12 @@ class SpecDecoder:
 
     @classmethod
     def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "sha256",
-             threads: int | None = None, precision: str | None = None) -> "SpecDecoder":
+             threads: int | None = None, precision: str | None = None, invariant: bool = True) -> "SpecDecoder":
         """backend: auto | ort-cpu | ort-cuda | ort-trt | trt. precision: None (fp32 graphs on ONNX Runtime; the
-        built engines on TensorRT) or fp16/bf16 (the bundle's reduced-precision graphs or engines)."""
+        built engines on TensorRT) or fp16/bf16 (the bundle's reduced-precision graphs or engines).
+        invariant: True (default) runs every target step at width >= 2, so speculative output is bitwise the
+        plain output in every weight format; False lets plain rounds run a narrower width-1 step whose rows
+        differ from verify rows by kernel rounding (int8/int4: up to ~0.6 in a logit)."""
         bundle_dir = Path(bundle)
         manifest = read_manifest(bundle_dir, verify=verify)
         backend = resolve_backend(backend, manifest)
@@ -94,7 +105,7 @@ class SpecDecoder:
         target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared)
         draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared)
                  if manifest.draft else None)
-        dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer))
+        dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer), invariant)
         dec._shared = shared
         dec.precision = precision or ("fp32" if backend != "trt" else manifest.engine_set("trt").precision)
         return dec
@@ -126,7 +137,8 @@ class SpecDecoder:
         round's own timings)."""
         if self._costs is None:
             steps = self.time_steps(repeats=3, all_logits_only=True)
-            self._costs = CostModel(dict(steps["target"]), steps.get("draft", {}).get(1))
+            target = {T: s for T, s in steps["target"].items() if T >= self.target.min_width}
+            self._costs = CostModel(target, steps.get("draft", {}).get(1))
         return self._costs
 
     # ------------------------------------------------------------------ public
@@ -177,6 +189,8 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------- loop
     def _run(self, ids: list[int], params: SamplingParams, drafter: Drafter, k: int) -> Iterator[StreamEvent]:
+        if not params.greedy and params.sampler == "keyed" and params.seed is None:
+            params = dataclasses.replace(params, seed=int(np.random.SeedSequence().entropy % (1 << 63)))
         with self._lock:
             drafter.reset()
             stats = Stats(drafter=drafter.name, k=k if drafter.name != "none" else 0, prompt_tokens=len(ids))
@@ -186,7 +200,7 @@ class SpecDecoder:
                            IncrementalDetokenizer(self.codec), stop_hold=max((len(s) for s in params.stop), default=1) - 1)
             t_start = time.perf_counter()
             logits = feed(self.target, tokens[: req.n], 0, self.manifest.prefill_chunk)
-            first = choose_next(logits, params, req.rng)
+            first = choose_next(logits, params, req.rng, position=req.n)
             ev = self._commit(req, [first])
             stats.ttft_s = time.perf_counter() - t_start
             t_first = time.perf_counter()
@@ -203,6 +217,9 @@ class SpecDecoder:
         remaining = req.params.max_new_tokens - req.generated
         t0 = time.perf_counter()
         prop = drafter.propose(req.tokens[: req.n], min(k, remaining - 1), req.params, req.rng)
+        guess = len(prop.tokens) == 0 and self.invariant
+        if guess:  # a width-2 step anyway: let its second row check a free guess
+            prop = self._free_guess(req)
         t1 = time.perf_counter()
         verify_in = np.concatenate([req.tokens[req.n - 1: req.n], prop.tokens])  # [last committed, d_1..d_n]
         logits = self.target.step(verify_in, req.n - 1, all_logits=True)  # [n+1, V]
@@ -210,8 +227,8 @@ class SpecDecoder:
         if self._costs is not None:
             self._costs.observe_target(len(verify_in), t2 - t1)
         m, nxt = self._accept(logits, prop, req)
-        drafter.commit(m)
-        st.record_round(len(prop.tokens), m)
+        drafter.commit(0 if guess else m)
+        st.record_round(0 if guess else len(prop.tokens), 0 if guess else m, guessed=m if guess else None)
         ev = self._commit(req, [*prop.tokens[:m].tolist(), nxt])
         t3 = time.perf_counter()
         st.time_draft_s += t1 - t0
@@ -219,12 +236,21 @@ class SpecDecoder:
         st.time_host_s += t3 - t2
         return ev
 
+    def _free_guess(self, req: _Request) -> Any:
+        """One token to fill the second row of a plain round: what followed the last n-gram in the context
+        (prompt lookup), else the last token again. Deterministic (q one-hot), so the acceptance rule keeps
+        the output exact; an accepted guess is a free token."""
+        prop = self._guesser.propose(req.tokens[: req.n], 1, req.params, req.rng)
+        return prop if len(prop.tokens) else Proposal(req.tokens[req.n - 1: req.n].copy(), None)
+
     @staticmethod
     def _accept(logits: np.ndarray, prop: Any, req: _Request) -> tuple[int, int]:
         p = req.params
         if p.greedy:
             return verify_greedy(logits, prop.tokens)
         p_target = process_logits(logits, p.temperature, p.top_k, p.top_p)
+        if p.sampler == "keyed":  # logits row i is position req.n + i
+            return verify_keyed(p_target, prop.tokens, p.seed, req.n)
         return verify_sampled(p_target, prop.q_draft, prop.tokens, req.rng)
 
     def _commit(self, req: _Request, new: list[int]) -> StreamEvent:

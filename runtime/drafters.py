@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from .backends import GraphRunner
-from .sampling import SamplingParams, process_logits, sample
+from .sampling import SamplingParams, keyed_sample, process_logits, sample
 
 
 @dataclass
@@ -149,7 +149,8 @@ class ModelDrafter:
                 conf = float(1.0 / np.exp(logits - logits[last]).sum()) if keep is not None else 1.0
             else:
                 q[i] = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]
-                last = sample(q[i], rng)
+                # keyed: the same noise the target's token at this position will be drawn with (n + i)
+                last = keyed_sample(q[i], params.seed, n + i) if params.sampler == "keyed" else sample(q[i], rng)
                 conf = float(q[i].max())
             if keep is not None and i > 0 and not keep(conf):
                 kept = i

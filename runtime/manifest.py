@@ -234,16 +234,18 @@ def _model_from_json(d: dict[str, Any]) -> ModelEntry:
 def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int, ...] = ()) -> tuple[Width, ...]:
     """The fixed widths each model is run at.
 
-    target: prefill (P), verify (K+1) and decode (1) -- decode is what the plain
-    baseline runs, so "no speculation" is a real 1-token step, not a padded verify.
-    ``extra_verify`` adds narrower verify widths (2..K): a draft of k < K tokens then runs
+    target: prefill (P), verify (K+1 and 2) and decode (1). Verify width 2 is what plain decoding runs
+    by default: the last token plus a free one-token guess, because a width-1 step is computed by other
+    kernels than every wider one (see GraphRunner.min_width); decode (1) stays for runs that give up
+    batch invariance for a narrower step (``SpecDecoder.load(invariant=False)``).
+    ``extra_verify`` adds more verify widths (2..K): a draft of k < K tokens then runs
     at the smallest width >= k+1 instead of padding to K+1 (one more optimization profile
     for TensorRT; nothing more for ONNX Runtime).
     draft: prefill (P) and decode (1).
     """
     widths = {Width(ROLE_PREFILL, prefill_chunk, 1), Width(ROLE_DECODE, 1, 1)}
     if role == "target":
-        for t in {k + 1, *extra_verify}:
+        for t in {k + 1, 2, *extra_verify}:
             if not 2 <= t <= k + 1:
                 raise ValueError(f"verify widths must be in 2..K+1={k + 1}, got {t}")
             widths.add(Width(ROLE_VERIFY, t, t))

@@ -14,6 +14,19 @@ Every emitted token is then distributed exactly as p. Temperature, top-k and
 top-p are applied to both p and q before the test, identically
 (:func:`process_logits`). Temperature 0 is greedy: accept while d_i == argmax p_i.
 A deterministic proposal (prompt lookup) is q = one-hot(d_i).
+
+Position-keyed sampling (``sampler="keyed"``, the default). The token at sequence
+position i is a pure function of (p_i, seed, i):
+
+    x_i = argmax_x p_i(x) / E_{seed,i}(x),   E_{seed,i}(x) ~ Exp(1) i.i.d., drawn from a
+                                             generator seeded with (seed, i)
+
+(the exponential race, i.e. Gumbel-max: P(x_i = x) = p_i(x) exactly). Speculation then
+only guesses x_i: accept d_i iff d_i == x_i, emit x_i at the first mismatch, else the
+bonus x_{n+1}. Plain decoding, every drafter, every k and every adaptive choice emit the
+same text for the same seed, because the target's rows are batch-invariant (see
+GraphRunner.min_width). A model draft samples with the same keyed noise, so it agrees
+with the target whenever q is close to p.
 """
 
 from __future__ import annotations
@@ -25,6 +38,9 @@ import numpy as np
 from .errors import SamplingParamsError
 
 
+SAMPLERS = ("keyed", "classic")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
@@ -34,16 +50,24 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    sampler: str = "keyed"  # keyed: a seed fixes the text whatever the drafter | classic: min(1, p/q)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise SamplingParamsError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise SamplingParamsError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not np.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                                      f"{self.temperature!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 63):
+            raise SamplingParamsError(f"seed must be an int in 0..2**63-1 (or None), got {self.seed!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingParamsError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise SamplingParamsError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.sampler not in SAMPLERS:
+            raise SamplingParamsError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -61,7 +85,9 @@ def process_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p
     top-p keeps the smallest prefix of the sorted distribution whose mass reaches
     top_p (the most likely token is always kept). temperature must be > 0.
     """
-    z = np.asarray(logits, dtype=np.float64) / temperature  # [N, V]
+    z = np.asarray(logits, dtype=np.float64)  # [N, V]
+    with np.errstate(over="ignore"):  # max first: z <= 0, so a tiny temperature gives -inf, never NaN
+        z = (z - z.max(axis=-1, keepdims=True)) / temperature
     V = z.shape[-1]
     if 0 < top_k < V:
         kth = np.partition(z, V - top_k, axis=-1)[:, V - top_k: V - top_k + 1]  # [N, 1]
@@ -126,8 +152,35 @@ def verify_sampled(p_target: np.ndarray, q_draft: np.ndarray | None, draft_token
     return n, sample(p_target[n], rng)
 
 
-def choose_next(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Plain sampling of one token from logits [V] (greedy at temperature 0)."""
+def keyed_exponentials(seed: int, position: int, V: int) -> np.ndarray:
+    """E [V] ~ Exp(1) i.i.d., a pure function of (seed, position) (numpy's SeedSequence hashes the pair)."""
+    return np.random.default_rng([seed, position]).standard_exponential(V)
+
+
+def keyed_sample(probs: np.ndarray, seed: int, position: int) -> int:
+    """One exact draw from probs [V] that depends only on (probs, seed, position): argmax probs / E."""
+    return int(np.argmax(probs / keyed_exponentials(seed, position, probs.shape[-1])))
+
+
+def verify_keyed(p_target: np.ndarray, draft_tokens: np.ndarray, seed: int, position: int) -> tuple[int, int]:
+    """Position-keyed acceptance. p_target [n+1, V] for positions position..position+n, draft_tokens [n]
+    -> (n_accepted, next_token): accept d_i iff it is the keyed token x_i; emit x at the first mismatch."""
+    n = len(draft_tokens)
+    for i in range(n + 1):
+        x = keyed_sample(p_target[i], seed, position + i)
+        if i == n or x != draft_tokens[i]:
+            return i, x
+    raise AssertionError("unreachable")
+
+
+def choose_next(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+                position: int | None = None) -> int:
+    """Plain sampling of one token from logits [V] (greedy at temperature 0) for sequence ``position``
+    (needed by the keyed sampler, whose params.seed the decoder has resolved)."""
     if params.greedy:
         return int(np.argmax(logits))
-    return sample(process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0], rng)
+    probs = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]
+    if params.sampler == "keyed":
+        assert params.seed is not None and position is not None
+        return keyed_sample(probs, params.seed, position)
+    return sample(probs, rng)

@@ -17,6 +17,8 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accept_hist: list[int] = field(default_factory=list)  # [m] = rounds that accepted m draft tokens
+    guesses: int = 0  # rounds with no draft whose width-2 step checked a free one-token guess
+    guesses_accepted: int = 0  # of those, the guesses the target confirmed (a free token each)
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_host_s: float = 0.0  # sampling, acceptance, bookkeeping, detokenization
@@ -36,7 +38,11 @@ class Stats:
     def mean_accepted_per_round(self) -> float:
         return self.accepted / self.rounds if self.rounds else 0.0
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, guessed: int | None = None) -> None:
+        """guessed: for a round without a draft, whether (1) or not (0) its free guess was confirmed."""
+        if guessed is not None:
+            self.guesses += 1
+            self.guesses_accepted += guessed
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -56,6 +62,7 @@ class Stats:
             f"ttft={self.ttft_s * 1000:.0f}ms decode={self.decode_tok_s:.1f} tok/s rounds={self.rounds} "
             f"drafted={self.drafted} accepted={self.accepted} ({self.acceptance_rate:.0%}, "
             f"{self.mean_accepted_per_round:.2f}/round) hist={self.accept_hist} "
+            + (f"free guesses={self.guesses_accepted}/{self.guesses} " if self.guesses else "") +
             f"time draft={self.time_draft_s:.3f}s verify={self.time_verify_s:.3f}s host={self.time_host_s:.3f}s "
             f"finish={self.finish_reason}" + (f" strategies={self.strategies}" if self.strategies else "")
         )

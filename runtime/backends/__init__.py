@@ -27,6 +27,11 @@ class GraphRunner(Protocol):
     entry: ModelEntry
     max_context: int
     pads_into_cache: bool  # True: a step writes all T rows (padding too) at past_len, so past_len + T <= S_max
+    # Narrowest width a step may run in (fewer tokens are padded). The decoder sets 2 on the target: ONNX Runtime
+    # CPU computes a width-1 step with other kernels (GEMV; MatMulNBits' M=1 path) than any wider step, while
+    # rows of every width >= 2 are bitwise identical — so never running width 1 makes every logits row
+    # independent of how the step that computed it was batched.
+    min_width: int
 
     def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
         """Run len(tokens) new tokens at positions past_len.. and write their KV rows there.

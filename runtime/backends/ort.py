@@ -61,6 +61,7 @@ class OrtRunner:
         self.max_context = manifest.max_context
         self.device = device
         self.pads_into_cache = manifest.kv_mode == "ort-inplace"  # a step writes all T rows at past_len
+        self.min_width = 1  # narrowest width a step may run in (the decoder sets 2: see GraphRunner)
         d = self.entry.dims
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -125,7 +126,8 @@ class OrtRunner:
         return _Bound(w, io, ids, past, at, logits, logits_dev, present)
 
     def _pick(self, n: int, all_logits: bool, past_len: int) -> _Bound:
-        fits = [b for b in self._bound.values() if b.width.T >= n and (not all_logits or b.width.L == b.width.T)
+        fits = [b for b in self._bound.values() if b.width.T >= max(n, self.min_width)
+                and (not all_logits or b.width.L == b.width.T)
                 and (not self.pads_into_cache or past_len + b.width.T <= self.max_context)]
         if not fits:
             raise ValueError(f"no width of {self.entry.graph} takes {n} tokens at position {past_len} with "

@@ -255,6 +255,7 @@ class TrtRunner:
         self.stream: int = shared["stream"]
         self.entry = manifest.models[role]
         self.max_context = manifest.max_context
+        self.min_width = 1  # the decoder sets 2 (see GraphRunner.min_width)
         bundle_dir = Path(bundle_dir)
         problems = compat_problems(engines, trt.__version__, self.cuda.compute_capability(), self.cuda.device_name())
         if problems:
@@ -329,7 +330,8 @@ class TrtRunner:
         self._active = p
 
     def _pick(self, n: int, all_logits: bool) -> _Profile:
-        fits = [p for p in self._profiles if p.width.T >= n and (not all_logits or p.width.L == p.width.T)]
+        fits = [p for p in self._profiles if p.width.T >= max(n, self.min_width)
+                and (not all_logits or p.width.L == p.width.T)]
         if not fits:
             raise ValueError(f"no profile of this engine takes {n} tokens with {'all' if all_logits else 'last'} "
                              f"logits; widths {[w.T for w in self.entry.widths]}")

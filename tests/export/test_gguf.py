@@ -36,6 +36,7 @@ def write_tiny_gguf(hf_dir, path, qtypes):
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # the tiny tokenizer is ByteLevel with the GPT-2 regex
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {a["content"]: a["id"] for a in tok["added_tokens"]}
     w.add_token_list([t for t, _ in vocab])

@@ -120,3 +120,49 @@ def test_one_hot_proposals_keep_the_distribution():
 def test_invalid_params_are_refused(kw):
     with pytest.raises(SamplingParamsError):
         SamplingParams(**kw)
+
+
+def _keyed_counts(p: np.ndarray, n: int, draw) -> np.ndarray:  # noqa: ANN001
+    counts = np.zeros(len(p))
+    for i in range(n):
+        counts[draw(p, i)] += 1
+    return counts
+
+
+def test_keyed_sampler_draws_from_p_and_a_wrong_race_is_caught():
+    """Position-keyed draws over positions 0..n-1 (one seed) follow p (chi-square goodness of fit); the
+    negative control — the same race with uniform instead of exponential noise — is rejected by the same test."""
+    from scipy.stats import chisquare
+
+    from specedge.runtime.sampling import keyed_exponentials, keyed_sample
+
+    p = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    n = 6000
+    good = _keyed_counts(p, n, lambda p, i: keyed_sample(p, 11, i))
+    assert chisquare(good, p * n).pvalue > 1e-3
+    wrong = _keyed_counts(p, n, lambda p, i: int(np.argmax(p / np.random.default_rng([11, i]).random(len(p)))))
+    assert chisquare(wrong, p * n).pvalue < 1e-3
+    # pure function of (probs, seed, position); another seed or position is other noise
+    assert keyed_sample(p, 5, 17) == keyed_sample(p.copy(), 5, 17)
+    assert not np.array_equal(keyed_exponentials(5, 17, 6), keyed_exponentials(5, 18, 6))
+    assert not np.array_equal(keyed_exponentials(5, 17, 6), keyed_exponentials(6, 17, 6))
+
+
+def test_keyed_verification_accepts_exactly_the_keyed_tokens():
+    from specedge.runtime.sampling import keyed_sample, verify_keyed
+
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(8) * 0.5, size=5)  # [n+1 = 5, V = 8]
+    want = [keyed_sample(p[i], 3, 40 + i) for i in range(5)]
+    assert verify_keyed(p, np.array(want[:4]), 3, 40) == (4, want[4])  # all accepted + bonus
+    for j in range(4):  # a wrong token at j: j accepted, the keyed token emitted there
+        d = np.array(want[:4])
+        d[j] = (d[j] + 1) % 8
+        assert verify_keyed(p, d, 3, 40) == (j, want[j])
+
+
+def test_tiny_temperature_is_not_nan():
+    from specedge.runtime.sampling import process_logits
+
+    probs = process_logits(np.array([[1.0, 3.0, 2.0]]), 1e-310)
+    assert np.array_equal(probs, [[0.0, 1.0, 0.0]])
