@@ -14,6 +14,12 @@ import click
 from .config import config_option
 from .errors import SpecEdgeError
 
+INVARIANT_HELP = ("Never run a width-1 target step (plain rounds run width 2 with a free one-token guess), so "
+                  "speculative output is bitwise the plain output in every weight format. --no-invariant allows the "
+                  "narrower width-1 step, whose rows differ from verify rows by kernel rounding.")
+THREADS = click.IntRange(1, 256)  # beyond any edge CPU; ONNX Runtime allocates per-thread state up front
+
+
 BACKEND_HELP = ("auto (TensorRT where engines are built, else ONNX Runtime CUDA, else CPU) | ort-cpu | ort-cuda | "
                 "ort-trt (ONNX Runtime's TensorRT execution provider, engine cache in the bundle) | trt")
 PRECISION_HELP = ("Graphs to run: default fp32 on ONNX Runtime and the built engines on TensorRT; fp16/bf16 picks the "
@@ -58,18 +64,23 @@ def main() -> None:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stats", is_flag=True, help="Print statistics to stderr.")
 @click.option("--stats-json", is_flag=True, help="Print statistics as JSON to stderr.")
-@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: physical cores).")
+@click.option("--sampler", type=click.Choice(["keyed", "classic"]), default="keyed", show_default=True,
+              help="keyed: each position's token is a pure function of (logits, seed, position), so a seed fixes the "
+                   "text whatever the drafter; classic: the min(1, p/q) rejection rule. Both sample the target "
+                   "distribution exactly.")
+@click.option("--threads", type=THREADS, default=None, help="ONNX Runtime intra-op threads (default: physical cores).")
+@click.option("--invariant/--no-invariant", default=True, show_default=True, help=INVARIANT_HELP)
 def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k, seed, stop,
-         stats, stats_json, threads) -> None:
+         stats, stats_json, sampler, threads, invariant) -> None:
     """Generate a completion of PROMPT with the speculative runtime over BUNDLE."""
     from .decoder import SpecDecoder
     from .sampling import SamplingParams
 
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=tuple(stop))
+                                seed=seed, stop=tuple(stop), sampler=sampler)
         click.echo(f"loading {bundle} …", err=True)
-        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, precision=precision)
+        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, precision=precision, invariant=invariant)
         last = None
         for ev in dec.stream(prompt, params, drafter="none" if no_spec else drafter, k=k, chat=chat):
             sys.stdout.write(ev.text)
@@ -118,9 +129,10 @@ def comma_list(cast):
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 @click.option("--backend", default="auto", show_default=True, help=BACKEND_HELP)
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None, help=PRECISION_HELP)
-@click.option("--threads", type=int, default=None)
+@click.option("--threads", type=THREADS, default=None)
+@click.option("--invariant/--no-invariant", default=True, show_default=True, help=INVARIANT_HELP)
 def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, per_suite, ignore_eos, out, no_plots,
-          backend, precision, threads) -> None:
+          backend, precision, threads, invariant) -> None:
     """Benchmark speculative vs plain decoding on BUNDLE: every configuration and the plain baseline on the same
     prompts, interleaved, in one run. Writes OUT/results.json, OUT/report.md and plots; prints the table."""
     from .bench import BenchPlan, load_prompts, run_bench, write_report
@@ -132,7 +144,8 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
                          prompts=tuple(load_prompts(prompts)) if prompts else ())
         plan.prompt_list()  # unknown suite names fail here, before loading the models
         click.echo(f"loading {bundle} …", err=True)
-        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", precision=precision)
+        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", precision=precision,
+                               invariant=invariant)
         raw = run_bench(dec, plan)
     except SpecEdgeError as e:
         click.echo(f"error: {e}", err=True)

@@ -98,6 +98,8 @@ class SpecDecoder:
         invariant: True (default) runs every target step at width >= 2, so speculative output is bitwise the
         plain output in every weight format; False lets plain rounds run a narrower width-1 step whose rows
         differ from verify rows by kernel rounding (int8/int4: up to ~0.6 in a logit)."""
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256):
+            raise SamplingParamsError(f"threads must be an int in 1..256 (or None: physical cores), got {threads!r}")
         bundle_dir = Path(bundle)
         manifest = read_manifest(bundle_dir, verify=verify)
         backend = resolve_backend(backend, manifest)
