@@ -29,6 +29,7 @@ from .quant import WeightFormat
 from .tokenizer import TOKENIZER_FILE, check_same_vocab, write_tokenizer
 
 DRAFT_NO_MODEL = ("prompt-lookup", "none")
+MAX_K = 16  # longest draft a bundle may verify (see ExportOptions)
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,10 @@ class ExportOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.k < 1:
-            raise BundleError(f"--k must be >= 1, got {self.k}")
+        if not 1 <= self.k <= MAX_K:
+            raise BundleError(f"--k must be in 1..{MAX_K}, got {self.k}: a verify step of K+1 tokens costs up to "
+                              f"K+1 plain steps on a CPU, and drafts beyond {MAX_K} tokens are almost never all "
+                              f"accepted (llama.cpp's --draft-max default is 16 too)")
         if self.prefill_chunk < 1:
             raise BundleError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_context < self.prefill_chunk + self.k + 1:

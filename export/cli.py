@@ -61,7 +61,7 @@ def presets() -> None:
 @click.option("--target", required=True, help="HF model dir, .gguf file, or a known model name.")
 @click.option("--draft", default="prompt-lookup", show_default=True,
               help="Draft model (dir, .gguf, known name), or 'prompt-lookup', or 'none'.")
-@click.option("--k", "k", type=int, default=4, show_default=True, help="Draft length K (verify width K+1).")
+@click.option("--k", "k", type=int, default=4, show_default=True, help="Draft length K, 1..16 (verify width K+1).")
 @click.option("--verify-widths", default="", callback=comma_list(int), help="Extra, narrower verify widths, e.g. 3,5,7 with --k 8: a draft of "
               "k < K tokens runs at the smallest width >= k+1 instead of K+1. Default: K+1 only.")
 @click.option("--max-context", type=int, default=2048, show_default=True, help="KV buffer length S_max.")

@@ -131,8 +131,10 @@ def comma_list(cast):
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None, help=PRECISION_HELP)
 @click.option("--threads", type=THREADS, default=None)
 @click.option("--invariant/--no-invariant", default=True, show_default=True, help=INVARIANT_HELP)
+@click.option("--verify", type=click.Choice(["sha256", "size"]), default="sha256", show_default=True,
+              help="Check every bundle file's sha256 before benchmarking (size: sizes only, faster on big bundles).")
 def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, per_suite, ignore_eos, out, no_plots,
-          backend, precision, threads, invariant) -> None:
+          backend, precision, threads, invariant, verify) -> None:
     """Benchmark speculative vs plain decoding on BUNDLE: every configuration and the plain baseline on the same
     prompts, interleaved, in one run. Writes OUT/results.json, OUT/report.md and plots; prints the table."""
     from .bench import BenchPlan, load_prompts, run_bench, write_report
@@ -144,7 +146,7 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
                          prompts=tuple(load_prompts(prompts)) if prompts else ())
         plan.prompt_list()  # unknown suite names fail here, before loading the models
         click.echo(f"loading {bundle} …", err=True)
-        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", precision=precision,
+        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify=verify, precision=precision,
                                invariant=invariant)
         raw = run_bench(dec, plan)
     except SpecEdgeError as e:

@@ -70,8 +70,10 @@ class _Request:
 class SpecDecoder:
     """Speculative decoder over a bundle. Sessions open once and serve many requests.
 
-    Thread safety: requests are serialized by a lock — one ``stream``/``generate`` runs at a
-    time per decoder; other threads wait. Use one decoder per thread for parallelism.
+    Thread safety: one prefill or round runs at a time per decoder (a lock held for one step of work, never
+    across a yield), so streams from several threads, or several streams interleaved in one thread, are all
+    served; a paused or abandoned stream blocks nobody. A stream resumed after another request ran re-prefills
+    its committed tokens (``Stats.resyncs``). Use one decoder per thread for parallel throughput.
     """
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, backend: str, target: GraphRunner,
@@ -85,7 +87,8 @@ class SpecDecoder:
         target.min_width = 2 if invariant else 1
         p = manifest.drafter_params
         self._guesser = PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", 1))
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for one prefill or round at a time (never across a yield)
+        self._owner: _Request | None = None  # the request whose rows the caches hold
         self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
         self._shared: dict = {}  # what the runners share (TensorRT: CUDA stream and scratch memory)
         self.precision = "fp32"  # of the graphs/engines run (set by load)
@@ -193,26 +196,44 @@ class SpecDecoder:
     def _run(self, ids: list[int], params: SamplingParams, drafter: Drafter, k: int) -> Iterator[StreamEvent]:
         if not params.greedy and params.sampler == "keyed" and params.seed is None:
             params = dataclasses.replace(params, seed=int(np.random.SeedSequence().entropy % (1 << 63)))
+        drafter.reset()
+        stats = Stats(drafter=drafter.name, k=k if drafter.name != "none" else 0, prompt_tokens=len(ids))
+        tokens = np.zeros(self.manifest.max_context, dtype=np.int64)
+        tokens[: len(ids)] = ids
+        req = _Request(tokens, len(ids), len(ids), params, np.random.default_rng(params.seed), stats,
+                       IncrementalDetokenizer(self.codec), stop_hold=max((len(s) for s in params.stop), default=1) - 1)
+        # The lock is held for one step of work at a time, never across a yield: a paused, abandoned or
+        # interleaved stream blocks nobody. Whoever runs next owns the caches; a stream that finds another
+        # owner on resuming re-prefills its committed tokens first (see _resync).
         with self._lock:
-            drafter.reset()
-            stats = Stats(drafter=drafter.name, k=k if drafter.name != "none" else 0, prompt_tokens=len(ids))
-            tokens = np.zeros(self.manifest.max_context, dtype=np.int64)
-            tokens[: len(ids)] = ids
-            req = _Request(tokens, len(ids), len(ids), params, np.random.default_rng(params.seed), stats,
-                           IncrementalDetokenizer(self.codec), stop_hold=max((len(s) for s in params.stop), default=1) - 1)
             t_start = time.perf_counter()
+            self._owner = req
             logits = feed(self.target, tokens[: req.n], 0, self.manifest.prefill_chunk)
             first = choose_next(logits, params, req.rng, position=req.n)
             ev = self._commit(req, [first])
             stats.ttft_s = time.perf_counter() - t_start
-            t_first = time.perf_counter()
-            yield ev
-            while req.finish is None:
+        t_first = time.perf_counter()
+        yield ev
+        while req.finish is None:
+            with self._lock:
+                if self._owner is not req:
+                    self._resync(req, drafter)
                 ev = self._round(req, drafter, k)
-                stats.decode_s = time.perf_counter() - t_first
-                if ev.finished:
-                    stats.strategies = dict(getattr(drafter, "rounds", {drafter.name: stats.rounds}))
-                yield ev
+            stats.decode_s = time.perf_counter() - t_first
+            if ev.finished:
+                stats.strategies = dict(getattr(drafter, "rounds", {drafter.name: stats.rounds}))
+            yield ev
+
+    def _resync(self, req: _Request, drafter: Drafter) -> None:
+        """Another request used the caches since this one's last round: rebuild the target's rows for
+        tokens[:n-1] (the invariant between rounds) and make a model drafter catch up from scratch."""
+        self._owner = req
+        if req.n > 1:
+            feed(self.target, req.tokens[: req.n - 1], 0, self.manifest.prefill_chunk)
+        for d in (drafter, getattr(drafter, "model", None)):
+            if isinstance(d, ModelDrafter):
+                d.rows = 0
+        req.stats.resyncs += 1
 
     def _round(self, req: _Request, drafter: Drafter, k: int) -> StreamEvent:
         st = req.stats
@@ -256,30 +277,35 @@ class SpecDecoder:
         return verify_sampled(p_target, prop.q_draft, prop.tokens, req.rng)
 
     def _commit(self, req: _Request, new: list[int]) -> StreamEvent:
-        """Append accepted tokens, apply eos / max_new / stop strings, and produce the event."""
+        """Append accepted tokens one at a time, applying eos / max_new / stop strings after each, so a round
+        that accepted several tokens stops exactly where plain decoding would (no token past a stop string);
+        produce the event."""
         p, eos = req.params, self.manifest.tokenizer.eos_ids
         out: list[int] = []
+        stop_at = None  # index in req.text where the first stop string starts
         for t in new:
             if not p.ignore_eos and t in eos:
                 req.finish = "eos"
                 break
             out.append(t)
-            if req.generated + len(out) >= p.max_new_tokens:
+            req.tokens[req.n] = t
+            req.n += 1
+            req.text += req.detok.push([t])
+            if p.stop:
+                hits = [i for s in p.stop if (i := req.text.find(s, max(0, req.emitted_chars - len(s)))) >= 0]
+                if hits:
+                    stop_at, req.finish = min(hits), "stop"
+                    break
+            if req.generated >= p.max_new_tokens:
                 req.finish = "length"
                 break
-        if out:
-            req.tokens[req.n: req.n + len(out)] = out
-            req.n += len(out)
-        req.text += req.detok.push(out)
-        emit_to = len(req.text)
-        if p.stop:
-            hits = [i for s in p.stop if (i := req.text.find(s, max(0, req.emitted_chars - len(s)))) >= 0]
-            if hits:
-                emit_to = min(hits)
-                req.text = req.text[:emit_to]
-                req.finish = "stop"
-            elif req.finish is None:
-                emit_to = max(req.emitted_chars, len(req.text) - req.stop_hold)
+        if stop_at is not None:
+            req.text = req.text[:stop_at]
+            emit_to = stop_at
+        elif p.stop and req.finish is None:
+            emit_to = max(req.emitted_chars, len(req.text) - req.stop_hold)
+        else:
+            emit_to = len(req.text)
         emit_to = max(emit_to, req.emitted_chars)
         piece = req.text[req.emitted_chars: emit_to]
         req.emitted_chars = emit_to
@@ -303,6 +329,7 @@ class SpecDecoder:
         S = self.manifest.max_context
         out: dict[str, dict[int, float]] = {}
         with self._lock:
+            self._owner = None  # dummy rows below: a paused stream must re-prefill
             for role, runner in (("target", self.target), ("draft", self.draft_runner)):
                 if runner is None:
                     continue

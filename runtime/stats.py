@@ -18,6 +18,7 @@ class Stats:
     accepted: int = 0
     accept_hist: list[int] = field(default_factory=list)  # [m] = rounds that accepted m draft tokens
     guesses: int = 0  # rounds with no draft whose width-2 step checked a free one-token guess
+    resyncs: int = 0  # times this stream re-prefilled because another request used the decoder meanwhile
     guesses_accepted: int = 0  # of those, the guesses the target confirmed (a free token each)
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0

@@ -164,3 +164,8 @@ def test_stale_temp_dirs_of_dead_exports_are_removed(tmp_path, tiny_llama):
     export_bundle(tiny_llama, "prompt-lookup", tmp_path / "b", OPTS)
     assert siblings(tmp_path / "b") == [f".b.tmp-{os.getpid()}-live"]
     assert (tmp_path / ".other.tmp-1-x").is_dir()
+
+
+def test_k_is_bounded_and_the_draft_vocabulary_is_checked_first(tmp_path, tiny_llama):
+    with pytest.raises(BundleError, match=r"--k must be in 1..16, got 100"):
+        ExportOptions(k=100)

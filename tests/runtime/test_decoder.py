@@ -149,6 +149,23 @@ def test_stop_strings_and_streaming_text(decoders):
     assert stop not in text and full.text.startswith(text) and len(text) <= full.text.index(stop)
 
 
+@pytest.mark.parametrize("bundle, drafter", [("lookup", "prompt-lookup"), ("self", "model"), ("model", "auto")])
+def test_stop_string_keeps_no_token_past_it_under_speculation(decoders, bundle, drafter):
+    """token_ids and new_tokens end at the token that completed the stop string, as in plain decoding, even when
+    one round accepted several tokens past it (the self-draft accepts everything)."""
+    dec = decoders[bundle]
+    prompt = "hello world hello world hello world"
+    full = dec.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True), drafter="none")
+    for stop in {full.text[3:6], full.text[10:12], full.text[-4:-2]}:
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(stop,))
+        plain = dec.generate(prompt, params, drafter="none")
+        spec = dec.generate(prompt, params, drafter=drafter, k=8)
+        assert plain.finish_reason == spec.finish_reason == "stop"
+        assert spec.token_ids == plain.token_ids and spec.text == plain.text, stop
+        assert spec.stats.new_tokens == len(plain.token_ids)
+        assert stop in dec.codec.decode(plain.token_ids) and stop not in dec.codec.decode(plain.token_ids[:-1])
+
+
 def test_chat_messages_use_the_template(decoders):
     dec = decoders["lookup"]
     ids = dec.encode_prompt([{"role": "user", "content": "hello"}])
@@ -171,3 +188,41 @@ def test_threads_are_serialized(decoders):
     for t in threads:
         t.join()
     assert got == want
+
+
+@pytest.mark.parametrize("bundle, drafter", [("model", "model"), ("model", "auto"), ("lookup", "prompt-lookup")])
+def test_interleaved_streams_in_one_thread_are_all_served_exactly(decoders, bundle, drafter):
+    """Two streams advanced alternately in one thread (an asyncio server's pattern): no deadlock, and each
+    text equals its solo text (a resumed stream re-prefills its committed tokens)."""
+    dec = decoders[bundle]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, seed=5)
+    want = {p: dec.generate(p, params, drafter=drafter, k=3).token_ids for p in PROMPTS[:2]}
+    streams = {p: dec.stream(p, params, drafter=drafter, k=3) for p in PROMPTS[:2]}
+    got = {p: [] for p in streams}
+    live = dict(streams)
+    while live:
+        for p in list(live):
+            ev = next(live[p], None)
+            if ev is None:
+                del live[p]
+            else:
+                got[p] += ev.token_ids
+    assert got == want
+
+
+def test_a_paused_stream_blocks_no_other_thread(decoders):
+    dec = decoders["lookup"]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    paused = dec.stream(PROMPTS[0], params)
+    first = next(paused)  # started, then left paused (a slow client)
+    done = []
+    t = threading.Thread(target=lambda: done.append(dec.generate(PROMPTS[1], params).token_ids))
+    t.start()
+    t.join(timeout=60)
+    assert done and len(done[0]) == 16, "another thread was blocked by a paused stream"
+    rest = [tid for ev in paused for tid in ev.token_ids]  # the paused stream still finishes, exactly
+    assert first.token_ids + rest == dec.generate(PROMPTS[0], params).token_ids
+    abandoned = dec.stream(PROMPTS[2], params)
+    next(abandoned)
+    del abandoned  # never closed explicitly
+    assert len(dec.generate(PROMPTS[1], params).token_ids) == 16
