@@ -166,6 +166,6 @@ def test_stale_temp_dirs_of_dead_exports_are_removed(tmp_path, tiny_llama):
     assert (tmp_path / ".other.tmp-1-x").is_dir()
 
 
-def test_k_is_bounded_and_the_draft_vocabulary_is_checked_first(tmp_path, tiny_llama):
+def test_k_is_bounded():
     with pytest.raises(BundleError, match=r"--k must be in 1..16, got 100"):
         ExportOptions(k=100)
