@@ -152,9 +152,9 @@ class SpecDecoder:
             if not prompt:
                 raise PromptError("the prompt is empty")
             if chat:
-                return self.codec.encode(self.codec.render_chat([{"role": "user", "content": prompt}]), add_bos=False)
+                return self.codec.encode_chat([{"role": "user", "content": prompt}])
             return self.codec.encode(prompt)
-        return self.codec.encode(self.codec.render_chat(prompt), add_bos=False)
+        return self.codec.encode_chat(prompt)
 
     def generate(self, prompt: Prompt, params: SamplingParams = SamplingParams(), **kw: Any) -> GenerationResult:
         text, ids, last = [], [], None

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import PromptError
 from .manifest import TokenizerInfo
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"  # private-use characters around a message index while rendering
+_MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 
 class TextCodec:
@@ -15,6 +21,11 @@ class TextCodec:
 
         self.info = info
         self.tok = Tokenizer.from_file(str(Path(bundle_dir) / info.file))
+        # A second instance that never parses special-token text: user content is encoded with it, so a literal
+        # "<|im_end|>" typed by a user stays text and cannot forge a turn (its own object: the flag is per
+        # tokenizer, and encoding runs outside the decoder's lock).
+        self._tok_text = Tokenizer.from_file(str(Path(bundle_dir) / info.file))
+        self._tok_text.encode_special_tokens = True
         self._template = None
         if info.chat_template:
             import jinja2
@@ -37,15 +48,49 @@ class TextCodec:
                 ids = [self.info.bos_id] + ids
         return ids
 
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Render the chat template and encode it, with special tokens parsed only in the template's own markup:
+        each message's content is encoded as plain text (see ``_tok_text``)."""
+        self._check_messages(messages)
+        marked = [{**m, "content": f"{_MARK_OPEN}{i}{_MARK_CLOSE}"} for i, m in enumerate(messages)]
+        rendered = self._render(marked)
+        ids: list[int] = []
+        for j, part in enumerate(_MARK_RE.split(rendered)):
+            if j % 2 == 0:  # template markup
+                ids += self.tok.encode(part, add_special_tokens=False).ids if part else []
+            else:  # the content of message int(part)
+                content = messages[int(part)]["content"]
+                ids += self._tok_text.encode(content, add_special_tokens=False).ids if content else []
+        return ids
+
+    def _check_messages(self, messages: Sequence[dict[str, Any]]) -> None:
+        if isinstance(messages, (str, bytes)) or not messages or any(
+                not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
+            raise PromptError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(messages):
+            if m["role"] not in CHAT_ROLES:
+                raise PromptError(f"message {i}: role {m['role']!r} is not allowed; roles: {', '.join(CHAT_ROLES)}")
+            if not isinstance(m["content"], str):
+                raise PromptError(f"message {i}: content must be a string, got {type(m['content']).__name__}")
+            if _MARK_OPEN in m["content"] or _MARK_CLOSE in m["content"]:
+                raise PromptError(f"message {i}: content holds U+E000/U+E001, which specedge reserves")
+
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        self._check_messages(messages)
+        return self._render(messages)
+
+    def _render(self, messages: Sequence[dict[str, Any]]) -> str:
         if self._template is None:
             raise PromptError("this bundle has no chat template; pass a plain string prompt")
-        if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
-            raise PromptError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         bos = self.token_text(self.info.bos_id) if self.info.bos_id is not None else ""
         eos = self.token_text(self.info.eos_ids[0]) if self.info.eos_ids else ""
-        return self._template.render(messages=list(messages), add_generation_prompt=True,
-                                     bos_token=bos, eos_token=eos)
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=True,
+                                         bos_token=bos, eos_token=eos)
+        except PromptError:
+            raise
+        except Exception as e:  # a broken template is the bundle's fault; say so in one line
+            raise PromptError(f"the bundle's chat template failed to render: {type(e).__name__}: {e}") from None
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
