@@ -21,7 +21,7 @@ def test_manifest_round_trips(bundles):
     again = Manifest.from_json(json.loads(json.dumps(m.to_json())))
     assert again == m
     assert m.drafter == "model" and m.draft is not None
-    assert [w.T for w in m.target.widths] == [1, 9, 16]  # decode, verify K+1, prefill P
+    assert [w.T for w in m.target.widths] == [1, 2, 9, 16]  # decode, verify 2 (plain rounds) and K+1, prefill P
     assert [w.T for w in m.draft.widths] == [1, 16]
     assert set(m.files) == {"target.onnx", "target.onnx.data", "draft.onnx", "draft.onnx.data", "tokenizer.json"}
 
@@ -62,7 +62,8 @@ def test_missing_and_truncated_files_are_refused(bundle_copy):
 
 
 @pytest.mark.parametrize("kw, msg", [
-    ({"k": 0}, "--k must be >= 1"),
+    ({"k": 0}, r"--k must be in 1..16, got 0"),
+    ({"k": 17}, r"--k must be in 1..16, got 17"),
     ({"max_context": 20, "prefill_chunk": 16, "k": 4}, "at least 21"),
     ({"prefill_chunk": 0}, "prefill-chunk"),
 ])
