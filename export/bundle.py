@@ -82,7 +82,19 @@ def peak_rss_mb() -> float:
 
 def export_bundle(target: str | Path, draft: str | Path, out: str | Path, opts: ExportOptions = ExportOptions(),
                   progress: Callable[[str], None] | None = None) -> ExportReport:
-    """Export `target` and `draft` ("prompt-lookup", "none", a known model name or a path) into `out`."""
+    """Export `target` and `draft` ("prompt-lookup", "none", a known model name or a path) into `out`.
+    A filesystem failure (read-only folder, disk full, permissions) is a BundleError naming the path; the
+    previous bundle at `out`, if any, is kept (see :mod:`.install`)."""
+    try:
+        return _export(target, draft, out, opts, progress)
+    except OSError as e:
+        where = e.filename or out
+        raise BundleError(f"cannot write the bundle {out}: {e.strerror or e} ({where}); nothing was replaced") \
+            from None
+
+
+def _export(target: str | Path, draft: str | Path, out: str | Path, opts: ExportOptions,
+            progress: Callable[[str], None] | None) -> ExportReport:
     say = progress or (lambda s: None)
     t0 = time.perf_counter()
     out = Path(out)

@@ -133,7 +133,11 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None,
     """A known model name (fetched on first use) or a path."""
     if spec in KNOWN_MODELS:
         return fetch(spec, cache_dir, progress)
-    return Path(spec).expanduser()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FetchError(f"{spec!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor an existing path "
+                         f"(a Hugging Face model directory or a .gguf file)")
+    return path
 
 
 def clear(name: str, cache_dir: str | Path | None = None) -> None:

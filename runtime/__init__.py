@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 
 from .decoder import GenerationResult, SpecDecoder, StreamEvent  # noqa: E402
 from .errors import (  # noqa: E402
-    BackendUnavailableError, BundleError, ContextLengthError, PromptError, SamplingParamsError, SpecEdgeError,
+    BackendUnavailableError, BundleError, ContextLengthError, OptionError, PromptError, SamplingParamsError,
+    SpecEdgeError,
     UnsupportedModelError, VocabularyMismatchError,
 )
 from .manifest import Manifest, read_manifest  # noqa: E402
@@ -19,5 +20,5 @@ from .stats import Stats  # noqa: E402
 __all__ = [
     "SpecDecoder", "SamplingParams", "StreamEvent", "GenerationResult", "Stats", "Manifest", "read_manifest",
     "SpecEdgeError", "BundleError", "ContextLengthError", "PromptError", "SamplingParamsError",
-    "VocabularyMismatchError", "BackendUnavailableError", "UnsupportedModelError",
+    "VocabularyMismatchError", "BackendUnavailableError", "UnsupportedModelError", "OptionError",
 ]

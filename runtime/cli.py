@@ -55,7 +55,7 @@ def main() -> None:
                    "cost model predicts fastest; hybrid: prompt lookup when the context has a match, else the model; "
                    "model / lookup: fixed drafter; off: plain decoding.")
 @click.option("--no-spec", is_flag=True, help="Plain decoding (same as --spec off).")
-@click.option("--k", "k", type=int, default=None, help="(Maximum) draft length, 1..K of the bundle (default K).")
+@click.option("--k", "k", type=int, default=None, help="(Maximum) draft length, 0..K of the bundle (default K; 0 = plain decoding).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -76,6 +76,9 @@ def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_
     from .decoder import SpecDecoder
     from .sampling import SamplingParams
 
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character gets a replacement, not a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop), sampler=sampler)

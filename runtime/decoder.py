@@ -10,6 +10,7 @@ committed token except the last, which is fed first in the next verify call.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,8 +22,8 @@ import numpy as np
 from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
-from .errors import ContextLengthError, PromptError, SamplingParamsError
-from .manifest import Manifest, read_manifest
+from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError
+from .manifest import VERIFY_MODES, Manifest, read_manifest
 from .sampling import SamplingParams, choose_next, process_logits, verify_greedy, verify_keyed, verify_sampled
 from .stats import Stats
 from .text import IncrementalDetokenizer, TextCodec
@@ -102,7 +103,11 @@ class SpecDecoder:
         plain output in every weight format; False lets plain rounds run a narrower width-1 step whose rows
         differ from verify rows by kernel rounding (int8/int4: up to ~0.6 in a logit)."""
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256):
-            raise SamplingParamsError(f"threads must be an int in 1..256 (or None: physical cores), got {threads!r}")
+            raise OptionError(f"threads must be an int in 1..256 (or None: physical cores), got {threads!r}")
+        if verify not in VERIFY_MODES:
+            raise OptionError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+        if not isinstance(bundle, (str, os.PathLike)):
+            raise OptionError(f"bundle must be a path to a bundle directory, got {type(bundle).__name__}")
         bundle_dir = Path(bundle)
         manifest = read_manifest(bundle_dir, verify=verify)
         backend = resolve_backend(backend, manifest)
@@ -148,9 +153,16 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ public
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        if self.target is None:
+            raise OptionError("this decoder is closed; load the bundle again")
         if isinstance(prompt, str):
             if not prompt:
                 raise PromptError("the prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise PromptError(f"the prompt is not valid UTF-8 text (undecodable bytes at {e.start}); "
+                                  "pass text, not raw bytes") from None
             if chat:
                 return self.codec.encode_chat([{"role": "user", "content": prompt}])
             return self.codec.encode(prompt)
@@ -349,9 +361,13 @@ class SpecDecoder:
         return out
 
     def close(self) -> None:
+        """Release the sessions and buffers; later calls raise OptionError. Closing twice is harmless."""
+        if self.target is None:
+            return
         self.target.close()
         if self.draft_runner is not None:
             self.draft_runner.close()
+        self.target = self.draft_runner = None  # type: ignore[assignment]
         shared = self._shared
         if "scratch" in shared:  # TensorRT: the scratch and stream both runners used
             shared["scratch"].close()

@@ -33,5 +33,9 @@ class BackendUnavailableError(SpecEdgeError):
     """The requested backend is not installed or not built for this bundle."""
 
 
+class OptionError(SpecEdgeError, ValueError):
+    """An invalid option of the API or CLI (verify mode, thread count, a closed decoder, ...)."""
+
+
 class UnsupportedModelError(SpecEdgeError):
     """A model architecture, tensor type or option specedge does not support."""

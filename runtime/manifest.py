@@ -22,6 +22,9 @@ from .errors import BundleError
 
 SCHEMA = "specedge.bundle/1"
 MANIFEST_NAME = "manifest.json"
+VERIFY_MODES = ("sha256", "size", "none")
+MAX_DIM = 1 << 22  # no model dimension (layers, heads, hidden, vocab) comes near this
+MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front  # how read_manifest checks the bundle's files
 ONNX_OPSET = 17  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 17 has everything we use.
 
 # Graph roles and how many logit rows each needs (DESIGN.md, graph contract).
@@ -54,8 +57,8 @@ class ModelDims:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v <= 0:
-                raise BundleError(f"model dimension {f.name} must be a positive int, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= MAX_DIM:
+                raise BundleError(f"model dimension {f.name} must be an int in 1..{MAX_DIM}, got {v!r}")
         if self.n_heads % self.n_kv_heads:
             raise BundleError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
@@ -67,6 +70,12 @@ class Width:
     role: str
     T: int
     L: int
+
+    def __post_init__(self) -> None:
+        if self.role not in (ROLE_PREFILL, ROLE_VERIFY, ROLE_DECODE):
+            raise BundleError(f"width role {self.role!r} unknown; roles: {ROLE_PREFILL}, {ROLE_VERIFY}, {ROLE_DECODE}")
+        if not 1 <= self.L <= self.T:
+            raise BundleError(f"width {self.role} needs 1 <= L <= T, got T={self.T}, L={self.L}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,12 @@ class Manifest:
     def __post_init__(self) -> None:
         if self.k < 1:
             raise BundleError(f"K must be >= 1, got {self.k}")
+        if not self.max_context <= MAX_CONTEXT:
+            raise BundleError(f"max_context S_max={self.max_context} exceeds {MAX_CONTEXT}")
+        for role, e in self.models.items():
+            wide = [w.T for w in e.widths if w.T > self.max_context]
+            if wide:
+                raise BundleError(f"{role}.widths {wide} exceed max_context S_max={self.max_context}")
         if self.prefill_chunk < 1:
             raise BundleError(f"prefill chunk P must be >= 1, got {self.prefill_chunk}")
         need = self.prefill_chunk + self.k + 1
@@ -139,6 +154,16 @@ class Manifest:
             raise BundleError(f"unknown drafter {self.drafter!r}; allowed: {', '.join(DRAFTER_KINDS)}")
         if (self.drafter == "model") != (self.draft is not None):
             raise BundleError("drafter 'model' needs a draft model entry, and only it has one")
+        _check_files(self)
+        from . import schema
+
+        for key, es in self.engines.items():
+            schema.load(EngineSet, es, f"engines.{key}")
+        dp = self.drafter_params
+        if set(dp) - {"ngram_max", "ngram_min"} or any(
+                isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64 for v in dp.values()) \
+                or dp.get("ngram_min", 1) > dp.get("ngram_max", 3):
+            raise BundleError(f"drafter_params must hold ngram_min <= ngram_max, integers in 1..64, got {dp!r}")
 
     def engine_set(self, kind: str, precision: str | None = None) -> "EngineSet":
         """The bundle's reduced-precision graphs ("onnx") or TensorRT engines ("trt") of one precision.
@@ -168,17 +193,16 @@ class Manifest:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+    def from_json(cls, d: Any) -> "Manifest":
+        """Parsed manifest.json -> Manifest, every field checked against the dataclasses' types (schema.load)
+        and the cross-field rules of __post_init__; errors name the field."""
+        from . import schema
+
+        if not isinstance(d, dict):
+            raise BundleError(f"manifest must be a JSON object, got {type(d).__name__}")
         if d.get("schema") != SCHEMA:
             raise BundleError(f"manifest schema is {d.get('schema')!r}; this specedge reads {SCHEMA!r}")
-        try:
-            d = dict(d)
-            d["target"] = _model_from_json(d["target"])
-            d["draft"] = _model_from_json(d["draft"]) if d.get("draft") else None
-            d["tokenizer"] = TokenizerInfo(**{**d["tokenizer"], "eos_ids": tuple(d["tokenizer"]["eos_ids"])})
-            return cls(**d)
-        except (KeyError, TypeError) as e:
-            raise BundleError(f"manifest is malformed: {e}") from e
+        return schema.load(cls, d, "manifest")
 
 
 ENGINE_KINDS = ("onnx", "trt")
@@ -224,11 +248,32 @@ class EngineSet:
             raise BundleError(f"manifest engine entry is malformed: {e}") from e
 
 
-def _model_from_json(d: dict[str, Any]) -> ModelEntry:
-    d = dict(d)
-    d["dims"] = ModelDims(**d["dims"])
-    d["widths"] = tuple(Width(**w) for w in d["widths"])
-    return ModelEntry(**d)
+def _check_files(m: "Manifest") -> None:
+    """Every file entry well formed and inside the bundle; every file the models and tokenizer name is listed;
+    token ids inside the vocabulary."""
+    for name, meta in m.files.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts or not name:
+            raise BundleError(f"files: {name!r} is not a plain path inside the bundle")
+        sha, size = meta.get("sha256"), meta.get("bytes")
+        if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            raise BundleError(f"files.{name}.sha256 must be 64 lowercase hex digits, got {sha!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BundleError(f"files.{name}.bytes must be an integer >= 0, got {size!r}")
+    for role, e in m.models.items():
+        for key in ("graph", "weights"):
+            name = getattr(e, key)
+            if name is not None and name not in m.files:
+                raise BundleError(f"{role}.{key} {name!r} is not among the bundle's files {sorted(m.files)}")
+        if not any(w.role == ROLE_VERIFY or w.role == ROLE_DECODE for w in e.widths):
+            raise BundleError(f"{role}.widths {e.widths} declare no decode or verify width")
+    t = m.tokenizer
+    if t.file not in m.files:
+        raise BundleError(f"tokenizer.file {t.file!r} is not among the bundle's files {sorted(m.files)}")
+    V = m.target.dims.vocab
+    for name, ids in (("eos_ids", t.eos_ids), ("bos_id", () if t.bos_id is None else (t.bos_id,))):
+        bad = [i for i in ids if not 0 <= i < V]
+        if bad:
+            raise BundleError(f"tokenizer.{name} {bad} outside the vocabulary 0..{V - 1}")
 
 
 def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int, ...] = ()) -> tuple[Width, ...]:
@@ -324,17 +369,19 @@ def read_manifest(bundle_dir: str | Path, verify: str = "sha256") -> Manifest:
     """
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST_NAME
+    if verify not in VERIFY_MODES:
+        raise BundleError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    if bundle_dir.exists() and not bundle_dir.is_dir():
+        raise BundleError(f"{bundle_dir} is a file, not a bundle directory")
     if not bundle_dir.is_dir():
         raise BundleError(f"bundle directory {bundle_dir} does not exist")
     if not path.is_file():
         raise BundleError(f"{bundle_dir} is not a specedge bundle: {MANIFEST_NAME} is missing")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{path} is not valid JSON: {e}") from e
     manifest = Manifest.from_json(raw)
-    if verify not in ("sha256", "size", "none"):
-        raise ValueError(f"verify must be 'sha256', 'size' or 'none', got {verify!r}")
     if verify != "none":
         for name, meta in manifest.files.items():
             f = bundle_dir / name

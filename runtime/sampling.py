@@ -53,6 +53,18 @@ class SamplingParams:
     sampler: str = "keyed"  # keyed: a seed fixes the text whatever the drafter | classic: min(1, p/q)
 
     def __post_init__(self) -> None:
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
+        if isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop, (str, tuple)):
+            raise SamplingParamsError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool):
+            raise SamplingParamsError(f"top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}")
+        if isinstance(self.max_new_tokens, bool) or isinstance(self.top_k, bool):
+            raise SamplingParamsError("max_new_tokens and top_k must be integers, not booleans")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise SamplingParamsError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import PromptError
+from .errors import BundleError, PromptError
 from .manifest import TokenizerInfo
 
 
@@ -36,7 +36,10 @@ class TextCodec:
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
             env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(info.chat_template)
+            try:
+                self._template = env.from_string(info.chat_template)
+            except jinja2.TemplateError as e:
+                raise BundleError(f"the bundle's chat template does not compile: {type(e).__name__}: {e}") from None
 
     def token_text(self, tid: int) -> str:
         return self.tok.id_to_token(tid) or ""

@@ -25,8 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import BackendUnavailableError
-from ..manifest import EngineSet, Manifest, Width
+from ..errors import BackendUnavailableError, BundleError
+from ..manifest import EngineSet, Manifest, Width, io_spec
 
 
 @dataclass
@@ -39,6 +39,25 @@ class _Bound:
     logits: np.ndarray | None  # [1, L, V] float32 host (CPU) ...
     logits_dev: Any  # ... or a device OrtValue (CUDA)
     present: list[Any]  # per layer*2: host arrays (CPU) or device OrtValues (CUDA)
+
+
+def check_graph_io(session: Any, spec: tuple[list, list], what: str) -> None:
+    """The graph's declared inputs/outputs must be the manifest's (names, element types, fixed dims): a bundle
+    whose manifest and graph disagree is refused here, naming both, not deep inside ONNX Runtime."""
+    for kind, declared, want in (("input", session.get_inputs(), spec[0]), ("output", session.get_outputs(), spec[1])):
+        have = {a.name: a for a in declared}
+        missing = [t.name for t in want if t.name not in have]
+        extra = sorted(set(have) - {t.name for t in want})
+        if missing or extra:
+            raise BundleError(f"{what}: graph {kind}s differ from the manifest's contract: missing {missing[:4]}, "
+                              f"unexpected {extra[:4]} (the manifest's n_layers/kv_mode do not match this graph?)")
+        for t in want:
+            shape = have[t.name].shape
+            fixed = [(i, d, shape[i]) for i, d in enumerate(t.shape)
+                     if isinstance(d, int) and len(shape) == len(t.shape) and isinstance(shape[i], int) and shape[i] != d]
+            if len(shape) != len(t.shape) or fixed:
+                raise BundleError(f"{what}: {kind} {t.name} has shape {shape} in the graph, the manifest implies "
+                                  f"{list(t.shape)} (dims n_kv_heads/head_dim/vocab or kv_mode disagree)")
 
 
 class OrtRunner:
@@ -74,7 +93,15 @@ class OrtRunner:
             providers = providers or [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
         else:
             providers = providers or ["CPUExecutionProvider"]
-        self.session = ort.InferenceSession(str(Path(bundle_dir) / graph), so, providers=providers)
+        path = Path(bundle_dir) / graph
+        if not path.is_file():
+            raise BundleError(f"{role} graph {path} is missing")
+        try:
+            self.session = ort.InferenceSession(str(path), so, providers=providers)
+        except Exception as e:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...)
+            raise BundleError(f"ONNX Runtime cannot load the {role} graph {graph}: {str(e).splitlines()[0][:300]}") \
+                from None
+        check_graph_io(self.session, io_spec(self.entry.dims, manifest.kv_mode, self.kv_dtype.name), f"{role} {graph}")
         self._ort = ort
         kv_shape = (d.n_layers, 2, 1, d.n_kv_heads, self.max_context, d.head_dim)
         if device == "cpu":

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.export.cli import main as export_cli
-from specedge.runtime.errors import BundleError, UnsupportedModelError, VocabularyMismatchError
+from specedge.runtime.errors import SpecEdgeError, BundleError, UnsupportedModelError, VocabularyMismatchError
 from specedge.runtime.manifest import MANIFEST_NAME, Manifest, read_manifest
 
 from ..conftest import make_hf_model
@@ -78,7 +78,7 @@ def test_failed_export_leaves_nothing_behind(tiny_llama, tmp_path):
     (bad / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
         export_bundle(bad, "none", tmp_path / "out", ExportOptions(max_context=64, prefill_chunk=8))
-    with pytest.raises(BundleError, match="does not exist"):
+    with pytest.raises(SpecEdgeError, match=r"neither a known model \(smollm2-135m, .*\) nor an existing path"):
         export_bundle(tmp_path / "nope", "none", tmp_path / "out", ExportOptions(max_context=64, prefill_chunk=8))
     assert [p.name for p in tmp_path.iterdir()] == ["bad"]
 

@@ -1,0 +1,178 @@
+"""A careless or hostile user: every bad input is a typed, one-line SpecEdgeError (or a correct result)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specedge.runtime import SamplingParams, SpecDecoder
+from specedge.runtime.errors import BundleError, OptionError, PromptError, SamplingParamsError, SpecEdgeError
+from specedge.runtime.manifest import read_manifest
+from specedge.runtime.sampling import choose_next
+
+
+@pytest.fixture()
+def editable(bundles, tmp_path) -> Path:
+    """A copy of the lookup bundle whose manifest a test may rewrite (graphs linked, not copied)."""
+    dst = tmp_path / "b"
+    dst.mkdir()
+    for f in bundles["lookup"].iterdir():
+        if f.name == "manifest.json":
+            shutil.copy(f, dst / f.name)
+        else:
+            os.symlink(f, dst / f.name)
+    return dst
+
+
+def rewrite(bundle: Path, edit) -> None:  # noqa: ANN001
+    m = json.loads((bundle / "manifest.json").read_text())
+    m = edit(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: {**m, "tokenizer": {**m["tokenizer"], "eos_ids": "2"}}, r"manifest.tokenizer.eos_ids must be a list"),
+    (lambda m: {**m, "k": 8.5}, r"manifest.k must be an integer, got float 8.5"),
+    (lambda m: {**m, "new_feature": 1}, r"unknown field\(s\) \['new_feature'\]"),
+    (lambda m: [m], r"manifest must be a JSON object, got list"),
+    (lambda m: {**m, "files": {n: {"sha256": v["sha256"]} for n, v in m["files"].items()}}, r"files\..*\.bytes"),
+    (lambda m: {**m, "files": {**m["files"], "../../etc/passwd": next(iter(m["files"].values()))}},
+     r"not a plain path inside the bundle"),
+    (lambda m: {**m, "tokenizer": {**m["tokenizer"], "eos_ids": [10 ** 6]}}, r"outside the vocabulary"),
+    (lambda m: {**m, "target": {**m["target"], "widths": [{"role": "verify", "T": 2, "L": 3}]}}, r"1 <= L <= T"),
+    (lambda m: {**m, "target": {**m["target"], "dims": {**m["target"]["dims"], "n_layers": "2"}}},
+     r"manifest.target.dims.n_layers must be an integer"),
+])
+def test_malformed_manifests_name_the_field(editable, edit, message):
+    rewrite(editable, edit)
+    with pytest.raises(BundleError, match=message):
+        read_manifest(editable, verify="none")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("n_kv_heads", 1, r"has shape .* the manifest implies"),
+    ("n_layers", 1, r"graph inputs differ from the manifest's contract"),
+    ("vocab", 999, r"output logits has shape"),
+])
+def test_dims_that_disagree_with_the_graph_are_refused_at_load(editable, field, value, message):
+    def edit(m):
+        m["target"]["dims"][field] = value
+        if field == "n_kv_heads":
+            m["target"]["dims"]["n_heads"] = 4
+        return m
+    rewrite(editable, edit)
+    with pytest.raises(BundleError, match=message):
+        SpecDecoder.load(editable, verify="none")
+
+
+def test_missing_graph_broken_template_and_bad_paths(editable, tmp_path):
+    rewrite(editable, lambda m: {**m, "tokenizer": {**m["tokenizer"], "chat_template": "{% for %}"}})
+    with pytest.raises(BundleError, match="chat template does not compile"):
+        SpecDecoder.load(editable, verify="none")
+    rewrite(editable, lambda m: {**m, "tokenizer": {**m["tokenizer"], "chat_template": None}})
+    (editable / "target.onnx").unlink()
+    with pytest.raises(BundleError, match="target graph .* is missing"):
+        SpecDecoder.load(editable, verify="none")
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(BundleError, match="is a file, not a bundle directory"):
+        SpecDecoder.load(f)
+    with pytest.raises(OptionError, match="bundle must be a path"):
+        SpecDecoder.load(None)  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match="verify must be one of sha256, size, none"):
+        SpecDecoder.load(editable, verify="md5")
+    with pytest.raises(OptionError, match="threads must be an int in 1..256"):
+        SpecDecoder.load(editable, threads=100_000)
+
+
+def test_use_after_close_and_undecodable_prompts(bundles):
+    dec = SpecDecoder.load(bundles["lookup"])
+    with pytest.raises(PromptError, match="not valid UTF-8"):
+        dec.generate("abc\udcff", SamplingParams(max_new_tokens=2))  # what Python makes of bad bytes in argv
+    dec.close()
+    dec.close()
+    with pytest.raises(OptionError, match="closed"):
+        dec.generate("hi", SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC])
+def test_read_only_or_full_disk_is_a_one_line_error_and_keeps_the_old_bundle(tiny_llama, tmp_path, monkeypatch, err):
+    import specedge.export.bundle as b
+
+    out = b.export_bundle(tiny_llama, "none", tmp_path / "b", b.ExportOptions(k=2, max_context=64, prefill_chunk=8)).out
+
+    def fail(*a, **kw):
+        raise OSError(err, os.strerror(err), str(tmp_path / ".b.tmp-x" / "manifest.json"))
+
+    monkeypatch.setattr(b, "write_manifest", fail)
+    with pytest.raises(BundleError, match=f"cannot write the bundle .*{os.strerror(err)}"):
+        b.export_bundle(tiny_llama, "prompt-lookup", out, b.ExportOptions(k=2, max_context=64, prefill_chunk=8,
+                                                                           overwrite=True))
+    assert read_manifest(out).drafter == "none"
+
+
+JUNK = [None, "2", 8.5, -1, 0, [], {}, True, "x" * 3, 10 ** 12, {"a": 1}, [1, "a"], float("nan")]
+
+
+def _paths(node, prefix=()):  # noqa: ANN001
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+def test_manifest_fuzz_finds_no_untyped_exception(editable):
+    """Random type/value mutations of every field (seeded, bounded): each manifest loads and generates, or is
+    refused with a SpecEdgeError — never another exception."""
+    original = json.loads((editable / "manifest.json").read_text())
+    paths = [p for p in _paths(original) if p]
+    rnd = random.Random(int(os.environ.get("SPECEDGE_FUZZ_SEED", "0")))
+    outcomes = {"refused": 0, "loaded": 0}
+    for _ in range(int(os.environ.get("SPECEDGE_FUZZ_N", "250"))):
+        m = json.loads(json.dumps(original))
+        path = rnd.choice(paths)
+        parent = m
+        for key in path[:-1]:
+            parent = parent[key]
+        if rnd.random() < 0.15 and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = rnd.choice(JUNK)
+        (editable / "manifest.json").write_text(json.dumps(m))
+        try:
+            dec = SpecDecoder.load(editable, verify="size")
+            dec.generate("hi", SamplingParams(max_new_tokens=2))
+            outcomes["loaded"] += 1
+        except SpecEdgeError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 150, outcomes
+
+
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10 ** 6), st.floats(allow_nan=True, allow_infinity=True),
+                   st.text(max_size=4), st.lists(st.text(max_size=3), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                                        "ignore_eos", "sampler"]), VALUES, max_size=4))
+def test_sampling_params_fuzz_finds_no_untyped_exception(kwargs):
+    try:
+        p = SamplingParams(**kwargs)
+    except SamplingParamsError:
+        return
+    logits = np.random.default_rng(0).normal(size=16).astype(np.float32)
+    if not p.greedy and p.sampler == "keyed" and p.seed is None:
+        p = SamplingParams(**{**kwargs, "seed": 1})
+    assert 0 <= choose_next(logits, p, np.random.default_rng(0), position=3) < 16
