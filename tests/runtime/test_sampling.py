@@ -58,6 +58,13 @@ def test_top_k_top_p_filters(logits, k, top_p):
     assert probs[top].sum() > 0  # a most likely token always survives
 
 
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = process_logits(np.log(np.array([[0.5, 0.3, 0.15, 0.05]])), 1.0, top_p=0.7)
+    assert np.allclose(probs, [[0.5 / 0.8, 0.3 / 0.8, 0, 0]])
+    probs = process_logits(np.log(np.array([[0.5, 0.3, 0.15, 0.05]])), 1.0, top_p=0.4)
+    assert np.allclose(probs, [[1, 0, 0, 0]])
+
+
 def test_greedy_accepts_while_argmax():
     logits = np.eye(5)[[1, 2, 3, 4]] * 10  # argmax rows: 1, 2, 3, 4
     assert verify_greedy(logits, np.array([1, 2, 3])) == (3, 4)

@@ -1,0 +1,73 @@
+"""Mutation check: plant each known bug in the real code, one at a time, and check that the test suite fails.
+
+    python tools/mutation_check.py [--only NAME]
+
+Each plant is an exact text replacement in one source file; the file is restored afterwards (also on Ctrl-C).
+Prints caught/MISSED per plant; exit 1 if any plant survives. Run from the repository root with the test venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = ["tests/runtime/test_sampling.py", "tests/runtime/test_controlled_drafts.py", "tests/runtime/test_decoder.py"]
+
+# name -> (file, original text, planted text)
+PLANTS = {
+    "sample from p instead of the residual at a rejection": (
+        "runtime/sampling.py", "return i, sample(residual(p_target[i], q_row), rng)", "return i, sample(p_target[i], rng)"),
+    "model drafter returns no q": (
+        "runtime/drafters.py", "return Proposal(draft[:kept], None if q is None else q[:kept])",
+        "return Proposal(draft[:kept], None)"),
+    "every draft position tested against row 0": (
+        "runtime/sampling.py", "if rng.random() * q_d < p_target[i, d]:", "if rng.random() * q_d < p_target[0, d]:"),
+    "bonus token drawn from the wrong row": (
+        "runtime/sampling.py", "return n, sample(p_target[n], rng)", "return n, sample(p_target[max(n - 1, 0)], rng)"),
+    "process_logits ignores top-p": (
+        "runtime/sampling.py", "    if top_p < 1.0:\n        order", "    if False:\n        order"),
+    "draft-cache rollback removed": (
+        "runtime/drafters.py", "self.rows = self._base + min(n_accepted, self._k - 1)", "pass"),
+    "prompt lookup proposes one token late": (
+        "runtime/drafters.py", "start = int(hits[-1]) + n", "start = int(hits[-1]) + n + 1"),
+    "a stop string ends the output at once, empty": (
+        "runtime/decoder.py", 'stop_at, req.finish = min(hits), "stop"', 'stop_at, req.finish = 0, "stop"'),
+}
+
+
+def run_plant(name: str, root: Path) -> bool:
+    file, old, new = PLANTS[name]
+    path = root / file
+    original = path.read_text()
+    if original.count(old) != 1:
+        raise SystemExit(f"plant {name!r}: the text to replace occurs {original.count(old)} times in {file}; "
+                         f"update tools/mutation_check.py")
+    try:
+        path.write_text(original.replace(old, new))
+        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+                           cwd=root, capture_output=True, text=True)
+    finally:
+        path.write_text(original)
+    return r.returncode != 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=None)
+    a = ap.parse_args()
+    root = Path(__file__).resolve().parent.parent
+    names = [a.only] if a.only else list(PLANTS)
+    missed = []
+    for name in names:
+        caught = run_plant(name, root)
+        print(f"{'caught' if caught else 'MISSED'}  {name}", flush=True)
+        if not caught:
+            missed.append(name)
+    print(f"{len(names) - len(missed)}/{len(names)} planted bugs caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
