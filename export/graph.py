@@ -100,7 +100,8 @@ class _Linears:
 
     def __init__(self, g: _Graph, w: ExternalWeights, src: WeightSource, fmt: WeightFormat):
         self.g, self.w, self.src, self.fmt = g, w, src, fmt
-        self.repacked = self.requantized = 0
+        self.repacked = self.requantized = 0  # matrices (parts of fused ones counted one by one)
+        self._indicators: dict[tuple[int, int], str] = {}
         self._err_num = self._err_den = 0.0
         self._worst = 0.0
 
@@ -115,16 +116,39 @@ class _Linears:
         ins = [x, self.w.add(f"{name}.qweight", packed.b), self.w.add(f"{name}.scales", packed.scales)]
         if packed.zero_points is not None:
             ins.append(self.w.add(f"{name}.zero_points", packed.zero_points))
-        return self.g.op("MatMulNBits", *ins, domain="com.microsoft", K=packed.k, N=packed.n, bits=packed.bits,
-                         block_size=packed.block, accuracy_level=spec.accuracy_level)
+        y = self.g.op("MatMulNBits", *ins, domain="com.microsoft", K=packed.k, N=packed.n, bits=packed.bits,
+                      block_size=packed.block, accuracy_level=spec.accuracy_level)
+        if packed.offsets is None:
+            return y
+        # GGUF Q4_1/Q4_K: + sum_b offset[n, b] * (sum of x over block b), two small fp32 MatMuls:
+        # x [.., K] @ E [K, K/32] (block indicator) -> [.., K/32] @ offsets.T [K/32, N] -> [.., N]
+        sums = self.g.op("MatMul", x, self._block_indicator(packed.k, packed.block))
+        return self.g.op("Add", y, self.g.op("MatMul", sums, self.w.add(f"{name}.offsets", packed.offsets.T)))
+
+    def _block_indicator(self, k: int, block: int) -> str:
+        key = (k, block)
+        if key not in self._indicators:
+            e = np.zeros((k, -(-k // block)), dtype=np.float32)  # [K, k_blocks]
+            e[np.arange(k), np.arange(k) // block] = 1.0
+            self._indicators[key] = self.w.add(f"block_indicator.{k}x{block}", e)
+        return self._indicators[key]
 
     def _pack(self, parts: list[str], spec: QuantSpec, weights: np.ndarray | None) -> Packed:
+        """GGUF blocks that have an exact MatMulNBits form are carried over (Q4_1/Q4_K with float offsets only
+        if the format allows them); the other parts of a fused matrix are quantized from their float values."""
         if weights is None and spec.symmetric and spec.block == 32:
             raws = [self.src.raw(p) for p in parts]
-            if all(r is not None and GGUF_REPACKABLE.get(r[0], (0, 0, 0))[2] == spec.bits for r in raws):
-                self.repacked += 1
-                return concat_rows([repack_gguf(t, rows) for t, rows in raws])
+            exact = [r is not None and GGUF_REPACKABLE.get(r[0], (0, 0, 0))[2] == spec.bits
+                     and (self.fmt.gguf_offsets or r[0] in ("Q4_0", "Q8_0")) for r in raws]
+            if any(exact):
+                self.repacked += sum(exact)
+                return concat_rows([repack_gguf(*r) if ok else self._quantize(self.src.get(p), spec)
+                                    for p, r, ok in zip(parts, raws, exact)])
         w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
+        self.requantized += len(parts) - 1
+        return self._quantize(w_cat, spec)
+
+    def _quantize(self, w_cat: np.ndarray, spec: QuantSpec) -> Packed:
         packed = quantize(w_cat, spec)
         self.requantized += 1
         d = rel_rms_error(w_cat, packed)
@@ -142,6 +166,7 @@ class _Linears:
         return {"format": "MatMulNBits", "bits": int(self.fmt.name[3:]), "block": self.fmt.block,
                 "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,
                 "lm_head": f"int{lm.bits}" if lm else "fp32", "embedding": self.fmt.embedding,
+                "gguf_offsets": self.fmt.gguf_offsets,
                 "repacked_from_gguf": self.repacked, "requantized": self.requantized,
                 "requant_weight_rel_rms_error": round(err, 5), "requant_weight_rel_rms_error_max": round(self._worst, 5)}
 

@@ -60,6 +60,7 @@ class Packed:
     k: int  # input features
     bits: int
     block: int
+    offsets: np.ndarray | None = None  # float32 [N, k_blocks]: w = scale * (q - zp) + offset (GGUF Q4_1/Q4_K)
 
     @property
     def n(self) -> int:
@@ -121,16 +122,31 @@ def dequantize(p: Packed) -> np.ndarray:
     else:
         zp = (_unpack_nibbles(p.zero_points)[:, :kb] if p.bits == 4 else p.zero_points).astype(np.float32)
     w = (q - zp[..., None]) * p.scales[..., None]
+    if p.offsets is not None:
+        w = w + p.offsets[..., None]
     return w.reshape(p.n, -1)[:, : p.k]
 
 
-# GGUF block layouts: (elements per block, bytes per block)
-GGUF_REPACKABLE = {"Q4_0": (32, 18, 4), "Q8_0": (32, 34, 8)}  # type -> (block, bytes, bits)
+# GGUF block layouts: type -> (elements per block, bytes per block, bits). Q4_0 / Q8_0 are symmetric and map
+# onto MatMulNBits as they are; Q4_1 (w = d q + m) and Q4_K (256-value super-blocks of eight 32-value sub-blocks,
+# w = d sc_j q - dmin m_j) are symmetric int4 with zero point 8 plus a per-block offset:
+#     w = s (q - 8) + o,   s = d (Q4_1) or d sc_j (Q4_K),   o = m + 8 s (Q4_1) or 8 s - dmin m_j (Q4_K)
+# carried exactly (to one fp32 rounding of o) as Packed.offsets; the graph adds sum_b o_b (sum of x over block b).
+GGUF_REPACKABLE = {"Q4_0": (32, 18, 4), "Q8_0": (32, 34, 8), "Q4_1": (32, 20, 4), "Q4_K": (256, 144, 4)}
+
+
+def _q4k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 packed bytes per super-block -> 6-bit scales and mins [.., 8] (ggml's get_scale_min_k4)."""
+    sc = sc.astype(np.uint8)
+    lo, hi = sc[..., 0:4], sc[..., 8:12]
+    scales = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=-1)
+    mins = np.concatenate([sc[..., 4:8] & 63, (hi >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
 
 
 def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed:
-    """GGUF Q4_0 / Q8_0 rows (uint8 [N, row bytes]) -> Packed, bit-exact. K (inputs per row) follows from
-    the row bytes; ``k``, if given, is checked against it."""
+    """GGUF Q4_0 / Q8_0 / Q4_1 / Q4_K rows (uint8 [N, row bytes]) -> Packed, exact (see GGUF_REPACKABLE).
+    K (inputs per row) follows from the row bytes; ``k``, if given, is checked against it."""
     if type_name not in GGUF_REPACKABLE:
         raise UnsupportedModelError(f"GGUF {type_name} has no exact MatMulNBits form; only {sorted(GGUF_REPACKABLE)}")
     block, nbytes, bits = GGUF_REPACKABLE[type_name]
@@ -139,16 +155,29 @@ def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed
         raise UnsupportedModelError(f"GGUF {type_name} rows of {raw.shape[1]} bytes do not hold "
                                     f"{k if k is not None else 'whole blocks of'} {block}-value blocks")
     k = kb * block
-    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], kb, nbytes)  # [N, k_blocks, bytes]
-    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, k_blocks]
-    qs = blocks[..., 2:]
-    if bits == 4:
-        # GGUF: byte i holds element i (low) and i+16 (high); MatMulNBits: elements 2i, 2i+1
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, k_blocks, 32] in element order
-        b = _pack_nibbles(q)
-    else:
-        b = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # signed q -> q + 128
-    return Packed(np.ascontiguousarray(b), scales, None, k, bits, block)
+    N = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(N, kb, nbytes)  # [N, k_blocks, bytes]
+    f16 = lambda a, b: blocks[..., a:b].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    offsets = None
+    if type_name == "Q8_0":
+        b = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # signed q -> q + 128
+        return Packed(np.ascontiguousarray(b), f16(0, 2), None, k, bits, block)
+    if type_name == "Q4_K":
+        d, dmin = f16(0, 2), f16(2, 4)  # [N, kb]
+        sc, mn = _q4k_scales_mins(blocks[..., 4:16])  # [N, kb, 8]
+        qs = blocks[..., 16:].reshape(N, kb, 4, 32)  # 4 groups of 32 bytes: sub-blocks 2g (low), 2g+1 (high)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(N, kb * 8, 32)  # [N, 32-blocks, 32] element order
+        scales = (d[..., None] * sc).reshape(N, kb * 8)
+        offsets = (8.0 * scales - (dmin[..., None] * mn).reshape(N, kb * 8)).astype(np.float32)
+        return Packed(np.ascontiguousarray(_pack_nibbles(q)), scales.astype(np.float32), None, k, bits, 32, offsets)
+    first_q = 4 if type_name == "Q4_1" else 2
+    scales = f16(0, 2)
+    if type_name == "Q4_1":
+        offsets = (f16(2, 4) + 8.0 * scales).astype(np.float32)
+    qs = blocks[..., first_q:]
+    # GGUF: byte i holds element i (low) and i+16 (high); MatMulNBits: elements 2i, 2i+1
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, k_blocks, 32] in element order
+    return Packed(np.ascontiguousarray(_pack_nibbles(q)), scales, None, k, bits, block, offsets)
 
 
 def concat_rows(parts: list[Packed]) -> Packed:
@@ -158,8 +187,11 @@ def concat_rows(parts: list[Packed]) -> Packed:
            for p in parts):
         raise ValueError("concat_rows needs parts with the same K, bits, block and symmetry")
     zps = None if p0.zero_points is None else np.concatenate([p.zero_points for p in parts])
+    offsets = None
+    if any(p.offsets is not None for p in parts):  # a part without offsets contributes zeros
+        offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
     return Packed(np.concatenate([p.b for p in parts]), np.concatenate([p.scales for p in parts]), zps,
-                  p0.k, p0.bits, p0.block)
+                  p0.k, p0.bits, p0.block, offsets)
 
 
 def rel_rms_error(w: np.ndarray, p: Packed) -> float:
@@ -187,6 +219,7 @@ class WeightFormat:
     accuracy_level: int = 4
     lm_head: str = "auto"  # auto | fp32 | int8 | int4
     embedding: str = "fp16"  # quantized formats: fp16 | fp32 gather table
+    gguf_offsets: bool = True  # carry GGUF Q4_1/Q4_K exactly (int4 + a per-block float offset) vs re-quantize
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:

@@ -96,7 +96,7 @@ def to_markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
                        for role, x in b["models"].items())
     steps = summary["step_costs_s"]
     out = [
-        f"Machine: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gb']} GB RAM, copy bandwidth {m['copy_bandwidth_gbs']} GB/s; "
+        f"Machine: {m['cpu']} ({m.get('cpu_flags', 'flags not recorded')}), {m['cpus']} CPUs, {m['memory_gb']} GB RAM, copy bandwidth {m['copy_bandwidth_gbs']} GB/s; "
         f"Python {m['python']}, numpy {m['numpy']}, onnxruntime {m['onnxruntime']}, specedge {m['specedge']}.",
         f"Bundle: `{b['path']}`, backend {b['backend']} ({b.get('precision', 'fp32')}), K={b['K']}, S_max={b['max_context']}, P={b['prefill_chunk']}, "
         f"kv_mode {b['kv_mode']}; {models}.",

@@ -111,12 +111,29 @@ def peak_rss_mb() -> float:
     return r / 1024 ** 2 if sys.platform == "darwin" else r / 1024
 
 
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+              "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16", "neon", "asimd", "asimddp", "sve")
+
+
+def cpu_flags() -> str:
+    """The SIMD features that decide which ONNX Runtime kernels run (x86 flags / Arm features), as listed."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown"
+    have = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            have.update(line.split(":", 1)[1].split())
+    return " ".join(f for f in SIMD_FLAGS if f in have) or "none of " + ",".join(SIMD_FLAGS[:4])
+
+
 def machine_info() -> dict[str, Any]:
     import onnxruntime
 
     from .. import __version__
 
-    return {"cpu": cpu_name(), "cpus": os.cpu_count(), "memory_gb": round(mem_total_gb(), 1),
+    return {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "memory_gb": round(mem_total_gb(), 1),
             "copy_bandwidth_gbs": round(copy_bandwidth_gbs(), 1), "platform": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__, "onnxruntime": onnxruntime.__version__,
             "specedge": __version__}

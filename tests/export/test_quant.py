@@ -41,7 +41,7 @@ def test_gguf_blocks_repack_bit_exactly(qtype):
 
 def test_other_gguf_types_are_not_repacked():
     with pytest.raises(UnsupportedModelError, match="no exact MatMulNBits form"):
-        repack_gguf("Q4_1", np.zeros((2, 40), np.uint8), 64)
+        repack_gguf("Q6_K", np.zeros((2, 210), np.uint8), 256)
 
 
 def _matmulnbits(x: np.ndarray, p, accuracy_level: int) -> np.ndarray:
@@ -77,3 +77,26 @@ def test_bad_specs_are_refused():
     for kw in ({"bits": 3}, {"bits": 4, "block": 24}, {"bits": 4, "accuracy_level": 7}):
         with pytest.raises(UnsupportedModelError):
             QuantSpec(**kw)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K"])
+def test_q4_1_and_q4_k_blocks_are_carried_exactly(type_name):
+    """Symmetric int4 (zero point 8) + a per-32-block float offset reproduces gguf's own dequantization of
+    Q4_1 and Q4_K (random valid blocks: gguf-py cannot quantize Q4_K, only read it)."""
+    import gguf
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from specedge.export.quant import GGUF_REPACKABLE, dequantize, repack_gguf
+
+    block, nbytes, _ = GGUF_REPACKABLE[type_name]
+    rng = np.random.default_rng(0)
+    n, kb = 8, 3
+    raw = rng.integers(0, 256, size=(n, kb, nbytes), dtype=np.uint8)
+    for a in (0, 2):  # d and m (Q4_1) / d and dmin (Q4_K): finite fp16
+        raw[..., a:a + 2] = np.frombuffer(rng.uniform(-0.02, 0.02, n * kb).astype(np.float16).tobytes(),
+                                          np.uint8).reshape(n, kb, 2)
+    raw = raw.reshape(n, kb * nbytes)
+    ref = gguf_dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, kb * block)
+    packed = repack_gguf(type_name, raw)
+    assert packed.offsets is not None and packed.block == 32 and packed.zero_points is None
+    np.testing.assert_allclose(dequantize(packed), ref, rtol=0, atol=1e-6 * np.abs(ref).max())

@@ -67,7 +67,7 @@ def test_quantized_bundle_generates_and_speculation_is_exact(q_bundles, fmt):
         assert dec.generate(PROMPTS[1], sampled, drafter=drafter, k=3).token_ids == plain
 
 
-@pytest.mark.parametrize("qtype,fmt", [(Q.Q4_0, "int4"), (Q.Q8_0, "int8")])
+@pytest.mark.parametrize("qtype,fmt", [(Q.Q4_0, "int4"), (Q.Q4_1, "int4"), (Q.Q8_0, "int8")])
 def test_gguf_blocks_are_repacked_exactly(tiny_llama, tmp_path, qtype, fmt):
     gg = tmp_path / "m.gguf"
     write_tiny_gguf(tiny_llama, gg, {name: qtype for name in ALL_LINEAR})
@@ -75,7 +75,7 @@ def test_gguf_blocks_are_repacked_exactly(tiny_llama, tmp_path, qtype, fmt):
     q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "q", _opts(fmt, accuracy_level=0)).out)
     info = q.manifest.target.quant
     head_repacked = int(fmt == "int8")  # the lm_head is int8: a Q8_0 output matrix is re-packed too
-    assert info["repacked_from_gguf"] == 2 * 4 + head_repacked  # qkv, o, gate_up, down per layer (+ lm_head)
+    assert info["repacked_from_gguf"] == 2 * 7 + head_repacked  # q, k, v, o, gate, up, down per layer (+ lm_head)
     assert info["lm_head"] == "int8" and info["requantized"] == 1 - head_repacked
     ids = fp32.encode_prompt(PROMPTS[1])
     # same weights bit for bit (fp32 lm_head and embedding table, fp32 compute): only summation order differs
