@@ -97,14 +97,13 @@ def process_logits(logits: np.ndarray, temperature: float, top_k: int = 0, top_p
     top-p keeps the smallest prefix of the sorted distribution whose mass reaches
     top_p (the most likely token is always kept). temperature must be > 0.
     """
-    z = np.asarray(logits, dtype=np.float64)  # [N, V]
+    raw = np.asarray(logits, dtype=np.float64)  # [N, V]
     with np.errstate(over="ignore"):  # max first: z <= 0, so a tiny temperature gives -inf, never NaN
-        z = (z - z.max(axis=-1, keepdims=True)) / temperature
+        z = (raw - raw.max(axis=-1, keepdims=True)) / temperature
     V = z.shape[-1]
-    if 0 < top_k < V:
-        kth = np.partition(z, V - top_k, axis=-1)[:, V - top_k: V - top_k + 1]  # [N, 1]
-        z = np.where(z >= kth, z, -np.inf)
-    z = z - z.max(axis=-1, keepdims=True)
+    if 0 < top_k < V:  # on the raw logits: the shift and scale above may round distinct values together
+        kth = np.partition(raw, V - top_k, axis=-1)[:, V - top_k: V - top_k + 1]  # [N, 1]
+        z = np.where(raw >= kth, z, -np.inf)
     probs = np.exp(z)
     probs /= probs.sum(axis=-1, keepdims=True)
     if top_p < 1.0:

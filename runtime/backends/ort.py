@@ -53,8 +53,9 @@ def check_graph_io(session: Any, spec: tuple[list, list], what: str) -> None:
                               f"unexpected {extra[:4]} (the manifest's n_layers/kv_mode do not match this graph?)")
         for t in want:
             shape = have[t.name].shape
-            fixed = [(i, d, shape[i]) for i, d in enumerate(t.shape)
-                     if isinstance(d, int) and len(shape) == len(t.shape) and isinstance(shape[i], int) and shape[i] != d]
+            # fixed dims must agree; named dims too where the graph names them (T vs S_max tells kv_mode apart)
+            fixed = [(i, d, shape[i]) for i, d in enumerate(t.shape) if len(shape) == len(t.shape)
+                     and type(d) is type(shape[i]) and shape[i] != d]
             if len(shape) != len(t.shape) or fixed:
                 raise BundleError(f"{what}: {kind} {t.name} has shape {shape} in the graph, the manifest implies "
                                   f"{list(t.shape)} (dims n_kv_heads/head_dim/vocab or kv_mode disagree)")

@@ -158,6 +158,9 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
             if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m and "content" in m
                                                               for m in msgs)):
                 raise PromptError(f"{p}:{no}: 'messages' must be a non-empty list of {{role, content}} objects")
+            bad = [i for i, m in enumerate(msgs) if not isinstance(m["content"], str) or not isinstance(m["role"], str)]
+            if bad:  # checked before any model work, not after the first prompts ran
+                raise PromptError(f"{p}:{no}: message {bad[0]}: 'role' and 'content' must be strings")
             out.append(BenchPrompt(suite, pid, tuple(msgs)))
     if not out:
         raise PromptError(f"{p}: no prompts found")

@@ -176,3 +176,34 @@ def test_sampling_params_fuzz_finds_no_untyped_exception(kwargs):
     if not p.greedy and p.sampler == "keyed" and p.seed is None:
         p = SamplingParams(**{**kwargs, "seed": 1})
     assert 0 <= choose_next(logits, p, np.random.default_rng(0), position=3) < 16
+
+
+def test_kv_mode_that_disagrees_with_the_graph_is_refused(editable):
+    rewrite(editable, lambda m: {**m, "kv_mode": "ort-inplace"})  # the graph is portable
+    with pytest.raises(BundleError, match=r"present\.0\.key has shape .*'T'.* implies .*'S_max'"):
+        SpecDecoder.load(editable, verify="none")
+
+
+def test_bench_prompt_file_with_non_string_content_is_refused_up_front(tmp_path):
+    from specedge.runtime.bench.suites import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"text": "fine"}\n{"messages": [{"role": "user", "content": ["a", "list"]}]}\n')
+    with pytest.raises(PromptError, match=r"p.jsonl:2: message 0: 'role' and 'content' must be strings"):
+        load_prompts(f)
+
+
+def test_non_ascii_output_on_an_ascii_terminal_does_not_crash(bundles):
+    """PYTHONIOENCODING=ascii: generated text that holds non-ASCII characters is printed with replacements."""
+    import subprocess
+    import sys
+
+    prompt, n = "héllo wörld — ünïcödé ✓ 数据 データ", 60
+    dec = SpecDecoder.load(bundles["lookup"])
+    text = dec.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True)).text
+    assert any(ord(c) > 127 for c in text)  # precondition: this output cannot be written as ASCII
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    r = subprocess.run([sys.executable, "-m", "specedge.runtime.cli", "generate", str(bundles["lookup"]), prompt,
+                        "--max-new-tokens", str(n)], capture_output=True, env=env)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")[-500:]
+    assert b"?" in r.stdout
