@@ -149,13 +149,12 @@ def build_trt(bundle_dir: str | Path, opts: TrtBuildOptions = TrtBuildOptions(),
         onnx_file = onnx_set.graphs[role]
         out = f"{ENGINE_DIR}/{role}.{opts.precision}.sm{cc.replace('.', '')}.engine"
         t0 = time.perf_counter()
-        plan = _build_one(trt, bundle_dir / onnx_file, trt_profiles(m, role), opts, cache_path,
-                          lambda s, r=role: say(f"{r}: {s}"))
         tmp = bundle_dir / (out + ".tmp")
-        tmp.write_bytes(plan)
+        size = _build_one(trt, bundle_dir / onnx_file, trt_profiles(m, role), opts, cache_path,
+                          lambda s, r=role: say(f"{r}: {s}"), tmp)
         os.replace(tmp, bundle_dir / out)
         seconds[role] = round(time.perf_counter() - t0, 1)
-        say(f"{role}: engine {out} ({len(plan) / 1e6:.0f} MB) built in {seconds[role]}s")
+        say(f"{role}: engine {out} ({size / 1e6:.0f} MB) built in {seconds[role]}s")
         graphs[role] = out
         sources[role] = m.files[onnx_file]["sha256"]
         profiles[role] = [[w.T, w.L] for w in m.models[role].widths]
@@ -171,7 +170,14 @@ def build_trt(bundle_dir: str | Path, opts: TrtBuildOptions = TrtBuildOptions(),
 
 
 def _build_one(trt: Any, onnx_path: Path, profiles: list[dict[str, tuple[int, ...]]], opts: TrtBuildOptions,
-               cache_path: Path, say: Say) -> bytes:
+               cache_path: Path, say: Say, out: Path) -> int:
+    """Build one engine and write its plan straight to ``out`` (no Python copy of it); returns its size. The
+    parser, network, config and plan are released before returning, so the next model's build does not run
+    beside this one's weights."""
+    from specedge.runtime.backends import tensorrt_version_problem
+
+    if (why := tensorrt_version_problem(trt.__version__)) is not None:
+        raise BuildError(why)
     logger = _CapturingLogger(trt, say)
     builder = trt.Builder(logger)
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
@@ -186,10 +192,14 @@ def _build_one(trt: Any, onnx_path: Path, profiles: list[dict[str, tuple[int, ..
     config.builder_optimization_level = opts.builder_optimization_level
     cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
     config.set_timing_cache(cache, ignore_mismatch=False)
-    for shapes in profiles:
+    if hasattr(trt.BuilderFlag, "TF32"):
+        config.clear_flag(trt.BuilderFlag.TF32)  # the fp32 islands (norm statistics, softmax, head) stay fp32
+    for i, shapes in enumerate(profiles):
         prof = builder.create_optimization_profile()
         for name, shape in shapes.items():
             prof.set_shape(name, shape, shape, shape)
+        if i > 0 and hasattr(prof, "extra_memory_target"):
+            prof.extra_memory_target = 0.0  # no extra weight copies for the later profiles
         config.add_optimization_profile(prof)
     if hasattr(trt, "IProgressMonitor"):
         config.progress_monitor = _Progress(trt, say)
@@ -206,7 +216,11 @@ def _build_one(trt: Any, onnx_path: Path, profiles: list[dict[str, tuple[int, ..
     tmp = cache_path.with_suffix(".tmp")
     tmp.write_bytes(memoryview(config.get_timing_cache().serialize()))
     os.replace(tmp, cache_path)
-    return bytes(memoryview(plan))
+    with open(out, "wb") as f:
+        f.write(memoryview(plan))
+    size = out.stat().st_size
+    del plan, parser, network, config, builder
+    return size
 
 
 def _CapturingLogger(trt: Any, say: Say) -> Any:  # noqa: N802 - a class made at run time (trt is imported lazily)

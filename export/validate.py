@@ -242,9 +242,11 @@ def _candidate_runners(bundle_dir: Path, manifest: Manifest, opts: ValidateOptio
         if es.kv_dtype != "float16":
             raise NotImplementedError(f"validating {es.precision} TensorRT engines is not implemented: polygraphy's "
                                       "numpy path has no bfloat16; validate the fp16 engines")
-        plan = (bundle_dir / es.graphs[role]).read_bytes()
+        import mmap
+
         widths = [w.T for w in manifest.models[role].widths]
-        engine = EngineFromBytes(plan)()
+        with open(bundle_dir / es.graphs[role], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as plan:
+            engine = EngineFromBytes(plan)()  # the map is released right after deserializing
         for p, T in enumerate(widths):
             mine = [c for c in cases if c.T == T]
             if mine:

@@ -149,7 +149,13 @@ def backend_verdicts(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
     elif trt.startswith("broken"):
         out["trt"] = v(False, f"TensorRT is installed but does not import: {trt}")
     else:
-        out["trt"] = v(gpu_ok, f"TensorRT {trt}" + ("" if gpu_ok else f", but {gpu_why}"))
+        from .backends import tensorrt_version_problem
+
+        too_old = tensorrt_version_problem(trt)
+        if too_old:
+            out["trt"] = v(False, too_old)
+        else:
+            out["trt"] = v(gpu_ok, f"TensorRT {trt}" + ("" if gpu_ok else f", but {gpu_why}"))
     out["validate"] = v(bool(rep["polygraphy"]), "polygraphy " + (rep["polygraphy"] or
                                                                   "is not installed: pip install 'specedge[validate]'"))
     return out

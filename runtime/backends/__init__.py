@@ -43,6 +43,22 @@ class GraphRunner(Protocol):
     def close(self) -> None: ...
 
 
+MIN_TENSORRT = (10, 3)  # STRONGLY_TYPED networks, USER_MANAGED scratch, INT64 tensors; JetPack 6.1/6.2 ship 10.3
+
+
+def tensorrt_version_problem(version: str) -> str | None:
+    """Why this TensorRT cannot build or run specedge engines (None: it can)."""
+    try:
+        have = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return f"TensorRT version {version!r} is not recognisable"
+    if have < MIN_TENSORRT:
+        return (f"TensorRT {version} is too old: specedge needs TensorRT >= {MIN_TENSORRT[0]}.{MIN_TENSORRT[1]} "
+                f"(strongly typed networks, user-managed scratch, INT64 tensors) - JetPack 6.1 or newer on a Jetson, "
+                f"pip install 'tensorrt>=10.3' elsewhere")
+    return None
+
+
 def tensorrt_installed() -> bool:
     return importlib.util.find_spec("tensorrt") is not None
 
@@ -107,12 +123,18 @@ def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, t
 
 
 def trt_ep_options(bundle_dir: Path, manifest: Manifest, role: str) -> dict[str, object]:
-    """ONNX Runtime TensorRT execution provider options: engine and timing caches inside the bundle, and one
-    explicit optimization profile per declared width (an input named once per profile, in width order)."""
+    """ONNX Runtime TensorRT execution provider options: engine and timing caches inside the bundle, and ONE
+    optimization profile spanning every declared width (min: the narrowest T and L, max: the widest, opt: the
+    verify width K+1, what most rounds run). One profile because the EP keeps its execution context on profile
+    0: with a profile per width, the first step of another width fails."""
     entry = manifest.models[role]
     shapes = [width_shapes(entry.dims, w, manifest.max_context) for w in entry.widths]
-    profile = ",".join(f"{name}:{'x'.join(map(str, shape))}" for s in shapes for name, shape in s.items())
+    verify = max((w for w in entry.widths if w.L == w.T), key=lambda w: w.T)
+    opt = width_shapes(entry.dims, verify, manifest.max_context)
+    lo = {n: tuple(min(s[n][i] for s in shapes) for i in range(len(shape))) for n, shape in opt.items()}
+    hi = {n: tuple(max(s[n][i] for s in shapes) for i in range(len(shape))) for n, shape in opt.items()}
+    fmt = lambda d: ",".join(f"{name}:{'x'.join(map(str, shape))}" for name, shape in d.items())  # noqa: E731
     cache = str(Path(bundle_dir) / TRT_EP_CACHE)
     return {"device_id": 0, "trt_engine_cache_enable": True, "trt_engine_cache_path": cache,
             "trt_timing_cache_enable": True, "trt_timing_cache_path": cache,
-            "trt_profile_min_shapes": profile, "trt_profile_opt_shapes": profile, "trt_profile_max_shapes": profile}
+            "trt_profile_min_shapes": fmt(lo), "trt_profile_opt_shapes": fmt(opt), "trt_profile_max_shapes": fmt(hi)}

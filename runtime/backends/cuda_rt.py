@@ -31,8 +31,12 @@ class CudaError(SpecEdgeError):
 def _candidates() -> list[str]:
     names = [os.environ.get("SPECEDGE_CUDART", ""), ctypes.util.find_library("cudart") or ""]
     names += ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
+    import sys
+
+    # pip's CUDA wheels (nvidia-cuda-runtime-cu12/-cu13) put it in site-packages/nvidia/cuda_runtime/lib
+    pip_roots = [f"{p}/nvidia/cuda_runtime/lib" for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
     for root in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/aarch64-linux/lib",
-                 "/usr/local/cuda/targets/x86_64-linux/lib"):
+                 "/usr/local/cuda/targets/x86_64-linux/lib", *pip_roots):
         names += sorted(glob.glob(f"{root}/libcudart.so*"), reverse=True)
     return [n for n in dict.fromkeys(names) if n and not n.endswith(".a")]
 

@@ -41,6 +41,15 @@ class _Bound:
     present: list[Any]  # per layer*2: host arrays (CPU) or device OrtValues (CUDA)
 
 
+def zero_device_cache(cuda: Any, values: list, nbytes: int) -> None:
+    """Zero every cache tensor once. ONNX Runtime's device allocations are uninitialized, and the portable
+    attention multiplies masked probabilities (exactly 0) by every cache row: 0 * NaN = NaN, so garbage in rows
+    past the cursor would poison every logit."""
+    for v in values:
+        cuda.memset(v.data_ptr(), 0, nbytes)
+    cuda.synchronize()
+
+
 def check_graph_io(session: Any, spec: tuple[list, list], what: str) -> None:
     """The graph's declared inputs/outputs must be the manifest's (names, element types, fixed dims): a bundle
     whose manifest and graph disagree is refused here, naming both, not deep inside ONNX Runtime."""
@@ -115,6 +124,7 @@ class OrtRunner:
             self._cuda = CudaRuntime()
             self._kv_values = [ort.OrtValue.ortvalue_from_shape_and_type(kv_shape[2:], self.kv_dtype, "cuda", 0)
                                for _ in range(d.n_layers * 2)]
+            zero_device_cache(self._cuda, self._kv_values, int(np.prod(kv_shape[2:])) * self.kv_dtype.itemsize)
         self._bound = {w.T: self._bind(w) for w in self.entry.widths}
 
     # ------------------------------------------------------------------ binding

@@ -48,6 +48,15 @@ def rebuild_hint(bundle_dir: Path | str, precision: str) -> str:
     return f"spec-export build {bundle_dir} --backend trt --precision {precision}"
 
 
+def deserialize_mapped(runtime: Any, path: Path) -> Any:
+    """Deserialize an engine from a read-only memory map: the plan is never copied into a Python bytes object,
+    so loading holds one copy of the weights (TensorRT's), not two - on a Jetson host and GPU share memory."""
+    import mmap
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return runtime.deserialize_cuda_engine(mm)
+
+
 def compat_problems(es: EngineSet, trt_version: str, compute_capability: str, gpu_name: str) -> list[str]:
     """Why engines built as `es` cannot be loaded here (empty: they can).
 
@@ -257,6 +266,10 @@ class TrtRunner:
         self.max_context = manifest.max_context
         self.min_width = 1  # the decoder sets 2 (see GraphRunner.min_width)
         bundle_dir = Path(bundle_dir)
+        from . import tensorrt_version_problem
+
+        if (why := tensorrt_version_problem(trt.__version__)) is not None:
+            raise BackendUnavailableError(why)
         problems = compat_problems(engines, trt.__version__, self.cuda.compute_capability(), self.cuda.device_name())
         if problems:
             raise BackendUnavailableError(f"the {role} engine of {bundle_dir} cannot run here: {'; '.join(problems)}. "
@@ -264,7 +277,7 @@ class TrtRunner:
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         path = bundle_dir / engines.graphs[role]
-        self.engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        self.engine = deserialize_mapped(self._runtime, path)
         if self.engine is None:
             raise BundleError(f"TensorRT could not deserialize {path} (see the TensorRT log above); "
                               f"rebuild it: {rebuild_hint(bundle_dir, engines.precision)}")
@@ -324,9 +337,11 @@ class TrtRunner:
         ctx = self.context
         ctx.set_optimization_profile_async(p.index, self.stream)
         for name, shape in p.shapes.items():
-            ctx.set_input_shape(name, shape)
+            if not ctx.set_input_shape(name, shape):
+                raise BundleError(f"TensorRT refused shape {shape} for {name} (profile {p.index}, T={p.width.T})")
         for name, ptr in p.addresses.items():
-            ctx.set_tensor_address(name, ptr)
+            if not ctx.set_tensor_address(name, ptr):
+                raise BundleError(f"TensorRT refused the address of {name} (profile {p.index}, T={p.width.T})")
         self._active = p
 
     def _pick(self, n: int, all_logits: bool) -> _Profile:

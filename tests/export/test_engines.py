@@ -135,10 +135,13 @@ def test_profiles_follow_the_manifest(bundles):
             assert set(kv) == {(1, e.dims.n_kv_heads, m.max_context, e.dims.head_dim)}
     opts = trt_ep_options(bundles["model"], m, "target")
     widths = m.target.widths
-    assert opts["trt_profile_min_shapes"] == opts["trt_profile_max_shapes"] == opts["trt_profile_opt_shapes"]
-    entries = opts["trt_profile_min_shapes"].split(",")
-    assert entries[0] == f"input_ids:1x{widths[0].T}"
-    assert sum(e.startswith("input_ids:") for e in entries) == len(widths)
+    # ONE profile spanning the widths (the EP keeps its context on profile 0): min, opt = K+1, max
+    lo, opt, hi = (dict(e.split(":") for e in opts[f"trt_profile_{k}_shapes"].split(",")) for k in ("min", "opt", "max"))
+    assert len(lo) == len(opt) == len(hi) == 3 + 2 * m.target.dims.n_layers  # each input named once
+    assert lo["input_ids"] == "1x1" and lo["logits_at"] == "1x1"
+    assert opt["input_ids"] == opt["logits_at"] == f"1x{m.k + 1}"
+    assert hi["input_ids"] == f"1x{max(w.T for w in widths)}" and hi["logits_at"] == f"1x{m.k + 1}"
+    assert lo["past_key_values.0.key"] == hi["past_key_values.0.key"]  # S_max fixed
     assert opts["trt_engine_cache_path"].startswith(str(bundles["model"]))
 
 

@@ -32,12 +32,14 @@ class _IProgressMonitor:
         pass
 
 
-def fake_trt(parse_ok: bool = True, build_log: tuple = (), plan: bytes | None = b"PLAN") -> types.SimpleNamespace:
+def fake_trt(parse_ok: bool = True, build_log: tuple = (), plan: bytes | None = b"PLAN",
+             version: str = "10.3.0.30") -> types.SimpleNamespace:
     rec: dict = {"profiles": [], "cache_in": None}
 
     class Profile:
         def __init__(self):
             self.shapes = {}
+            self.extra_memory_target = 1.0  # TensorRT's default
 
         def set_shape(self, name, mn, opt, mx):
             self.shapes[name] = (tuple(mn), tuple(opt), tuple(mx))
@@ -68,6 +70,10 @@ def fake_trt(parse_ok: bool = True, build_log: tuple = (), plan: bytes | None = 
 
         def add_optimization_profile(self, p):
             rec["profiles"].append(p.shapes)
+            rec.setdefault("extra_memory_target", []).append(getattr(p, "extra_memory_target", None))
+
+        def clear_flag(self, flag):
+            rec["cleared"] = flag
 
     class Builder:
         def __init__(self, logger):
@@ -113,7 +119,7 @@ def fake_trt(parse_ok: bool = True, build_log: tuple = (), plan: bytes | None = 
             return Err()
 
     return types.SimpleNamespace(
-        __version__="10.3.0.30", rec=rec, Builder=Builder, OnnxParser=OnnxParser, ILogger=_ILogger,
+        __version__=version, rec=rec, Builder=Builder, BuilderFlag=types.SimpleNamespace(TF32="tf32"), OnnxParser=OnnxParser, ILogger=_ILogger,
         IProgressMonitor=_IProgressMonitor, NetworkDefinitionCreationFlag=types.SimpleNamespace(STRONGLY_TYPED=1),
         MemoryPoolType=types.SimpleNamespace(WORKSPACE="workspace"))
 
@@ -130,8 +136,12 @@ def test_build_sets_profiles_workspace_and_timing_cache(manifest_and_profiles, t
     cache = tmp_path / "timing.cache"
     cache.write_bytes(b"old")
     said: list[str] = []
-    plan = _build_one(trt, Path("target.fp16.onnx"), profiles, TrtBuildOptions(workspace_gb=1.5), cache, said.append)
-    assert plan == b"PLAN"
+    out = tmp_path / "target.engine"
+    size = _build_one(trt, Path("target.fp16.onnx"), profiles, TrtBuildOptions(workspace_gb=1.5), cache, said.append,
+                      out)
+    assert out.read_bytes() == b"PLAN" and size == 4  # written straight to the file
+    assert trt.rec["cleared"] == "tf32"
+    assert trt.rec["extra_memory_target"][1:] == [0.0] * (len(profiles) - 1)  # no extra copies past profile 0
     r = trt.rec
     assert r["flags"] == 1 << 1  # STRONGLY_TYPED
     assert r["workspace"] == ("workspace", int(1.5 * 2**30))
@@ -147,14 +157,17 @@ def test_build_failures_are_explained(manifest_and_profiles, tmp_path):
     _, profiles = manifest_and_profiles
     opts = TrtBuildOptions()
     with pytest.raises(BuildError, match="ONNX parser rejected target.onnx: Unsupported ONNX data type"):
-        _build_one(fake_trt(parse_ok=False), Path("target.onnx"), profiles, opts, tmp_path / "c", lambda s: None)
+        _build_one(fake_trt(parse_ok=False), Path("target.onnx"), profiles, opts, tmp_path / "c", lambda s: None, tmp_path / "e")
     oom = ((_Severity.ERROR, "[optimizer.cpp::computeCosts::3728] Error Code 10: Internal Error (Could not find any "
                              "implementation for node {ForeignNode[...]}.)"),)
     with pytest.raises(BuildError) as e:
-        _build_one(fake_trt(build_log=oom, plan=None), Path("t.onnx"), profiles, opts, tmp_path / "c", lambda s: None)
+        _build_one(fake_trt(build_log=oom, plan=None), Path("t.onnx"), profiles, opts, tmp_path / "c", lambda s: None, tmp_path / "e")
     assert OOM_HINT in str(e.value) and "Could not find any implementation" in str(e.value)
     other = ((_Severity.ERROR, "Network validation failed."),)
     with pytest.raises(BuildError, match="TensorRT said: Network validation failed") as e:
-        _build_one(fake_trt(build_log=other, plan=None), Path("t.onnx"), profiles, opts, tmp_path / "c", lambda s: None)
+        _build_one(fake_trt(build_log=other, plan=None), Path("t.onnx"), profiles, opts, tmp_path / "c", lambda s: None, tmp_path / "e")
     assert OOM_HINT not in str(e.value)
     assert not (tmp_path / "c").exists()  # a failed build leaves no timing cache behind
+    with pytest.raises(BuildError, match=r"TensorRT 8.6.1 is too old: specedge needs TensorRT >= 10.3.*JetPack 6.1"):
+        _build_one(fake_trt(version="8.6.1"), Path("t.onnx"), profiles, opts, tmp_path / "c", lambda s: None,
+                   tmp_path / "e")
