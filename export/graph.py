@@ -112,7 +112,12 @@ class _Linears:
         if spec is None:
             w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
             return self.g.op("MatMul", x, self.w.add(f"{name}.weight", w_cat.T))  # [in, out]
-        packed = self._pack(parts, spec, weights)
+        groups = self._pack_groups(parts, spec, weights)
+        outs = [self._emit(x, name if len(groups) == 1 else f"{name}.{i}", packed, spec)
+                for i, packed in enumerate(groups)]
+        return outs[0] if len(outs) == 1 else self.g.op("Concat", *outs, axis=-1)  # parts in order, [.., out]
+
+    def _emit(self, x: str, name: str, packed: Packed, spec: QuantSpec) -> str:
         ins = [x, self.w.add(f"{name}.qweight", packed.b), self.w.add(f"{name}.scales", packed.scales)]
         if packed.zero_points is not None:
             ins.append(self.w.add(f"{name}.zero_points", packed.zero_points))
@@ -133,20 +138,41 @@ class _Linears:
             self._indicators[key] = self.w.add(f"block_indicator.{k}x{block}", e)
         return self._indicators[key]
 
-    def _pack(self, parts: list[str], spec: QuantSpec, weights: np.ndarray | None) -> Packed:
-        """GGUF blocks that have an exact MatMulNBits form are carried over (Q4_1/Q4_K with float offsets only
-        if the format allows them); the other parts of a fused matrix are quantized from their float values."""
-        if weights is None and spec.symmetric and spec.block == 32:
-            raws = [self.src.raw(p) for p in parts]
-            exact = [r is not None and GGUF_REPACKABLE.get(r[0], (0, 0, 0))[2] == spec.bits
-                     and (self.fmt.gguf_offsets or r[0] in ("Q4_0", "Q8_0")) for r in raws]
-            if any(exact):
-                self.repacked += sum(exact)
-                return concat_rows([repack_gguf(*r) if ok else self._quantize(self.src.get(p), spec)
-                                    for p, r, ok in zip(parts, raws, exact)])
-        w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
-        self.requantized += len(parts) - 1
-        return self._quantize(w_cat, spec)
+    def _carried(self, raw: tuple[str, np.ndarray] | None, spec: QuantSpec) -> bool:
+        """Whether a GGUF tensor is carried over exactly. Default (gguf_exact): every type with an exact
+        MatMulNBits form, at its own width (a Q6_K tensor stays 8-bit in an int4 bundle: faithful first).
+        --no-gguf-exact: only Q4_0 / Q8_0, and only at the requested width."""
+        if raw is None or raw[0] not in GGUF_REPACKABLE or not spec.symmetric or spec.block != 32:
+            return False
+        if self.fmt.gguf_exact:
+            return True
+        return raw[0] in ("Q4_0", "Q8_0") and GGUF_REPACKABLE[raw[0]][2] == spec.bits
+
+    def _pack_groups(self, parts: list[str], spec: QuantSpec, weights: np.ndarray | None) -> list[Packed]:
+        """The matrix in MatMulNBits form, as few groups as the parts allow: consecutive parts that end up with
+        the same bits and block are fused into one; GGUF blocks are carried over where ``_carried`` says so,
+        the rest quantized from their float values."""
+        if weights is not None:
+            return [self._quantize(weights, spec)]
+        raws = [self.src.raw(p) for p in parts]
+        packed = []
+        for p, r in zip(parts, raws):
+            if self._carried(r, spec):
+                self.repacked += 1
+                packed.append(repack_gguf(*r))
+            else:
+                packed.append(None)
+        if not any(x is not None for x in packed):  # nothing carried: quantize the fused matrix in one go
+            self.requantized += len(parts) - 1
+            return [self._quantize(np.concatenate([self.src.get(p) for p in parts], axis=0), spec)]
+        packed = [x if x is not None else self._quantize(self.src.get(p), spec) for p, x in zip(parts, packed)]
+        groups: list[list[Packed]] = []
+        for x in packed:
+            if groups and (groups[-1][0].bits, groups[-1][0].block) == (x.bits, x.block):
+                groups[-1].append(x)
+            else:
+                groups.append([x])
+        return [concat_rows(g) for g in groups]
 
     def _quantize(self, w_cat: np.ndarray, spec: QuantSpec) -> Packed:
         packed = quantize(w_cat, spec)
@@ -166,7 +192,7 @@ class _Linears:
         return {"format": "MatMulNBits", "bits": int(self.fmt.name[3:]), "block": self.fmt.block,
                 "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,
                 "lm_head": f"int{lm.bits}" if lm else "fp32", "embedding": self.fmt.embedding,
-                "gguf_offsets": self.fmt.gguf_offsets,
+                "gguf_exact": self.fmt.gguf_exact,
                 "repacked_from_gguf": self.repacked, "requantized": self.requantized,
                 "requant_weight_rel_rms_error": round(err, 5), "requant_weight_rel_rms_error_max": round(self._worst, 5)}
 

@@ -132,7 +132,10 @@ def dequantize(p: Packed) -> np.ndarray:
 # w = d sc_j q - dmin m_j) are symmetric int4 with zero point 8 plus a per-block offset:
 #     w = s (q - 8) + o,   s = d (Q4_1) or d sc_j (Q4_K),   o = m + 8 s (Q4_1) or 8 s - dmin m_j (Q4_K)
 # carried exactly (to one fp32 rounding of o) as Packed.offsets; the graph adds sum_b o_b (sum of x over block b).
-GGUF_REPACKABLE = {"Q4_0": (32, 18, 4), "Q8_0": (32, 34, 8), "Q4_1": (32, 20, 4), "Q4_K": (256, 144, 4)}
+# Q6_K (w = d sc_j (q - 32), 6-bit q, a signed 8-bit scale per 16 values) is exact as 8-bit with block 16.
+GGUF_REPACKABLE = {"Q4_0": (32, 18, 4), "Q8_0": (32, 34, 8), "Q4_1": (32, 20, 4), "Q4_K": (256, 144, 4),
+                   "Q6_K": (256, 210, 8)}
+GGUF_OFFSET_TYPES = ("Q4_1", "Q4_K")  # need Packed.offsets
 
 
 def _q4k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -159,6 +162,19 @@ def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed
     blocks = np.ascontiguousarray(raw).reshape(N, kb, nbytes)  # [N, k_blocks, bytes]
     f16 = lambda a, b: blocks[..., a:b].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
     offsets = None
+    if type_name == "Q6_K":
+        ql, qh = blocks[..., 0:128], blocks[..., 128:192]
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, kb, 16]
+        d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, kb]
+        halves = []
+        for h in range(2):
+            lo, hi, top = ql[..., 64 * h: 64 * h + 32], ql[..., 64 * h + 32: 64 * h + 64], qh[..., 32 * h: 32 * h + 32]
+            halves += [(lo & 0x0F) | ((top & 3) << 4), (hi & 0x0F) | (((top >> 2) & 3) << 4),
+                       (lo >> 4) | (((top >> 4) & 3) << 4), (hi >> 4) | (((top >> 6) & 3) << 4)]
+        q = np.concatenate(halves, axis=-1).astype(np.uint16)  # [N, kb, 256] 6-bit values in element order
+        b = (q + 96).astype(np.uint8).reshape(N, kb * 16, 16)  # (q - 32) + 128: MatMulNBits' 8-bit zero point
+        scales = (d[..., None] * sc).reshape(N, kb * 16).astype(np.float32)
+        return Packed(np.ascontiguousarray(b), scales, None, k, 8, 16)
     if type_name == "Q8_0":
         b = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # signed q -> q + 128
         return Packed(np.ascontiguousarray(b), f16(0, 2), None, k, bits, block)
@@ -219,7 +235,9 @@ class WeightFormat:
     accuracy_level: int = 4
     lm_head: str = "auto"  # auto | fp32 | int8 | int4
     embedding: str = "fp16"  # quantized formats: fp16 | fp32 gather table
-    gguf_offsets: bool = True  # carry GGUF Q4_1/Q4_K exactly (int4 + a per-block float offset) vs re-quantize
+    # carry GGUF blocks exactly where MatMulNBits can hold them (Q4_0, Q4_1, Q4_K as int4 (+ float offsets),
+    # Q8_0 and Q6_K as int8, whatever width was asked) vs carry only Q4_0/Q8_0 at the asked width, re-quantize rest
+    gguf_exact: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:

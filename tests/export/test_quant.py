@@ -41,7 +41,7 @@ def test_gguf_blocks_repack_bit_exactly(qtype):
 
 def test_other_gguf_types_are_not_repacked():
     with pytest.raises(UnsupportedModelError, match="no exact MatMulNBits form"):
-        repack_gguf("Q6_K", np.zeros((2, 210), np.uint8), 256)
+        repack_gguf("Q5_0", np.zeros((2, 44), np.uint8), 64)
 
 
 def _matmulnbits(x: np.ndarray, p, accuracy_level: int) -> np.ndarray:
@@ -100,3 +100,20 @@ def test_q4_1_and_q4_k_blocks_are_carried_exactly(type_name):
     packed = repack_gguf(type_name, raw)
     assert packed.offsets is not None and packed.block == 32 and packed.zero_points is None
     np.testing.assert_allclose(dequantize(packed), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+def test_q6_k_blocks_are_carried_exactly_as_int8():
+    import gguf
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from specedge.export.quant import dequantize, repack_gguf
+
+    rng = np.random.default_rng(1)
+    n, kb = 4, 2
+    raw = rng.integers(0, 256, size=(n, kb, 210), dtype=np.uint8)
+    raw[..., 208:210] = np.frombuffer(rng.uniform(-0.02, 0.02, n * kb).astype(np.float16).tobytes(),
+                                      np.uint8).reshape(n, kb, 2)
+    raw = raw.reshape(n, -1)
+    p = repack_gguf("Q6_K", raw)
+    assert (p.bits, p.block, p.offsets) == (8, 16, None)
+    np.testing.assert_array_equal(dequantize(p), gguf_dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(n, -1))

@@ -74,7 +74,7 @@ def test_gguf_blocks_are_repacked_exactly(tiny_llama, tmp_path, qtype, fmt):
     fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts("fp32")).out)
     q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "q", _opts(fmt, accuracy_level=0)).out)
     info = q.manifest.target.quant
-    head_repacked = int(fmt == "int8")  # the lm_head is int8: a Q8_0 output matrix is re-packed too
+    head_repacked = 1  # the lm_head (int8 asked) is carried over too: as int8 (Q8_0) or as its own int4 blocks
     assert info["repacked_from_gguf"] == 2 * 7 + head_repacked  # q, k, v, o, gate, up, down per layer (+ lm_head)
     assert info["lm_head"] == "int8" and info["requantized"] == 1 - head_repacked
     ids = fp32.encode_prompt(PROMPTS[1])
@@ -91,3 +91,20 @@ def test_unsupported_formats_are_refused(tiny_llama, tmp_path):
         WeightFormat("int4", block=24)
     with pytest.raises(UnsupportedModelError, match="choose one of"):
         WeightFormat("int3")
+
+
+def test_mixed_gguf_types_in_one_fused_matrix_are_carried_exactly(tiny_llama, tmp_path):
+    """q (Q4_0) and k (Q4_1, offsets) share one int4 MatMulNBits, v (Q8_0) gets its own int8 one, joined by a
+    Concat: the logits equal the fp32 bundle's (fp32 compute, fp32 head and embeddings)."""
+    gg = tmp_path / "mixed.gguf"
+    write_tiny_gguf(tiny_llama, gg, {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "ffn_gate": Q.Q4_1,
+                                     "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1, "attn_output": Q.Q4_0})
+    fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts("fp32")).out)
+    q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "q",
+                                       _opts("int4", accuracy_level=0, lm_head="fp32", embedding="fp32")).out)
+    assert q.manifest.target.quant["repacked_from_gguf"] == 2 * 7 and q.manifest.target.quant["requantized"] == 0
+    ids = fp32.encode_prompt(PROMPTS[1])
+    np.testing.assert_allclose(_logits(q, ids), _logits(fp32, ids), rtol=1e-4, atol=1e-4)
+    plain = q.generate(PROMPTS[1], SamplingParams(max_new_tokens=12, ignore_eos=True), drafter="none").token_ids
+    assert q.generate(PROMPTS[1], SamplingParams(max_new_tokens=12, ignore_eos=True), drafter="prompt-lookup",
+                      k=4).token_ids == plain
