@@ -178,10 +178,12 @@ class SpecDecoder:
         return GenerationResult("".join(text), ids, last.finish_reason or "", last.stats)
 
     def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams(), *, drafter: str | None = None,
-               k: int | None = None, chat: bool | None = None) -> Iterator[StreamEvent]:
+               k: int | None = None, chat: bool | None = None, reuse_prefix: bool = True) -> Iterator[StreamEvent]:
         """Yield text as tokens are accepted. drafter: auto (default: picks plain, prompt lookup or the draft
         model with its k every round) | hybrid | model | prompt-lookup | none; k: (maximum) draft length,
-        1..K of the bundle (default K)."""
+        1..K of the bundle (default K). reuse_prefix: start the prefill after the leading tokens whose rows the
+        previous request left in the cache (a chat turn pays only for its new tokens; ``Stats.reused_tokens``);
+        the output is the same either way."""
         K = self.manifest.k
         k = K if k is None else k
         if not 0 <= k <= K:
@@ -191,7 +193,7 @@ class SpecDecoder:
             d = NoDrafter()
         ids = self.encode_prompt(prompt, chat)
         self._check_fits(len(ids), params)
-        return self._run(ids, params, d, k)
+        return self._run(ids, params, d, k, reuse_prefix)
 
     def _check_fits(self, n_prompt: int, params: SamplingParams) -> None:
         if n_prompt == 0:
@@ -205,7 +207,8 @@ class SpecDecoder:
                 f"or re-export with a larger --max-context")
 
     # ------------------------------------------------------------------- loop
-    def _run(self, ids: list[int], params: SamplingParams, drafter: Drafter, k: int) -> Iterator[StreamEvent]:
+    def _run(self, ids: list[int], params: SamplingParams, drafter: Drafter, k: int,
+             reuse_prefix: bool = True) -> Iterator[StreamEvent]:
         if not params.greedy and params.sampler == "keyed" and params.seed is None:
             params = dataclasses.replace(params, seed=int(np.random.SeedSequence().entropy % (1 << 63)))
         drafter.reset()
@@ -219,8 +222,10 @@ class SpecDecoder:
         # owner on resuming re-prefills its committed tokens first (see _resync).
         with self._lock:
             t_start = time.perf_counter()
+            start = self._cached_prefix(tokens[: req.n]) if reuse_prefix else 0
             self._owner = req
-            logits = feed(self.target, tokens[: req.n], 0, self.manifest.prefill_chunk)
+            logits = feed(self.target, tokens[start: req.n], start, self.manifest.prefill_chunk)
+            stats.reused_tokens = start
             first = choose_next(logits, params, req.rng, position=req.n)
             ev = self._commit(req, [first])
             stats.ttft_s = time.perf_counter() - t_start
@@ -236,12 +241,25 @@ class SpecDecoder:
                 stats.strategies = dict(getattr(drafter, "rounds", {drafter.name: stats.rounds}))
             yield ev
 
+    def _cached_prefix(self, ids: np.ndarray) -> int:
+        """How many leading tokens of ``ids`` already have their rows in the target cache (those of the request
+        that used it last), keeping at least the last token to feed: where a prefill can start."""
+        if self._owner is None:
+            return 0
+        have = self._owner.tokens[: self._owner.n - 1]  # rows valid for these (the invariant between rounds)
+        m = min(len(have), len(ids) - 1)
+        diff = np.flatnonzero(have[:m] != ids[:m])
+        return int(diff[0]) if len(diff) else m
+
     def _resync(self, req: _Request, drafter: Drafter) -> None:
         """Another request used the caches since this one's last round: rebuild the target's rows for
-        tokens[:n-1] (the invariant between rounds) and make a model drafter catch up from scratch."""
-        self._owner = req
+        tokens[:n-1] (the invariant between rounds) from where they still agree, and make a model drafter
+        catch up from scratch."""
         if req.n > 1:
-            feed(self.target, req.tokens[: req.n - 1], 0, self.manifest.prefill_chunk)
+            start = self._cached_prefix(req.tokens[: req.n])
+            if start < req.n - 1:
+                feed(self.target, req.tokens[start: req.n - 1], start, self.manifest.prefill_chunk)
+        self._owner = req
         for d in (drafter, getattr(drafter, "model", None)):
             if isinstance(d, ModelDrafter):
                 d.rows = 0

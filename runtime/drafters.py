@@ -172,16 +172,22 @@ def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: 
     """Feed many tokens at past_len.. in declared widths; return the last token's logits [V].
 
     Full chunks of P first; a remainder r uses the smallest width >= r when that wastes at
-    most 7/8 of it on padding, else single steps.
+    most 7/8 of it on padding, else single steps. The last token's logits always come from a
+    width that computes every row's logits (verify widths, >= runner.min_width): a prefill
+    width's single logits row runs the lm_head at M = 1, which ONNX Runtime computes with other
+    kernels — so the first token does not depend on how the prompt was chunked (a prompt fed
+    whole and one whose prefix was already cached give the same logits, bit for bit).
     """
     i, n = 0, len(tokens)
-    logits = None
     all_widths = sorted(w.T for w in runner.entry.widths)
+    full = [w.T for w in runner.entry.widths if w.L == w.T and w.T >= getattr(runner, "min_width", 1)]
     while i < n:
         rem = n - i
         # a runner that writes its padding rows into the cache can only use widths that end inside S_max
         widths = [t for t in all_widths
                   if not getattr(runner, "pads_into_cache", False) or past_len + i + t <= runner.max_context]
+        if full and rem <= max(full):  # the rest, last token included, in one all-logits width
+            return runner.step(tokens[i:], past_len + i, all_logits=True)[rem - 1]
         fit = [t for t in widths if t >= rem]
         if rem >= prefill_chunk:
             take = prefill_chunk
@@ -189,7 +195,8 @@ def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: 
             take = rem
         else:
             take = max([t for t in widths if t <= rem], default=1)
+        if full and take == rem:  # keep the last token for an all-logits step
+            take = rem - 1
         logits = runner.step(tokens[i: i + take], past_len + i, all_logits=False)
         i += take
-    assert logits is not None
     return logits[0]

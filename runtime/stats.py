@@ -18,6 +18,7 @@ class Stats:
     accepted: int = 0
     accept_hist: list[int] = field(default_factory=list)  # [m] = rounds that accepted m draft tokens
     guesses: int = 0  # rounds with no draft whose width-2 step checked a free one-token guess
+    reused_tokens: int = 0  # prompt tokens whose cache rows a previous request left (not prefilled again)
     resyncs: int = 0  # times this stream re-prefilled because another request used the decoder meanwhile
     guesses_accepted: int = 0  # of those, the guesses the target confirmed (a free token each)
     time_draft_s: float = 0.0

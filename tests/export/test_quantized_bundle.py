@@ -108,3 +108,14 @@ def test_mixed_gguf_types_in_one_fused_matrix_are_carried_exactly(tiny_llama, tm
     plain = q.generate(PROMPTS[1], SamplingParams(max_new_tokens=12, ignore_eos=True), drafter="none").token_ids
     assert q.generate(PROMPTS[1], SamplingParams(max_new_tokens=12, ignore_eos=True), drafter="prompt-lookup",
                       k=4).token_ids == plain
+
+
+def test_prefix_reuse_is_exact_at_int4_accuracy_level_4(q_bundles):
+    dec = SpecDecoder.load(q_bundles["int4-fast"])
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    for prompt in PROMPTS:
+        first = dec.generate(prompt, params)
+        follow = prompt + first.text + " x y"
+        reused = dec.generate(follow, params)
+        fresh = dec.generate(follow, params, reuse_prefix=False)
+        assert reused.stats.reused_tokens > 0 and reused.token_ids == fresh.token_ids

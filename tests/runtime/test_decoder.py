@@ -226,3 +226,19 @@ def test_a_paused_stream_blocks_no_other_thread(decoders):
     next(abandoned)
     del abandoned  # never closed explicitly
     assert len(dec.generate(PROMPTS[1], params).token_ids) == 16
+
+
+@pytest.mark.parametrize("bundle, drafter", [("lookup", "auto"), ("model", "model")])
+def test_a_second_turn_reuses_the_cached_prefix_and_gives_the_same_text(decoders, bundle, drafter):
+    dec = decoders[bundle]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    first = dec.generate(PROMPTS[0], params, drafter=drafter)
+    follow = PROMPTS[0] + first.text + " and then"
+    reused = dec.generate(follow, params, drafter=drafter)
+    n_prompt = len(dec.encode_prompt(follow))
+    assert reused.stats.reused_tokens >= len(dec.encode_prompt(PROMPTS[0])) - 1
+    assert reused.stats.reused_tokens < n_prompt
+    fresh = dec.generate(follow, params, drafter=drafter, reuse_prefix=False)
+    assert fresh.stats.reused_tokens == 0 and reused.token_ids == fresh.token_ids
+    again = dec.generate(follow, params, drafter=drafter)  # the same prompt again: all but its last token
+    assert again.stats.reused_tokens == n_prompt - 1 and again.token_ids == fresh.token_ids
