@@ -160,5 +160,31 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
     click.echo(f"wrote {', '.join(str(p) for p in files.values())}", err=True)
 
 
+@main.command()
+@config_option("run")
+@click.argument("bundle", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to listen on. Keep 127.0.0.1 unless a firewall and --api-key protect the port.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--max-queue", type=click.IntRange(1, 1024), default=16, show_default=True,
+              help="Requests waiting beyond the running one; more get 503 with Retry-After.")
+@click.option("--api-key", envvar="SPECEDGE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (or set SPECEDGE_API_KEY).")
+@click.option("--backend", default="auto", show_default=True, help=BACKEND_HELP)
+@click.option("--threads", type=THREADS, default=None)
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
+def serve(bundle, host, port, max_queue, api_key, backend, threads, log_level) -> None:
+    """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics). Needs the [serve] extra."""
+    from .server import serve as run_server
+
+    try:
+        run_server(bundle, host=host, port=port, max_queue=max_queue, api_key=api_key, backend=backend,
+                   threads=threads, log_level=log_level)
+    except SpecEdgeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
