@@ -163,6 +163,64 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
 @main.command()
 @config_option("run")
 @click.argument("bundle", type=click.Path())
+@click.option("--system", default=None, help="A system message to start the conversation with.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--spec", "drafter", default="auto", show_default=True,
+              type=click.Choice(["auto", "hybrid", "model", "lookup", "prompt-lookup", "off", "none"]))
+@click.option("--backend", default="auto", show_default=True, help=BACKEND_HELP)
+@click.option("--threads", type=THREADS, default=None)
+def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads) -> None:
+    """A terminal chat over BUNDLE: the history is kept (each turn reuses the cached prefix, so it pays only for
+    its new tokens); /reset starts over, /quit (or Ctrl-D) leaves. Stats per turn on stderr."""
+    from .decoder import SpecDecoder
+    from .sampling import SamplingParams
+
+    try:
+        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    except SpecEdgeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    start = [{"role": "system", "content": system}] if system else []
+    history = list(start)
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo("", err=True)
+            return
+        if line.strip() in ("/quit", "/exit"):
+            return
+        if line.strip() == "/reset":
+            history = list(start)
+            click.echo("(history cleared)", err=True)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply, last = [], None
+        try:
+            for ev in dec.stream(history, params, drafter=drafter):
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+                reply.append(ev.text)
+                last = ev
+        except SpecEdgeError as e:
+            click.echo(f"\nerror: {e}", err=True)
+            history.pop()
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+        if last is not None and last.stats is not None:
+            s = last.stats
+            click.echo(f"[{s.new_tokens} tokens, {s.decode_tok_s:.1f} tok/s, ttft {s.ttft_s * 1000:.0f} ms, "
+                       f"reused {s.reused_tokens}/{s.prompt_tokens} prompt tokens]", err=True)
+
+
+@main.command()
+@config_option("run")
+@click.argument("bundle", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to listen on. Keep 127.0.0.1 unless a firewall and --api-key protect the port.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)

@@ -75,3 +75,19 @@ def test_special_tokens_in_chat_content_cannot_forge_a_turn(decoders):
     for content in (None, ["a"], {"text": "a"}):
         with pytest.raises(PromptError, match="content must be a string"):
             dec.generate([{"role": "user", "content": content}])
+
+
+def test_chat_repl_keeps_history_reuses_the_prefix_and_resets(bundles):
+    from click.testing import CliRunner
+
+    from specedge.runtime.cli import main
+
+    r = CliRunner().invoke(main, ["chat", str(bundles["lookup"]), "--max-new-tokens", "6"],
+                           input="def fib(n):\nmore\n/reset\nagain\n/quit\n")
+    assert r.exit_code == 0, r.output
+    import re
+
+    reused = [(int(a), int(b)) for a, b in re.findall(r"reused (\d+)/(\d+) prompt tokens", r.output)]
+    assert len(reused) == 3
+    assert reused[0][0] == 0 and reused[1][0] > reused[0][1] - 2  # turn 2 starts after (almost all of) turn 1
+    assert "(history cleared)" in r.output
