@@ -259,10 +259,7 @@ class SpecDecoder:
             start = self._cached_prefix(req.tokens[: req.n])
             if start < req.n - 1:
                 feed(self.target, req.tokens[start: req.n - 1], start, self.manifest.prefill_chunk)
-        self._owner = req
-        for d in (drafter, getattr(drafter, "model", None)):
-            if isinstance(d, ModelDrafter):
-                d.rows = 0
+        self._owner = req  # a model drafter re-adopts the draft cache itself (ModelDrafter._adopt)
         req.stats.resyncs += 1
 
     def _round(self, req: _Request, drafter: Drafter, k: int) -> StreamEvent:
@@ -360,6 +357,8 @@ class SpecDecoder:
         out: dict[str, dict[int, float]] = {}
         with self._lock:
             self._owner = None  # dummy rows below: a paused stream must re-prefill
+            if self.draft_runner is not None:
+                self.draft_runner.draft_owner = self.draft_runner.draft_rows_for = None
             for role, runner in (("target", self.target), ("draft", self.draft_runner)):
                 if runner is None:
                     continue

@@ -129,9 +129,11 @@ class ModelDrafter:
         ``self.confidences`` holds the kept tokens' confidences."""
         n = len(tokens)
         t0 = time.perf_counter()
+        self._adopt(tokens)
         if self.rows < n - 1:
             feed(self.runner, tokens[self.rows: n - 1], self.rows, self.prefill_chunk)
             self.rows = n - 1
+        self.runner.draft_rows_for = tokens[: n - 1]  # committed tokens: never rewritten, so a view will do
         self.time_catch_up += time.perf_counter() - t0
         self._base, self._k = n, k
         self.confidences: list[float] = []
@@ -166,6 +168,19 @@ class ModelDrafter:
     def commit(self, n_accepted: int) -> None:
         if self._k > 0:
             self.rows = self._base + min(n_accepted, self._k - 1)
+
+    def _adopt(self, tokens: np.ndarray) -> None:
+        """Take over the draft cache: if another drafter (an earlier request, or another stream) used it last, keep
+        only the rows that agree with these tokens — a chat turn's draft then catches up on its new tokens only."""
+        if getattr(self.runner, "draft_owner", None) is self:
+            return
+        prev = getattr(self.runner, "draft_rows_for", None)
+        self.rows = 0
+        if prev is not None:
+            m = min(len(prev), len(tokens) - 1)
+            diff = np.flatnonzero(prev[:m] != tokens[:m])
+            self.rows = int(diff[0]) if len(diff) else m
+        self.runner.draft_owner = self
 
 
 def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: int) -> np.ndarray:

@@ -125,3 +125,28 @@ def test_prompt_lookup_proposes_what_followed_the_match():
     prop = d.propose(tokens, 3, SamplingParams(), np.random.default_rng(0))
     assert prop.tokens.tolist() == [4, 9, 1]  # after the earlier "1 2 3": 4, 9, then 1
     assert d.propose(np.array([7, 8]), 2, SamplingParams(), np.random.default_rng(0)).tokens.tolist() == []
+
+
+def test_a_new_model_drafter_keeps_the_draft_rows_that_agree():
+    class FakeRunner:
+        entry = type("E", (), {"widths": ()})()
+        max_context, pads_into_cache, min_width = 64, False, 1
+        fed = 0
+
+        def step(self, tokens, past_len, all_logits):  # noqa: ANN001
+            FakeRunner.fed += len(tokens)
+            return np.zeros((len(tokens) if all_logits else 1, V))
+
+    runner = FakeRunner()
+    first = ModelDrafter(runner, V, prefill_chunk=8)
+    a = np.arange(12) % V
+    first.propose(a, 2, SamplingParams(), np.random.default_rng(0))
+    second = ModelDrafter(runner, V, prefill_chunk=8)  # the next request, whose prompt extends the first's tokens
+    b = np.concatenate([a, [1, 2, 3]])
+    second._adopt(b)
+    assert second.rows == len(a) - 1
+    third = ModelDrafter(runner, V, prefill_chunk=8)
+    c = b.copy()
+    c[4] = (c[4] + 1) % V  # differs at position 4
+    third._adopt(c)
+    assert third.rows == 4
