@@ -186,8 +186,9 @@ class ModelDrafter:
 def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: int) -> np.ndarray:
     """Feed many tokens at past_len.. in declared widths; return the last token's logits [V].
 
-    Full chunks of P first; a remainder r uses the smallest width >= r when that wastes at
-    most 7/8 of it on padding, else single steps. The last token's logits always come from a
+    Full chunks of P first; a remainder r uses the smallest width >= r when at most half of it is
+    padding (a padded row costs as much as a real one on a compute-bound CPU step), else the widest
+    width <= r, repeatedly. The last token's logits always come from a
     width that computes every row's logits (verify widths, >= runner.min_width): a prefill
     width's single logits row runs the lm_head at M = 1, which ONNX Runtime computes with other
     kernels — so the first token does not depend on how the prompt was chunked (a prompt fed
@@ -206,7 +207,7 @@ def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: 
         fit = [t for t in widths if t >= rem]
         if rem >= prefill_chunk:
             take = prefill_chunk
-        elif fit and fit[0] <= 8 * rem:
+        elif fit and fit[0] <= 2 * rem:  # padding costs compute on a CPU: at most as much as the real tokens
             take = rem
         else:
             take = max([t for t in widths if t <= rem], default=1)
