@@ -1,7 +1,7 @@
 """Plain (and optionally speculative) decode speed of several bundles of one model, interleaved in one run.
 
-    python tools/bench_formats.py /tmp/b/smol-int4 /tmp/b/smol-int8 [--drafter none] [--repeats 2] [--per-suite 1]
-        [--max-new-tokens 96] [--no-invariant]
+    python tools/bench_formats.py /tmp/b/smol-int4 /tmp/b/smol-int8 [/tmp/b/smol-int4:width1] [--drafter none]
+        [--repeats 2] [--per-suite 1] [--max-new-tokens 96] [--no-invariant]
 
 Every bundle decodes the same suite prompts round-robin (bundle order rotated each repeat), greedy, so the
 machine's state is shared fairly; prints decode tok/s (median over prompts x repeats) per bundle, relative to
@@ -32,7 +32,9 @@ def main() -> int:
     a = ap.parse_args()
     info = machine_info()
     print(f"machine: {info}")
-    decs = {b: SpecDecoder.load(b, verify="size", invariant=not a.no_invariant) for b in a.bundles}
+    # BUNDLE:width1 loads that bundle with width-1 plain steps (invariant=False) beside its default form
+    decs = {b: SpecDecoder.load(b.removesuffix(":width1"), verify="size",
+                                invariant=not (a.no_invariant or b.endswith(":width1"))) for b in a.bundles}
     prompts = suite_prompts(["code", "edit", "chat", "summarize", "json"], a.per_suite)
     params = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True)
     for dec in decs.values():  # warm-up

@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--drafter", default="auto")
+    ap.add_argument("--soak", type=int, default=0, help="then N sequential requests; RSS every N/5 (flat within 5%%?)")
     a = ap.parse_args()
     m = machine_info()
     print(f"machine: {m['cpu']} ({m['cpu_flags']}), {m['cpus']} CPUs; bundle {a.bundle}; drafter {a.drafter}")
@@ -95,9 +96,27 @@ def main() -> int:
     for label, rows in (("with reuse", with_reuse), ("without", without)):
         print(f"second-turn TTFT {label:10s}: {statistics.median(t for t, _, _ in rows) * 1000:.0f} ms "
               f"(reused {rows[0][1]} of {rows[0][2]} prompt tokens)")
+    ok = True
+    if a.soak:  # RSS of this process (server + decoder) over sequential HTTP requests
+        def rss_mb() -> float:
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+        marks = {}
+        prompts = ["def add(a, b):", "Name a color.", "Sort [3, 1, 2] in Python.", "What is 2 + 2?", "Say hi."]
+        for i in range(1, a.soak + 1):
+            client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompts[i % 5]}],
+                                           temperature=0.7 if i % 2 else 0, seed=i, max_tokens=8, extra_body=spec)
+            if i % max(1, a.soak // 5) == 0 or i == 1:
+                marks[i] = rss_mb()
+        first = marks[min(k for k in marks if k > 1)]
+        growth = (marks[a.soak] - first) / first
+        print(f"RSS over {a.soak} sequential requests: " + ", ".join(f"{k}: {v:.0f} MB" for k, v in marks.items())
+              + f"; after warm-up {growth:+.1%}")
+        ok = growth <= 0.05
     uv.should_exit = True
     srv.stop()
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

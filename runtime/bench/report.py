@@ -70,9 +70,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
                     row["ideal_speedup"] = ideal_speedup(alpha, c, k) if c is not None else None
                     row["vs_ideal"] = row["speedup"]["median"] / row["ideal_speedup"] if row["ideal_speedup"] else None
                 speedup_med[(suite, drafter, temp, k)] = row["speedup"]["median"]
-            if temp == 0:  # greedy: speculation must reproduce plain token for token
-                same = [r["token_ids"] == plain_ids.get((r["prompt_id"], r["repeat"], temp)) for r in g]
-                row["identical_to_plain"] = f"{sum(same)}/{len(same)}"
+            # greedy: speculation must reproduce plain token for token; sampled (same seed as the plain run,
+            # position-keyed sampler): the seed must fix the text whatever the drafter
+            same = [r["token_ids"] == plain_ids.get((r["prompt_id"], r["repeat"], temp)) for r in g]
+            row["identical_to_plain"] = f"{sum(same)}/{len(same)}"
             rows.append(row)
     best = [{"suite": s, "drafter": d, "temperature": t, "best_k": k, "speedup": v}
             for (s, d, t), (k, v) in sorted(best_k(speedup_med).items())]

@@ -207,3 +207,22 @@ def test_non_ascii_output_on_an_ascii_terminal_does_not_crash(bundles):
                         "--max-new-tokens", str(n)], capture_output=True, env=env)
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")[-500:]
     assert b"?" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seed", "-1"], r"seed must be an int in 0..2\*\*63-1"),
+    (["--temperature", "inf"], "temperature must be a finite number"),
+    (["--k", "99"], r"k must be in 0..8"),
+    (["--threads", "100000"], r"100000 is not in the range 1<=x<=256"),
+])
+def test_cli_refuses_bad_options_in_one_line(bundles, args, message):
+    import re
+
+    from click.testing import CliRunner
+
+    from specedge.runtime.cli import main
+
+    r = CliRunner().invoke(main, ["generate", str(bundles["lookup"]), "hi", *args])
+    assert r.exit_code == 2 and r.exception is None or isinstance(r.exception, SystemExit), r.output
+    assert re.search(message, r.output), r.output
+    assert "Traceback" not in r.output
