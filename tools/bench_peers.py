@@ -145,6 +145,63 @@ def run_llamacpp(manifest, ids_list, specs, max_new: int, rows: list[dict]) -> d
     return {"llama_cpp_python": llama_cpp.__version__}
 
 
+def _llama_bin() -> Path:
+    """llama.cpp's own binaries, built natively by tools/build_llama_cpp.sh (or $SPECEDGE_LLAMA_BIN)."""
+    import subprocess
+
+    if os.environ.get("SPECEDGE_LLAMA_BIN"):
+        return Path(os.environ["SPECEDGE_LLAMA_BIN"])
+    script = Path(__file__).with_name("build_llama_cpp.sh")
+    say("llama.cpp native: building (cached) …")
+    return Path(subprocess.run(["bash", str(script)], check=True, capture_output=True, text=True).stdout.strip())
+
+
+def _speed(log: str) -> tuple[float, int]:
+    """(decode tok/s, tokens) from llama.cpp's 'decoded N tokens in S seconds, speed: X t/s' line."""
+    import re
+
+    m = re.findall(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
+    return (float(m[-1][2]), int(m[-1][0])) if m else (0.0, 0)
+
+
+def run_llamacpp_native(manifest, ids_list, specs, max_new: int, rows: list[dict], texts=None) -> dict:
+    """llama.cpp's own binaries, natively: llama-bench (plain tg), llama-lookup (prompt lookup, --draft k) and
+    llama-speculative-simple (draft model, --draft-max k), greedy, 2 threads, on the bundle's source GGUFs and the
+    same prompt text (ids decoded with special tokens kept, re-tokenized by llama.cpp with special parsing)."""
+    import subprocess
+    import tempfile
+
+    bin_dir = _llama_bin()
+    threads = str(min(os.cpu_count() or 1, 2))
+    target = manifest.target.source["path"]
+    draft = manifest.draft.source["path"] if manifest.draft is not None else None
+    bench = subprocess.run([str(bin_dir / "llama-bench"), "-m", target, "-p", "0", "-n", str(max_new), "-t", threads,
+                            "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)
+    tg = json.loads(bench.stdout)[0]["avg_ts"]
+    for i in range(len(ids_list)):
+        rows[i]["llama.cpp plain (llama-bench tg)"] = {"decode_tok_s": tg, "e2e_tok_s": tg, "ttft_s": 0.0,
+                                                       "new_tokens": max_new, "ids": None}
+    configs = [(d, k) for d, k in specs if d == "prompt-lookup" or (d == "model" and draft)]
+    for i, text in enumerate(texts or []):
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(text)
+        for d, k in configs:
+            if d == "prompt-lookup":
+                cmd = [str(bin_dir / "llama-lookup"), "-m", target]
+            else:
+                cmd = [str(bin_dir / "llama-speculative-simple"), "-m", target, "-md", draft, "--spec-draft-n-min", "0"]
+            cmd += ["-f", f.name, "-n", str(max_new), "--spec-draft-n-max", str(k), "-t", threads, "--temp", "0",
+                    "-c", str(manifest.max_context)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            speed, n = _speed(r.stdout + r.stderr)
+            out_text = r.stdout.split(text, 1)[1] if text in r.stdout else r.stdout
+            rows[i][f"llama.cpp {d}:{k}"] = {"decode_tok_s": speed, "e2e_tok_s": speed, "ttft_s": 0.0,
+                                             "new_tokens": n, "ids": None, "text": out_text}
+            say(f"{rows[i]['id']} llama.cpp {d}:{k}: {speed:.2f} tok/s ({n} tokens){'' if r.returncode == 0 else ' rc=' + str(r.returncode)}")
+        os.unlink(f.name)
+    return {"llama.cpp": f"native build ({bin_dir})"}
+
+
 def parse_specs(s: str) -> list[tuple[str, int]]:
     out = []
     for item in filter(None, s.split(",")):
@@ -158,7 +215,8 @@ def parse_specs(s: str) -> list[tuple[str, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
-    ap.add_argument("--peers", default="hf", help="comma list of hf, llamacpp")
+    ap.add_argument("--peers", default="hf", help="comma list of hf, llamacpp (llama-cpp-python), llamacpp-native "
+                                                  "(llama.cpp's own binaries, tools/build_llama_cpp.sh)")
     ap.add_argument("--spec", default="model:4", help="our (and the peers') speculative configs, drafter:k,...")
     ap.add_argument("--suite", default="code,chat")
     ap.add_argument("--per-suite", type=int, default=2)
@@ -170,17 +228,31 @@ def main() -> None:
     machine = machine_info()
     rows: list[dict] = []
     ids_list, manifest = run_ours(a.bundle, prompts, specs, a.max_new_tokens, rows)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(a.bundle) / manifest.tokenizer.file))
+    texts = [tok.decode(ids, skip_special_tokens=False) for ids in ids_list]  # the same prompt, as text
     versions = {}
     for peer in a.peers.split(","):
+        if peer == "llamacpp-native":
+            versions.update(run_llamacpp_native(manifest, ids_list, specs, a.max_new_tokens, rows, texts))
+            continue
         versions.update({"hf": run_hf, "llamacpp": run_llamacpp}[peer](manifest, ids_list, specs, a.max_new_tokens, rows))
     names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
     for row in rows:
         for n in names:
-            row[n]["identical_to_ours_plain"] = row[n]["ids"] == row["ours plain"]["ids"]
+            if row[n]["ids"] is not None:
+                row[n]["identical_to_ours_plain"] = row[n]["ids"] == row["ours plain"]["ids"]
+            elif row[n].get("text") is not None:  # llama.cpp's binaries print text: compare the common length
+                ours = tok.decode(row["ours plain"]["ids"])
+                m = min(len(ours), len(row[n]["text"]))
+                row[n]["identical_to_ours_plain"] = m > 0 and ours[:m] == row[n]["text"][:m]
+            else:
+                row[n]["identical_to_ours_plain"] = None
     med = {n: statistics.median(r[n]["decode_tok_s"] for r in rows) for n in names}
     t = manifest.target
     lines = [
-        f"Machine: {machine['cpu']}, {machine['cpus']} CPUs, copy bandwidth {machine['copy_bandwidth_gbs']} GB/s; "
+        f"Machine: {machine['cpu']} ({machine.get('cpu_flags', '')}), {machine['cpus']} CPUs, copy bandwidth {machine['copy_bandwidth_gbs']} GB/s; "
         f"onnxruntime {machine['onnxruntime']}; " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         f"Bundle `{a.bundle}` (target {t.precision}, kv_mode {manifest.kv_mode}); source "
         f"`{Path(t.source.get('path', '')).name}`; greedy; max_new_tokens {a.max_new_tokens}; "
@@ -190,10 +262,11 @@ def main() -> None:
     for n in names:
         engine = n.rsplit(" ", 1)[0]
         base = med.get(f"{engine} plain", float("nan"))
-        same = sum(r[n]["identical_to_ours_plain"] for r in rows)
+        known = [r[n]["identical_to_ours_plain"] for r in rows if r[n]["identical_to_ours_plain"] is not None]
+        same = f"{sum(known)}/{len(known)}" if known else "not compared"
         per_prompt = ", ".join(f"{r[n]['decode_tok_s']:.1f}" for r in rows)
         lines.append(f"| {n} | **{med[n]:.2f}** ({per_prompt}) | "
-                     f"{med[n] / med['ours plain']:.2f}× | {med[n] / base:.2f}× | {same}/{len(rows)} |")
+                     f"{med[n] / med['ours plain']:.2f}× | {med[n] / base:.2f}× | {same} |")
     md = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
