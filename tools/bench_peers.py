@@ -13,6 +13,10 @@ decodes greedily from the weights the bundle was exported from (its GGUF or HF d
 * hf (transformers, torch CPU, fp32): plain; assisted generation with the bundle's draft model
   (``assistant_model``, constant ``num_assistant_tokens`` = k) for ``model:k``; prompt lookup
   (``prompt_lookup_num_tokens`` = k) for ``prompt-lookup:k``.
+* llamacpp-native (llama.cpp's own binaries, built by tools/build_llama_cpp.sh): plain = ``llama-bench`` tg
+  (max_new_tokens tokens, 2 repeats); ``prompt-lookup:k`` = ``llama-lookup --spec-draft-n-max k``; ``model:k`` =
+  ``llama-speculative-simple --spec-type draft-simple --spec-draft-n-max k`` with the bundle's draft GGUF; speed
+  from their own "decoded N tokens ... t/s" line; output compared with ours as text (llama.cpp prints text).
 * llamacpp (llama-cpp-python, the GGUF as is): plain, and prompt lookup
   (``LlamaPromptLookupDecoding(num_pred_tokens=k)``) for ``prompt-lookup:k``; llama-cpp-python has
   no two-model speculation, so ``model:k`` has no llama.cpp counterpart here.
@@ -179,8 +183,9 @@ def run_llamacpp_native(manifest, ids_list, specs, max_new: int, rows: list[dict
                             "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)
     tg = json.loads(bench.stdout)[0]["avg_ts"]
     for i in range(len(ids_list)):
-        rows[i]["llama.cpp plain (llama-bench tg)"] = {"decode_tok_s": tg, "e2e_tok_s": tg, "ttft_s": 0.0,
-                                                       "new_tokens": max_new, "ids": None}
+        # llama-bench tg: context-free, the same for every prompt
+        rows[i]["llama.cpp plain"] = {"decode_tok_s": tg, "e2e_tok_s": tg, "ttft_s": 0.0,
+                                       "new_tokens": max_new, "ids": None}
     configs = [(d, k) for d, k in specs if d == "prompt-lookup" or (d == "model" and draft)]
     for i, text in enumerate(texts or []):
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
@@ -189,7 +194,8 @@ def run_llamacpp_native(manifest, ids_list, specs, max_new: int, rows: list[dict
             if d == "prompt-lookup":
                 cmd = [str(bin_dir / "llama-lookup"), "-m", target]
             else:
-                cmd = [str(bin_dir / "llama-speculative-simple"), "-m", target, "-md", draft, "--spec-draft-n-min", "0"]
+                cmd = [str(bin_dir / "llama-speculative-simple"), "-m", target, "-md", draft, "--spec-type",
+                       "draft-simple", "--spec-draft-n-min", "0"]
             cmd += ["-f", f.name, "-n", str(max_new), "--spec-draft-n-max", str(k), "-t", threads, "--temp", "0",
                     "-c", str(manifest.max_context)]
             r = subprocess.run(cmd, capture_output=True, text=True)
