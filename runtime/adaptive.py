@@ -57,6 +57,7 @@ class CostModel:
     draft: float | None = None  # seconds of one 1-token draft step
     decay: float = 0.9
     catchup_per_token: float | None = None  # seconds per token the draft needs to catch up on (prefill chunks)
+    guess_alpha: float = 0.0  # how often a plain round's free one-token guess is confirmed (invariant decoders)
 
     def verify_time(self, n: int) -> float:
         """Time of the target step that n tokens run in (the smallest width >= n)."""
@@ -86,8 +87,12 @@ class CostModel:
             self.decay * self.draft + (1 - self.decay) * seconds_per_step
 
     # -- predicted tokens per second ------------------------------------------------
+    def observe_guess(self, confirmed: int) -> None:
+        """A plain round's free guess was confirmed (1) or not (0): plain decoding yields 1 + that per step."""
+        self.guess_alpha = self.decay * self.guess_alpha + (1 - self.decay) * float(confirmed)
+
     def rate_plain(self) -> float:
-        return 1.0 / self.verify_time(1)
+        return (1.0 + self.guess_alpha) / self.verify_time(1)
 
     def rate_lookup(self, alpha: float, m: int) -> float:
         return expected_tokens_per_round(alpha, m) / self.verify_time(m + 1)

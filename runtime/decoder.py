@@ -277,6 +277,8 @@ class SpecDecoder:
         if self._costs is not None:
             self._costs.observe_target(len(verify_in), t2 - t1)
         m, nxt = self._accept(logits, prop, req)
+        if guess and self._costs is not None:
+            self._costs.observe_guess(m)  # what plain rounds really yield, for auto's choice
         drafter.commit(0 if guess else m)
         st.record_round(0 if guess else len(prop.tokens), 0 if guess else m, guessed=m if guess else None)
         ev = self._commit(req, [*prop.tokens[:m].tolist(), nxt])

@@ -118,3 +118,11 @@ def test_auto_drafter_switches_strategy_when_acceptance_changes():
     repeated = np.array([5, 6, 7, 8, 9, 5, 6, 7], dtype=np.int64)  # a match appears: lookup is free
     auto.alpha["prompt-lookup"] = Acceptance(successes=50, failures=1)
     assert len(auto.propose(repeated, 8, params, rng).tokens) > 0 and auto._last[0] == "prompt-lookup"
+
+
+def test_plain_rate_counts_confirmed_free_guesses():
+    c = CostModel({2: 0.1, 5: 0.2})
+    assert c.rate_plain() == pytest.approx(10.0)  # 1 token per width-2 step until guesses are observed
+    for _ in range(100):
+        c.observe_guess(1)
+    assert c.rate_plain() == pytest.approx(20.0, rel=1e-3)  # every guess confirmed: 2 tokens per step
