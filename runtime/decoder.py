@@ -306,28 +306,31 @@ class SpecDecoder:
         return verify_sampled(p_target, prop.q_draft, prop.tokens, req.rng)
 
     def _commit(self, req: _Request, new: list[int]) -> StreamEvent:
-        """Append accepted tokens one at a time, applying eos / max_new / stop strings after each, so a round
-        that accepted several tokens stops exactly where plain decoding would (no token past a stop string);
-        produce the event."""
+        """Append accepted tokens, apply eos / max_new / stop strings, and produce the event. With stop strings
+        the tokens are detokenized one at a time, so a round that accepted several tokens stops exactly where
+        plain decoding would (no token past the one that completes a stop string); without, in one push."""
         p, eos = req.params, self.manifest.tokenizer.eos_ids
         out: list[int] = []
-        stop_at = None  # index in req.text where the first stop string starts
         for t in new:
             if not p.ignore_eos and t in eos:
                 req.finish = "eos"
                 break
             out.append(t)
-            req.tokens[req.n] = t
-            req.n += 1
-            req.text += req.detok.push([t])
-            if p.stop:
-                hits = [i for s in p.stop if (i := req.text.find(s, max(0, req.emitted_chars - len(s)))) >= 0]
-                if hits:
-                    stop_at, req.finish = min(hits), "stop"
-                    break
-            if req.generated >= p.max_new_tokens:
+            if req.generated + len(out) >= p.max_new_tokens:
                 req.finish = "length"
                 break
+        stop_at = None  # index in req.text where the first stop string starts
+        if p.stop:
+            for j, t in enumerate(out):
+                req.text += req.detok.push([t])
+                hits = [i for s in p.stop if (i := req.text.find(s, max(0, req.emitted_chars - len(s)))) >= 0]
+                if hits:
+                    stop_at, req.finish, out = min(hits), "stop", out[: j + 1]
+                    break
+        else:
+            req.text += req.detok.push(out)
+        req.tokens[req.n: req.n + len(out)] = out
+        req.n += len(out)
         if stop_at is not None:
             req.text = req.text[:stop_at]
             emit_to = stop_at

@@ -246,7 +246,7 @@ class Server:
                                  "decode_tok_s": round(stats.decode_tok_s, 2)}
         return usage
 
-    def _finish(self, job: Job, stats: Any, reason: str | None) -> None:
+    def _finish(self, job: Job, stats: Any) -> None:
         if stats is not None:
             self.metrics.observe(stats, time.perf_counter() - job.queued_at)
 
@@ -275,7 +275,7 @@ class Server:
             return self._error(e)
         finally:
             job.cancelled.set()  # no-op once done; frees the worker if this coroutine was cancelled
-        self._finish(job, stats, reason)
+        self._finish(job, stats)
         out = "".join(text)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(reason), "logprobs": None}
         if chat:
@@ -324,7 +324,7 @@ class Server:
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.model,
                                                  "choices": [], "usage": self._usage(n_prompt, stats)}) + "\n\n"
                 yield "data: [DONE]\n\n"
-                self._finish(job, stats, reason)
+                self._finish(job, stats)
             finally:
                 job.cancelled.set()  # the client went away (or we are done): the worker stops at the next round
 

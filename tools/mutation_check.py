@@ -33,7 +33,8 @@ PLANTS = {
     "prompt lookup proposes one token late": (
         "runtime/drafters.py", "start = int(hits[-1]) + n", "start = int(hits[-1]) + n + 1"),
     "a stop string ends the output at once, empty": (
-        "runtime/decoder.py", 'stop_at, req.finish = min(hits), "stop"', 'stop_at, req.finish = 0, "stop"'),
+        "runtime/decoder.py", 'stop_at, req.finish, out = min(hits), "stop", out[: j + 1]',
+        'stop_at, req.finish, out = 0, "stop", out[: j + 1]'),
 }
 
 

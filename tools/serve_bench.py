@@ -98,9 +98,7 @@ def main() -> int:
               f"(reused {rows[0][1]} of {rows[0][2]} prompt tokens)")
     ok = True
     if a.soak:  # RSS of this process (server + decoder) over sequential HTTP requests
-        def rss_mb() -> float:
-            with open("/proc/self/status") as f:
-                return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+        from soak import rss_mb  # tools/soak.py, next to this script
 
         marks = {}
         prompts = ["def add(a, b):", "Name a color.", "Sort [3, 1, 2] in Python.", "What is 2 + 2?", "Say hi."]
