@@ -17,6 +17,8 @@ from .errors import SpecEdgeError
 INVARIANT_HELP = ("Never run a width-1 target step (plain rounds run width 2 with a free one-token guess), so "
                   "speculative output is bitwise the plain output in every weight format. --no-invariant allows the "
                   "narrower width-1 step, whose rows differ from verify rows by kernel rounding.")
+CUDA_GRAPHS_HELP = ("TensorRT backend: replay each step width's engine run as a CUDA graph captured at its first step "
+                    "(less launch overhead); --no-cuda-graphs always runs execute_async_v3. Other backends ignore it.")
 THREADS = click.IntRange(1, 256)  # beyond any edge CPU; ONNX Runtime allocates per-thread state up front
 
 
@@ -70,8 +72,9 @@ def main() -> None:
                    "distribution exactly.")
 @click.option("--threads", type=THREADS, default=None, help="ONNX Runtime intra-op threads (default: physical cores).")
 @click.option("--invariant/--no-invariant", default=True, show_default=True, help=INVARIANT_HELP)
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True, help=CUDA_GRAPHS_HELP)
 def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k, seed, stop,
-         stats, stats_json, sampler, threads, invariant) -> None:
+         stats, stats_json, sampler, threads, invariant, cuda_graphs) -> None:
     """Generate a completion of PROMPT with the speculative runtime over BUNDLE."""
     from .decoder import SpecDecoder
     from .sampling import SamplingParams
@@ -83,7 +86,8 @@ def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop), sampler=sampler)
         click.echo(f"loading {bundle} …", err=True)
-        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, precision=precision, invariant=invariant)
+        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, precision=precision, invariant=invariant,
+                               cuda_graphs=cuda_graphs)
         last = None
         for ev in dec.stream(prompt, params, drafter="none" if no_spec else drafter, k=k, chat=chat):
             sys.stdout.write(ev.text)
@@ -134,10 +138,11 @@ def comma_list(cast):
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None, help=PRECISION_HELP)
 @click.option("--threads", type=THREADS, default=None)
 @click.option("--invariant/--no-invariant", default=True, show_default=True, help=INVARIANT_HELP)
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True, help=CUDA_GRAPHS_HELP)
 @click.option("--verify", type=click.Choice(["sha256", "size"]), default="sha256", show_default=True,
               help="Check every bundle file's sha256 before benchmarking (size: sizes only, faster on big bundles).")
 def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, per_suite, ignore_eos, out, no_plots,
-          backend, precision, threads, invariant, verify) -> None:
+          backend, precision, threads, invariant, cuda_graphs, verify) -> None:
     """Benchmark speculative vs plain decoding on BUNDLE: every configuration and the plain baseline on the same
     prompts, interleaved, in one run. Writes OUT/results.json, OUT/report.md and plots; prints the table."""
     from .bench import BenchPlan, load_prompts, run_bench, write_report
@@ -150,7 +155,7 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
         plan.prompt_list()  # unknown suite names fail here, before loading the models
         click.echo(f"loading {bundle} …", err=True)
         dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify=verify, precision=precision,
-                               invariant=invariant)
+                               invariant=invariant, cuda_graphs=cuda_graphs)
         raw = run_bench(dec, plan)
     except SpecEdgeError as e:
         click.echo(f"error: {e}", err=True)
@@ -170,14 +175,15 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
               type=click.Choice(["auto", "hybrid", "model", "lookup", "prompt-lookup", "off", "none"]))
 @click.option("--backend", default="auto", show_default=True, help=BACKEND_HELP)
 @click.option("--threads", type=THREADS, default=None)
-def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads) -> None:
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True, help=CUDA_GRAPHS_HELP)
+def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads, cuda_graphs) -> None:
     """A terminal chat over BUNDLE: the history is kept (each turn reuses the cached prefix, so it pays only for
     its new tokens); /reset starts over, /quit (or Ctrl-D) leaves. Stats per turn on stderr."""
     from .decoder import SpecDecoder
     from .sampling import SamplingParams
 
     try:
-        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size")
+        dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", cuda_graphs=cuda_graphs)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     except SpecEdgeError as e:
         click.echo(f"error: {e}", err=True)

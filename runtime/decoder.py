@@ -96,12 +96,15 @@ class SpecDecoder:
 
     @classmethod
     def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "sha256",
-             threads: int | None = None, precision: str | None = None, invariant: bool = True) -> "SpecDecoder":
+             threads: int | None = None, precision: str | None = None, invariant: bool = True,
+             cuda_graphs: bool = True) -> "SpecDecoder":
         """backend: auto | ort-cpu | ort-cuda | ort-trt | trt. precision: None (fp32 graphs on ONNX Runtime; the
         built engines on TensorRT) or fp16/bf16 (the bundle's reduced-precision graphs or engines).
         invariant: True (default) runs every target step at width >= 2, so speculative output is bitwise the
         plain output in every weight format; False lets plain rounds run a narrower width-1 step whose rows
-        differ from verify rows by kernel rounding (int8/int4: up to ~0.6 in a logit)."""
+        differ from verify rows by kernel rounding (int8/int4: up to ~0.6 in a logit).
+        cuda_graphs: TensorRT only - True (default) captures each width's engine run into a CUDA graph at its first
+        step and replays it after (less launch overhead per step); False always runs execute_async_v3."""
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256):
             raise OptionError(f"threads must be an int in 1..256 (or None: physical cores), got {threads!r}")
         if verify not in VERIFY_MODES:
@@ -112,9 +115,10 @@ class SpecDecoder:
         manifest = read_manifest(bundle_dir, verify=verify)
         backend = resolve_backend(backend, manifest)
         shared: dict = {}
-        target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared)
-        draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared)
-                 if manifest.draft else None)
+        target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
+                             cuda_graphs=cuda_graphs)
+        draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared,
+                             cuda_graphs=cuda_graphs) if manifest.draft else None)
         dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer), invariant)
         dec._shared = shared
         dec.precision = precision or ("fp32" if backend != "trt" else manifest.engine_set("trt").precision)

@@ -103,14 +103,17 @@ def resolve_backend(name: str, manifest: Manifest) -> str:
 
 
 def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, threads: int | None = None,
-                precision: str | None = None, shared: dict | None = None) -> GraphRunner:
+                precision: str | None = None, shared: dict | None = None, cuda_graphs: bool = True) -> GraphRunner:
     """One model's runner. precision: None/"fp32" runs the fp32 graph on ONNX Runtime; "fp16" runs the bundle's
     fp16 ONNX graphs (``spec-export build --backend onnx``); TensorRT runs the built engines (None: the only
-    precision built). shared: per-decoder state the runners of one bundle share (TensorRT: stream, scratch)."""
+    precision built). shared: per-decoder state the runners of one bundle share (TensorRT: stream, scratch).
+    cuda_graphs: TensorRT replays each width's step as a CUDA graph (False: plain execute); other backends
+    ignore it."""
     if backend == "trt":
         from .trt import TrtRunner
 
-        return TrtRunner(bundle_dir, manifest, role, manifest.engine_set("trt", precision), shared)
+        return TrtRunner(bundle_dir, manifest, role, manifest.engine_set("trt", precision), shared,
+                         cuda_graphs=cuda_graphs)
     from .ort import OrtRunner
 
     engines = manifest.engine_set("onnx", precision) if precision not in (None, "fp32") else None

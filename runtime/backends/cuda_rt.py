@@ -4,8 +4,9 @@ Why ctypes over libcudart and not cuda-python, CuPy, torch or polygraphy's wrapp
 JetPack 6 has libcudart from its CUDA 12.6 install and Python 3.10; cuda-python and CuPy wheels
 must match both (and CuPy's aarch64 wheels lag), torch is what the runtime must not need, and
 polygraphy's ``cuda`` module is itself a ctypes wrapper that is a *build/validate* dependency,
-not a runtime one. The runtime needs a dozen functions (allocate, free, pinned host memory,
-async copies, one stream, device properties); they are declared here with their C signatures.
+not a runtime one. The runtime needs a few dozen functions (allocate, free, pinned host memory,
+async copies, one stream, device properties, CUDA graphs captured from that stream); they are declared
+here with their C signatures.
 
 Every call is checked; a failure raises :class:`CudaError` with the function name, the error
 name and its description from ``cudaGetErrorString``.
@@ -22,6 +23,7 @@ from ..errors import BackendUnavailableError, SpecEdgeError
 
 H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyKind
 _ATTR_CC_MAJOR, _ATTR_CC_MINOR, _ATTR_INTEGRATED = 75, 76, 18  # cudaDeviceAttr
+_CAPTURE_THREAD_LOCAL = 1  # cudaStreamCaptureMode: Global 0, ThreadLocal 1, Relaxed 2
 
 
 class CudaError(SpecEdgeError):
@@ -76,6 +78,16 @@ class CudaRuntime:
             "cudaStreamDestroy": [vp],
             "cudaStreamSynchronize": [vp],
             "cudaDeviceSynchronize": [],
+            "cudaGetLastError": [],
+            "cudaStreamBeginCapture": [vp, i],
+            "cudaStreamEndCapture": [vp, ctypes.POINTER(vp)],
+            # cudaGraphInstantiate changed in CUDA 12: (exec*, graph, errNode*, logBuf, bufSize) before, (exec*,
+            # graph, unsigned long long flags) since. cudaGraphInstantiateWithFlags has had the 3-argument form since
+            # CUDA 11.4, so this one declaration is right for every libcudart TensorRT 10 runs with (11.8, 12, 13).
+            "cudaGraphInstantiateWithFlags": [ctypes.POINTER(vp), vp, ctypes.c_ulonglong],
+            "cudaGraphLaunch": [vp, vp],
+            "cudaGraphExecDestroy": [vp],
+            "cudaGraphDestroy": [vp],
         }
         for fn, args in sigs.items():
             f = getattr(L, fn)
@@ -191,6 +203,41 @@ class CudaRuntime:
 
     def synchronize(self, stream: int = 0) -> None:
         self._check(self._lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+    # ------------------------------------------------------------------ graphs
+    def begin_capture(self, stream: int) -> None:
+        """Record, instead of run, the work enqueued on `stream` until :meth:`end_capture`. Thread-local mode (as
+        trtexec captures TensorRT): calls unsafe under capture are refused on this thread only."""
+        self._check(self._lib.cudaStreamBeginCapture(stream, _CAPTURE_THREAD_LOCAL), "cudaStreamBeginCapture")
+
+    def end_capture(self, stream: int) -> int:
+        """End the capture on `stream` (it runs work again either way) and return the graph. A capture invalidated
+        by a call not allowed under capture raises; its error is cleared first (cudaGetLastError), so the calls
+        after it do not report it again."""
+        g = ctypes.c_void_p()
+        rc = self._lib.cudaStreamEndCapture(stream, ctypes.byref(g))
+        if rc != 0:
+            self.graph_destroy(g.value or 0)
+            self._lib.cudaGetLastError()
+            self._check(rc, "cudaStreamEndCapture")
+        return g.value or 0
+
+    def graph_instantiate(self, graph: int) -> int:
+        """An executable graph (cudaGraphExec_t) of `graph`, independent of it: the graph may be destroyed after."""
+        e = ctypes.c_void_p()
+        self._check(self._lib.cudaGraphInstantiateWithFlags(ctypes.byref(e), graph, 0), "cudaGraphInstantiateWithFlags")
+        return e.value or 0
+
+    def graph_launch(self, graph_exec: int, stream: int) -> None:
+        self._check(self._lib.cudaGraphLaunch(graph_exec, stream), "cudaGraphLaunch")
+
+    def graph_exec_destroy(self, graph_exec: int) -> None:
+        if graph_exec:
+            self._check(self._lib.cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
+
+    def graph_destroy(self, graph: int) -> None:
+        if graph:
+            self._check(self._lib.cudaGraphDestroy(graph), "cudaGraphDestroy")
 
 
 def host_array(ptr: int, shape: tuple[int, ...], dtype):

@@ -3,11 +3,15 @@
 Written against the TensorRT 10 Python API (JetPack 6 ships 10.3) and libcudart through
 :mod:`.cuda_rt`. Per model, everything is created once, when the runner opens:
 
-* the engine, deserialized once, and **one execution context** whose scratch ("device memory")
-  is user-managed and shared with the other model of the bundle (target and draft never run at
-  the same time: they share one stream), see :class:`SharedScratch`;
+* the engine, deserialized once, and **one execution context per width** (= optimization profile,
+  min = opt = max). Each context selects its profile (``set_optimization_profile_async``), its input
+  shapes (``set_input_shape``) and every tensor address (``set_tensor_address``) once, at open: a step
+  never switches a profile — a switch makes TensorRT update resources on the next enqueue, and adaptive k
+  changes the width almost every round. The contexts' scratch ("device memory") is user-managed and
+  shared by every context of both models of the bundle (all run one after the other on one stream),
+  see :class:`SharedScratch`;
 * one device block for the KV cache, ``[n_layers, 2, H_kv, S_max, D]`` in the engine's cache
-  dtype, and one for the new rows, ``[n_layers, 2, H_kv, T, D]`` laid out at the current width's
+  dtype, and one for the new rows, ``[n_layers, 2, H_kv, T, D]`` laid out at each width's
   T (sized for the widest); per layer ``past_key_values.{i}.*`` and ``present.{i}.*`` point into
   them. Because both blocks list their rows in the same order, the new rows of **every layer**
   go into the cache with one strided copy (``cudaMemcpy2DAsync``: 2·L·H_kv rows of n·D
@@ -18,15 +22,18 @@ Written against the TensorRT 10 Python API (JetPack 6 ships 10.3) and libcudart 
   only the rows the sampler needs (n for a verify, 1 otherwise) are copied back;
 * the int64 inputs (ids, past_len, logits_at) in one pinned host block and one device block,
   sent with one copy per step;
-* per width (= optimization profile, min = opt = max) a table of input shapes and tensor
-  addresses, applied with ``set_optimization_profile_async`` / ``set_input_shape`` /
-  ``set_tensor_address`` only when the width changes from the previous step.
+* with ``cuda_graphs=True`` (the default; ``SpecDecoder.load(cuda_graphs=False)``, ``spec-run
+  --no-cuda-graphs`` turn it off), per width a CUDA graph of its ``execute_async_v3``, captured at the
+  first step at that width and replayed after: addresses are fixed per context and every per-step value
+  (ids, past_len, logits_at) is read from device memory. The KV commit and the logits copy stay outside
+  the graph (their offsets and sizes change per step). Where TensorRT cannot run under stream capture the
+  width keeps plain ``execute_async_v3``; ``TrtRunner.graph_status`` says, per width, which and why.
 
-A step: fill the pinned inputs, one host-to-device copy, ``execute_async_v3`` on the stream,
-one device copy of the new KV rows, one device-to-host copy of the needed logits, one stream
-synchronize. The engine is checked at load against the manifest (TensorRT version, GPU
-compute capability, tensor names, dtypes and every profile's shapes); a mismatch is refused
-with the command that rebuilds it.
+A step: fill the pinned inputs, one host-to-device copy, the width's graph launch (or
+``execute_async_v3``) on the stream, one device copy of the new KV rows, one device-to-host copy of
+the needed logits, one stream synchronize. The engine is checked at load against the manifest
+(TensorRT version, GPU compute capability, tensor names, dtypes and every profile's shapes); a
+mismatch is refused with the command that rebuilds it.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, BundleError
 from ..manifest import EngineSet, Manifest, ModelDims, Width, io_spec, width_shapes
-from .cuda_rt import D2D, D2H, H2D, CudaRuntime, host_array
+from .cuda_rt import D2D, D2H, H2D, CudaError, CudaRuntime, host_array
 
 _NP_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 
@@ -145,10 +152,14 @@ def import_tensorrt() -> Any:
 
 
 class SharedScratch:
-    """One device allocation for the scratch memory of every execution context of a decoder.
+    """One device allocation for the scratch memory of every execution context of a decoder: one context per
+    width of the target and of the draft.
 
-    Target and draft run one after the other on one stream, so their activations can share memory;
-    the allocation grows to the largest context attached and every context is re-pointed at it.
+    Sharing is safe only because every one of those contexts runs serialized on one stream (the decoder's):
+    TensorRT uses a context's scratch from its enqueue until that work completes, and the next enqueue on the
+    stream starts after it. Never run two of these contexts on different streams. The allocation grows to the
+    largest context attached and every context is re-pointed at it (a CUDA graph captured before a move is
+    re-captured, see ``TrtRunner._execute``).
     """
 
     def __init__(self, cuda: CudaRuntime):
@@ -241,19 +252,27 @@ class KvLayout:
 
 @dataclass
 class _Profile:
+    """One width: its optimization profile, the execution context bound to it and, once captured, its CUDA graph."""
+
     index: int
     width: Width
-    shapes: dict[str, tuple[int, ...]]
-    addresses: dict[str, int]
+    context: Any
+    graph: int = 0  # cudaGraphExec_t; 0: not captured (yet, or capture failed: see TrtRunner.graph_status)
+    graph_scratch: int = 0  # the shared scratch's address when the graph was captured (the graph holds it)
 
 
 class TrtRunner:
-    """One model of a bundle on TensorRT. See the module docstring for the buffers and the step."""
+    """One model of a bundle on TensorRT. See the module docstring for the buffers and the step.
+
+    cuda_graphs: capture each width's execute_async_v3 into a CUDA graph at its first step and replay it after
+    (False: always execute_async_v3). graph_status: per width T, "captured" or "plain execute: <why>", filled
+    as widths are first run (at open when cuda_graphs is False).
+    """
 
     pads_into_cache = False  # portable graphs: only the n real rows are copied into the cache
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, role: str, engines: EngineSet,
-                 shared: dict[str, Any] | None = None):
+                 shared: dict[str, Any] | None = None, cuda_graphs: bool = True):
         trt = import_tensorrt()
         shared = shared if shared is not None else {}
         if "cuda" not in shared:
@@ -262,6 +281,7 @@ class TrtRunner:
             shared["scratch"] = SharedScratch(shared["cuda"])
         self.cuda: CudaRuntime = shared["cuda"]
         self.stream: int = shared["stream"]
+        self._scratch: SharedScratch = shared["scratch"]
         self.entry = manifest.models[role]
         self.max_context = manifest.max_context
         self.min_width = 1  # the decoder sets 2 (see GraphRunner.min_width)
@@ -286,10 +306,6 @@ class TrtRunner:
         if problems:
             raise BundleError(f"{path} does not match the bundle's manifest: {'; '.join(problems)}. "
                               f"Rebuild it: {rebuild_hint(bundle_dir, engines.precision)}")
-        strategy = trt.ExecutionContextAllocationStrategy.USER_MANAGED
-        self.context = self.engine.create_execution_context(strategy)
-        size = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
-        shared["scratch"].attach(self.context, size)
 
         self.layout = KvLayout(d.n_layers, d.n_kv_heads, d.head_dim, self.max_context,
                                _NP_ITEMSIZE[engines.kv_dtype])
@@ -311,8 +327,19 @@ class TrtRunner:
         self.io_host = host_array(self._host_ptrs[0], (self._io_n,), np.int64)
         self.logits_host = host_array(self._host_ptrs[1], (self._l_max, d.vocab), np.float32)
         self.io_host[:] = 0
-        self._profiles = [self._profile(p, w) for p, w in enumerate(widths)]
-        self._active: _Profile | None = None
+        self.graph_status: dict[int, str] = {} if cuda_graphs else {
+            w.T: "plain execute: cuda_graphs=False" for w in widths}
+        strategy = trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        scratch = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
+        self._profiles: list[_Profile] = []
+        try:
+            for p, w in enumerate(widths):
+                self._profiles.append(self._profile(p, w, strategy, scratch))
+        except BundleError:
+            self.close()
+            raise
+        # one synchronize for all the asynchronous profile selections (and the cache's zeroing): the header asks
+        # for the stream that selected a profile to be synchronized with the one that enqueues - here both are one
         c.synchronize(self.stream)
 
     def _alloc(self, nbytes: int) -> int:
@@ -320,29 +347,26 @@ class TrtRunner:
         self._bufs.append(ptr)
         return ptr
 
-    def _profile(self, index: int, w: Width) -> _Profile:
-        d = self.entry.dims
-        o = self._io_off
+    def _profile(self, index: int, w: Width, strategy: Any, scratch_bytes: int) -> _Profile:
+        """Width w's own execution context, bound once: shared scratch, profile, input shapes, tensor addresses."""
+        d, o = self.entry.dims, self._io_off
+        ctx = self.engine.create_execution_context(strategy)
+        self._scratch.attach(ctx, scratch_bytes)  # shared by every context of both models: safe only on one stream
+        if not ctx.set_optimization_profile_async(index, self.stream):
+            raise BundleError(f"TensorRT refused optimization profile {index} (T={w.T})")
+        for name, shape in width_shapes(d, w, self.max_context).items():
+            if not ctx.set_input_shape(name, shape):
+                raise BundleError(f"TensorRT refused shape {shape} for {name} (profile {index}, T={w.T})")
         addr = {"input_ids": self.io_dev + o[0], "past_len": self.io_dev + o[1], "logits_at": self.io_dev + o[2],
                 "logits": self.logits_dev}
         for i in range(d.n_layers):
             for j, kind in enumerate(("key", "value")):
                 addr[f"past_key_values.{i}.{kind}"] = self.layout.past_address(self.kv, i, j)
                 addr[f"present.{i}.{kind}"] = self.layout.present_address(self.present, i, j, w.T)
-        return _Profile(index, w, width_shapes(d, w, self.max_context), addr)
-
-    def _activate(self, p: _Profile) -> None:
-        if self._active is p:
-            return
-        ctx = self.context
-        ctx.set_optimization_profile_async(p.index, self.stream)
-        for name, shape in p.shapes.items():
-            if not ctx.set_input_shape(name, shape):
-                raise BundleError(f"TensorRT refused shape {shape} for {name} (profile {p.index}, T={p.width.T})")
-        for name, ptr in p.addresses.items():
+        for name, ptr in addr.items():
             if not ctx.set_tensor_address(name, ptr):
-                raise BundleError(f"TensorRT refused the address of {name} (profile {p.index}, T={p.width.T})")
-        self._active = p
+                raise BundleError(f"TensorRT refused the address of {name} (profile {index}, T={w.T})")
+        return _Profile(index, w, ctx)
 
     def _pick(self, n: int, all_logits: bool) -> _Profile:
         fits = [p for p in self._profiles if p.width.T >= max(n, self.min_width)
@@ -351,6 +375,47 @@ class TrtRunner:
             raise ValueError(f"no profile of this engine takes {n} tokens with {'all' if all_logits else 'last'} "
                              f"logits; widths {[w.T for w in self.entry.widths]}")
         return min(fits, key=lambda p: p.width.T)
+
+    def _execute(self, p: _Profile) -> None:
+        """Run width p's context on the stream: replay its CUDA graph, or execute_async_v3 and, at the first step
+        at this width, capture a graph for the next ones."""
+        s, T = self.stream, p.width.T
+        if p.graph and p.graph_scratch != self._scratch.ptr:  # a larger context moved the shared scratch since
+            self.cuda.graph_exec_destroy(p.graph)
+            p.graph = 0
+            del self.graph_status[T]
+        if p.graph:
+            self.cuda.graph_launch(p.graph, s)
+            return
+        if not p.context.execute_async_v3(s):
+            raise RuntimeError(f"TensorRT execute_async_v3 failed for {self.entry.graph} at width T={T}")
+        if T not in self.graph_status:
+            self._capture(p)
+
+    def _capture(self, p: _Profile) -> None:
+        """Capture width p's execute_async_v3 into a CUDA graph, as trtexec --useCudaGraph does: after a plain
+        execute at this width (TensorRT does its deferred allocations and shape updates there, not under capture)
+        and a synchronize, in thread-local capture mode. What TensorRT cannot enqueue under capture (data-dependent
+        shapes, a plugin that synchronizes or allocates) makes execute return False or invalidates the capture:
+        the width then keeps plain execute, and graph_status[T] says why."""
+        c, s = self.cuda, self.stream
+        c.synchronize(s)
+        graph, why = 0, ""
+        try:
+            c.begin_capture(s)
+            try:
+                ok = p.context.execute_async_v3(s)  # recorded, not run: the plain one made this step's output
+            finally:
+                graph = c.end_capture(s)  # always: a failed capture must not leave the stream capturing
+            if ok:
+                p.graph, p.graph_scratch = c.graph_instantiate(graph), self._scratch.ptr
+            else:
+                why = "execute_async_v3 returned False under stream capture"
+        except CudaError as e:
+            why = str(e)
+        finally:
+            c.graph_destroy(graph)  # the executable graph does not need it
+        self.graph_status[p.width.T] = "captured" if p.graph else f"plain execute: {why}"
 
     def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
         n = len(tokens)
@@ -367,9 +432,7 @@ class TrtRunner:
         else:
             at[0] = n - 1
         c.memcpy(self.io_dev, self._host_ptrs[0], self._io_n * 8, H2D, s)
-        self._activate(p)
-        if not self.context.execute_async_v3(s):
-            raise RuntimeError(f"TensorRT execute_async_v3 failed for {self.entry.graph} at width T={T}")
+        self._execute(p)
         self.layout.commit(c, self.kv, self.present, T, past_len, n, s)  # every layer's new rows (1 copy or 2L)
         rows = n if all_logits else 1
         first = n - 1 if not all_logits and L == T else 0  # every row computed: the last real one is n-1
@@ -379,11 +442,14 @@ class TrtRunner:
         return self.logits_host[:rows]
 
     def close(self) -> None:
+        """Destroy the CUDA graphs and free the buffers; the shared scratch and stream are the decoder's to close."""
         c = self.cuda
         c.synchronize(self.stream)
+        for p in self._profiles:
+            c.graph_exec_destroy(p.graph)
         for ptr in self._bufs:
             c.free(ptr)
         for ptr in self._host_ptrs:
             c.free_host(ptr)
-        self._bufs, self._host_ptrs = [], []
-        self.context = self.engine = None
+        self._bufs, self._host_ptrs, self._profiles = [], [], []
+        self.engine = None
