@@ -81,6 +81,10 @@ def presets() -> None:
               help="int8/int4 from a GGUF: carry its blocks exactly wherever MatMulNBits can hold them (Q4_0, and "
                    "Q4_1/Q4_K as int4 + a per-block float offset; Q8_0 and Q6_K as int8, even in an int4 bundle) "
                    "instead of re-quantizing them to the requested width.")
+@click.option("--quant-form", type=click.Choice(["matmulnbits", "qdq"]), default="matmulnbits", show_default=True,
+              help="How int8/int4 matrices are written: ONNX Runtime's MatMulNBits, or standard ONNX (opset 21) "
+                   "blocked DequantizeLinear + MatMul with scales > 0 — what TensorRT 10 builds as weight-only "
+                   "INT4, and what ONNX Runtime >= 1.20 fuses back into the same MatMulNBits kernel at load.")
 @click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
               help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
                    "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
@@ -88,7 +92,7 @@ def presets() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
 def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weights: str, draft_weights: str | None,
-           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, kv_mode: str, max_context: int, prefill_chunk: int, ngram_max: int, out: str,
+           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, kv_mode: str, max_context: int, prefill_chunk: int, ngram_max: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
@@ -96,7 +100,7 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weig
 
     try:
         fmt = lambda name: WeightFormat(name, quant_block, not asymmetric, accuracy_level, lm_head,  # noqa: E731
-                                        gguf_exact=gguf_exact)
+                                        gguf_exact=gguf_exact, form=quant_form)
         opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights), kv_mode=kv_mode,
                              draft_weights=fmt(draft_weights) if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max,
                              overwrite=overwrite, cache_dir=cache_dir)

@@ -45,6 +45,54 @@ class BuildError(BundleError):
 Say = Callable[[str], None]
 
 
+def trt_parser_problems(model: Any) -> list[str]:
+    """What TensorRT's ONNX parser would refuse in a graph's DequantizeLinear nodes (an onnx.ModelProto with
+    its initializers loaded). The rules are those of onnx-tensorrt's Q/DQ importer (TensorRT 10.1 source,
+    ``QuantDequantLinearHelper``) and TensorRT's Dequantize operator documentation: the scale is a build-time
+    constant with every coefficient > 0; a zero point, if any, is all zeros; the input is INT8, INT4 or FP8
+    (not UINT8); a scale of the input's rank is a block quantization, which TensorRT takes for INT4 only,
+    with one blocked axis whose extent the block divides and an even last dimension. The parser reads
+    ``block_size`` from the shapes, and checks only opset >= 7 (modelopt's INT4 exports are opset 21 too)."""
+    from onnx import TensorProto, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    names = {TensorProto.INT4: "INT4", TensorProto.INT8: "INT8", TensorProto.UINT8: "UINT8",
+             TensorProto.FLOAT8E4M3FN: "FP8"}
+    out = []
+    for i, n in enumerate(model.graph.node):
+        if n.op_type != "DequantizeLinear":
+            continue
+        where = f"DequantizeLinear {n.name or f'#{i}'} ({n.input[0]})"
+        x, s = inits.get(n.input[0]), inits.get(n.input[1])
+        if s is None:
+            out.append(f"{where}: the scale must be a build-time constant (an initializer)")
+            continue
+        scale = numpy_helper.to_array(s)
+        if not (scale > 0).all():
+            out.append(f"{where}: every scale coefficient must be > 0 ({int((scale <= 0).sum())} are not)")
+        if len(n.input) > 2 and n.input[2]:
+            zp = inits.get(n.input[2])
+            if zp is None or numpy_helper.to_array(zp).any():
+                out.append(f"{where}: the zero point must be all zeros")
+        if x is None:
+            continue
+        kind = names.get(x.data_type, TensorProto.DataType.Name(x.data_type))
+        if kind not in ("INT4", "INT8", "FP8"):
+            out.append(f"{where}: input type {kind}; TensorRT dequantizes INT8, INT4 or FP8")
+        shape = tuple(x.dims)
+        if scale.ndim == len(shape) and scale.size > 1:
+            if kind != "INT4":
+                out.append(f"{where}: {kind} with a block scale {scale.shape}: TensorRT takes block quantization "
+                           "for INT4 only")
+            ratios = [a / b for a, b in zip(shape, scale.shape)]
+            if sum(r != 1 for r in ratios) != 1 or any(r != int(r) for r in ratios):
+                out.append(f"{where}: input {shape} and scale {scale.shape} must differ in exactly one axis, "
+                           "which the block size divides")
+        if kind == "INT4" and shape and shape[-1] % 2:
+            out.append(f"{where}: INT4 needs an even last dimension, got {shape}")
+    return out
+
+
 def _register(manifest: Manifest, bundle_dir: Path, es: EngineSet, say: Say) -> Manifest:
     """The manifest with `es` recorded and its files hashed (replacing a previous set of the same key)."""
     files = dict(manifest.files)

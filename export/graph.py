@@ -32,7 +32,8 @@ from specedge.runtime.manifest import ONNX_OPSET, io_spec
 from .attention import KV_MODES, InplaceGqaAttention, PortableAttention
 from .families import ModelConfig
 from .loaders import WeightSource
-from .quant import GGUF_REPACKABLE, Packed, QuantSpec, WeightFormat, concat_rows, quantize, rel_rms_error, repack_gguf
+from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows, pack_int4,
+                    positive_scales, quantize, rel_rms_error, repack_gguf, signed_values)
 
 _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
 _ALIGN = 64
@@ -49,21 +50,25 @@ class ExternalWeights:
 
     def add(self, name: str, arr: np.ndarray) -> str:
         arr = np.ascontiguousarray(arr)
+        return self.add_raw(name, arr.tobytes(), arr.shape, helper.np_dtype_to_tensor_dtype(arr.dtype))
+
+    def add_raw(self, name: str, data: bytes, shape: tuple[int, ...], data_type: int) -> str:
+        """An initializer from its raw bytes (types numpy lacks: INT4, two values per byte)."""
         pad = (-self._f.tell()) % _ALIGN
         if pad:
             self._f.write(b"\0" * pad)
         offset = self._f.tell()
-        self._f.write(arr.tobytes())
+        self._f.write(data)
         t = TensorProto()
         t.name = name
-        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
-        t.dims.extend(arr.shape)
+        t.data_type = data_type
+        t.dims.extend(shape)
         t.data_location = TensorProto.EXTERNAL
-        for k, v in (("location", self.data_path.name), ("offset", str(offset)), ("length", str(arr.nbytes))):
+        for k, v in (("location", self.data_path.name), ("offset", str(offset)), ("length", str(len(data)))):
             e = t.external_data.add()
             e.key, e.value = k, v
         self.initializers.append(t)
-        self.bytes_written += arr.nbytes
+        self.bytes_written += len(data)
         return name
 
     def close(self) -> None:
@@ -118,17 +123,36 @@ class _Linears:
         return outs[0] if len(outs) == 1 else self.g.op("Concat", *outs, axis=-1)  # parts in order, [.., out]
 
     def _emit(self, x: str, name: str, packed: Packed, spec: QuantSpec) -> str:
-        ins = [x, self.w.add(f"{name}.qweight", packed.b), self.w.add(f"{name}.scales", packed.scales)]
-        if packed.zero_points is not None:
-            ins.append(self.w.add(f"{name}.zero_points", packed.zero_points))
-        y = self.g.op("MatMulNBits", *ins, domain="com.microsoft", K=packed.k, N=packed.n, bits=packed.bits,
-                      block_size=packed.block, accuracy_level=spec.accuracy_level)
+        if self.fmt.qdq:
+            y, packed = self._emit_qdq(x, name, packed)
+        else:
+            ins = [x, self.w.add(f"{name}.qweight", packed.b), self.w.add(f"{name}.scales", packed.scales)]
+            if packed.zero_points is not None:
+                ins.append(self.w.add(f"{name}.zero_points", packed.zero_points))
+            y = self.g.op("MatMulNBits", *ins, domain="com.microsoft", K=packed.k, N=packed.n, bits=packed.bits,
+                          block_size=packed.block, accuracy_level=spec.accuracy_level)
         if packed.offsets is None:
             return y
         # GGUF Q4_1/Q4_K: + sum_b offset[n, b] * (sum of x over block b), two small fp32 MatMuls:
         # x [.., K] @ E [K, K/32] (block indicator) -> [.., K/32] @ offsets.T [K/32, N] -> [.., N]
         sums = self.g.op("MatMul", x, self._block_indicator(packed.k, packed.block))
         return self.g.op("Add", y, self.g.op("MatMul", sums, self.w.add(f"{name}.offsets", packed.offsets.T)))
+
+    def _emit_qdq(self, x: str, name: str, packed: Packed) -> tuple[str, Packed]:
+        """x @ DequantizeLinear(q [K, N], scales [K/block, N], axis 0, block_size) — standard ONNX (opset 21).
+        4-bit blocks get positive scales first (TensorRT refuses a scale <= 0; ``positive_scales`` keeps the
+        weights exact by moving a sign flip into the block offset). Returns the output and the Packed whose
+        offsets the caller adds."""
+        if packed.bits == 4:
+            packed = positive_scales(packed)
+        q = np.ascontiguousarray(signed_values(packed).T)  # [K, N]
+        if packed.bits == 4:
+            qw = self.w.add_raw(f"{name}.qweight", pack_int4(q), q.shape, TensorProto.INT4)
+        else:
+            qw = self.w.add(f"{name}.qweight", q)
+        s = self.w.add(f"{name}.scales", np.ascontiguousarray(packed.scales.T))  # [K/block, N]
+        wd = self.g.op("DequantizeLinear", qw, s, axis=0, block_size=packed.block)
+        return self.g.op("MatMul", x, wd), packed
 
     def _block_indicator(self, k: int, block: int) -> str:
         key = (k, block)
@@ -189,7 +213,7 @@ class _Linears:
             return {}
         err = (self._err_num / self._err_den) ** 0.5 if self._err_den else 0.0
         lm = self.fmt.lm_head_spec()
-        return {"format": "MatMulNBits", "bits": int(self.fmt.name[3:]), "block": self.fmt.block,
+        return {"format": "DequantizeLinear+MatMul" if self.fmt.qdq else "MatMulNBits", "bits": int(self.fmt.name[3:]), "block": self.fmt.block,
                 "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,
                 "lm_head": f"int{lm.bits}" if lm else "fp32", "embedding": self.fmt.embedding,
                 "gguf_exact": self.fmt.gguf_exact,
@@ -215,6 +239,7 @@ def build_model_graph(
     data_path = Path(out_dir) / f"{graph_name}.onnx.data"
     w = ExternalWeights(data_path)
     g = _Graph()
+    opset = QDQ_OPSET if fmt.qdq else ONNX_OPSET
     say = progress or (lambda s: None)
     linear = _Linears(g, w, src, fmt)
 
@@ -228,7 +253,9 @@ def build_model_graph(
 
     def rmsnorm(x: str, weight: str) -> str:
         # Pow -> ReduceMean -> Add -> Sqrt -> Div: the pattern ONNX Runtime fuses into SimplifiedLayerNormalization
-        var = g.op("ReduceMean", g.op("Pow", x, g.const(2.0, np.float32)), axes=[-1], keepdims=1)
+        sq = g.op("Pow", x, g.const(2.0, np.float32))
+        var = (g.op("ReduceMean", sq, axes=[-1], keepdims=1) if opset < 18  # axes became an input in opset 18
+               else g.op("ReduceMean", sq, g.const([-1]), keepdims=1))
         std = g.op("Sqrt", g.op("Add", var, g.const(cfg.rms_eps, np.float32)))
         return g.op("Mul", g.op("Div", x, std), weight)
 
@@ -282,11 +309,11 @@ def build_model_graph(
         g.nodes, graph_name, [vi(s) for s in inputs], [vi(s) for s in outputs],
         initializer=g.consts + w.initializers,
     )
-    opsets = [helper.make_opsetid("", ONNX_OPSET)]
-    if fmt.quantized or kv_mode != "portable":
+    opsets = [helper.make_opsetid("", opset)]
+    if (fmt.quantized and not fmt.qdq) or kv_mode != "portable":
         opsets.append(helper.make_opsetid("com.microsoft", 1))  # MatMulNBits, GroupQueryAttention
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specedge")
-    model.ir_version = 8  # readable by ONNX Runtime >= 1.14 and TensorRT 10.x
+    model.ir_version = 10 if fmt.qdq else 8  # 8: ONNX Runtime >= 1.14, TensorRT 10.x; 10: INT4 tensors
     onnx.save_model(model, str(onnx_path))
     onnx.checker.check_model(str(onnx_path))
     return onnx_path, data_path, linear.report()

@@ -71,6 +71,13 @@ def from_bf16_bits(b: np.ndarray) -> np.ndarray:
     return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _read_raw(t: TensorProto, base: Path) -> bytes:
+    meta = {e.key: e.value for e in t.external_data}
+    with open(base / meta["location"], "rb") as f:
+        f.seek(int(meta.get("offset", 0)))
+        return f.read(int(meta["length"]))
+
+
 def _read_external(t: TensorProto, base: Path) -> np.ndarray:
     meta = {e.key: e.value for e in t.external_data}
     dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
@@ -143,7 +150,10 @@ class _Rewriter:
             return
         t = self.inits[name]
         if t.data_location == TensorProto.EXTERNAL:
-            self.w.add(name, self.value(name))
+            if t.data_type == TensorProto.INT4:  # no numpy type: the packed bytes as they are
+                self.w.add_raw(name, _read_raw(t, self.src_dir), tuple(t.dims), t.data_type)
+            else:
+                self.w.add(name, self.value(name))
             t = self.w.initializers[-1]
         self.new_inits[name] = t
 
@@ -174,6 +184,15 @@ class _Rewriter:
     def rewrite(self, node: onnx.NodeProto, forced: dict[str, int]) -> int | None:
         """Append `node` (inputs cast or converted to its precision) to the new graph; return that precision."""
         prec = self.precision_of(node, forced)
+        if node.op_type == "DequantizeLinear" and self.type_of(node.input[0]) != TensorProto.INT4:
+            # TensorRT takes block scales for INT4 only: an 8-bit block matrix becomes a plain constant
+            q, scale = self.value(node.input[0]).astype(np.float32), self.value(node.input[1])
+            block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+            if block and scale.ndim == q.ndim:
+                w = np.repeat(scale, block, axis=0)[: q.shape[0]] * q
+                self.add_constant(node.output[0], w, prec)
+                self.dtype[node.output[0]] = prec
+                return prec
         if node.op_type == "Cast" and prec is not None:  # a cast to float lands in the node's precision
             self.keep_init(node.input[0])
             self.new_nodes.append(helper.make_node("Cast", [node.input[0]], list(node.output), name=node.name, to=prec))
@@ -256,8 +275,9 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
     if ops & {"MatMulNBits", "GroupQueryAttention"} or any(o.domain == "com.microsoft" for o in model.opset_import):
         raise UnsupportedModelError(
             f"{src_onnx.name} uses ONNX Runtime contrib ops ({', '.join(sorted(ops & {'MatMulNBits', 'GroupQueryAttention'}))}): "
-            "reduced-precision graphs for TensorRT are made from fp32 weights and the portable KV mode; "
-            "re-export with --weights fp32 --kv-mode portable")
+            "reduced-precision graphs for TensorRT are made from fp32 weights, or int8/int4 written as standard "
+            "DequantizeLinear, and the portable KV mode; re-export with --kv-mode portable and --weights fp32 or "
+            "--quant-form qdq")
     low = PRECISIONS[precision]
     g = model.graph
     data_name = dst_onnx.name + ".data"
@@ -268,6 +288,12 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
         vi.type.tensor_type.elem_type = low
         rw.dtype[vi.name] = low
     forced = {name: TensorProto.FLOAT for name in _logits_head(g)} if head == "fp32" else {}
+    producer = {o: n for n in g.node for o in n.output}
+    for n in g.node:  # a head kept in fp32 dequantizes its weights in fp32 too
+        if n.name in forced and n.op_type in LOW_OPS:
+            for i in n.input[1:]:
+                if (p := producer.get(i)) is not None and p.op_type == "DequantizeLinear":
+                    forced[p.name] = TensorProto.FLOAT
     n_low = n_fp32 = 0
     try:
         for i, node in enumerate(g.node):

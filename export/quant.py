@@ -40,6 +40,7 @@ class QuantSpec:
     block: int = 32
     symmetric: bool = True
     accuracy_level: int = 4
+    positive_scales: bool = False  # symmetric only: the extreme maps to -2^(b-1) if negative, +2^(b-1)-1 if positive
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -95,6 +96,8 @@ def quantize(w: np.ndarray, spec: QuantSpec) -> Packed:
         idx = np.abs(x).argmax(axis=-1)[..., None]
         extreme = np.take_along_axis(x, idx, axis=-1)[..., 0]  # [N, k_blocks], signed
         scales = extreme / -mid
+        if spec.positive_scales:  # TensorRT takes only scales > 0: a positive extreme maps to the top level
+            scales = np.where(extreme > 0, extreme / (mid - 1), scales)
         zp = np.full(scales.shape, mid, dtype=np.float32)
     else:
         lo, hi = np.minimum(x.min(axis=-1), 0.0), np.maximum(x.max(axis=-1), 0.0)  # 0 stays exact
@@ -210,6 +213,44 @@ def concat_rows(parts: list[Packed]) -> Packed:
                   p0.k, p0.bits, p0.block, offsets)
 
 
+def positive_scales(p: Packed) -> Packed:
+    """The same weights with every block scale > 0 (TensorRT's ONNX parser refuses a DequantizeLinear scale
+    <= 0), exactly: a symmetric block with s < 0 stores u' = (2^b - 1) - u (the bitwise NOT of each stored
+    value, so q' = -q - 1) under a = -s and adds a to the block's offset, since
+        s (u - z) = a (z - u) = a (u' - z) + a        (z = 2^(b-1), u' = 2^b - 1 - u);
+    a block with s == 0 (all zeros) gets s = 1 and q = 0. Blocks with s > 0 are untouched."""
+    if p.zero_points is not None:
+        raise ValueError("positive_scales needs a symmetric Packed (TensorRT takes only zero zero-points)")
+    neg, zero = p.scales < 0, p.scales == 0
+    if not (neg.any() or zero.any()):
+        return p
+    b = p.b.copy()
+    b[neg] = ~b[neg]  # per stored value: 4-bit nibbles and 8-bit bytes alike
+    mid = 1 << (p.bits - 1)
+    b[zero] = (mid | (mid << 4)) if p.bits == 4 else mid  # q = 0
+    offsets = p.offsets.copy() if p.offsets is not None else np.zeros_like(p.scales)
+    offsets[neg] += -p.scales[neg]
+    scales = np.where(neg, -p.scales, np.where(zero, np.float32(1.0), p.scales)).astype(np.float32)
+    return Packed(b, scales, None, p.k, p.bits, p.block, offsets)
+
+
+def signed_values(p: Packed) -> np.ndarray:
+    """Packed (symmetric) -> int8 [N, K]: the signed levels q = u - 2^(bits-1) that DequantizeLinear reads."""
+    if p.zero_points is not None:
+        raise ValueError("signed_values needs a symmetric Packed")
+    u = _unpack_nibbles(p.b) if p.bits == 4 else p.b
+    return (u.reshape(p.n, -1)[:, : p.k].astype(np.int16) - (1 << (p.bits - 1))).astype(np.int8)
+
+
+def pack_int4(q: np.ndarray) -> bytes:
+    """int8 values in [-8, 7] -> ONNX INT4 raw bytes: flattened row-major, element 2i in the low nibble of byte i
+    (an odd count gets a zero high nibble)."""
+    u = (q.reshape(-1).astype(np.int16) & 0x0F).astype(np.uint8)
+    if u.size % 2:
+        u = np.append(u, np.uint8(0))
+    return _pack_nibbles(u).tobytes()
+
+
 def rel_rms_error(w: np.ndarray, p: Packed) -> float:
     """||dequant(p) - w|| / ||w||: what quantization moved the weights by."""
     d = dequantize(p) - w
@@ -217,6 +258,8 @@ def rel_rms_error(w: np.ndarray, p: Packed) -> float:
 
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+QUANT_FORMS = ("matmulnbits", "qdq")
+QDQ_OPSET = 21  # DequantizeLinear with int4 and block_size
 
 
 @dataclass(frozen=True)
@@ -238,6 +281,10 @@ class WeightFormat:
     # carry GGUF blocks exactly where MatMulNBits can hold them (Q4_0, Q4_1, Q4_K as int4 (+ float offsets),
     # Q8_0 and Q6_K as int8, whatever width was asked) vs carry only Q4_0/Q8_0 at the asked width, re-quantize rest
     gguf_exact: bool = True
+    # how a quantized matrix is written: com.microsoft MatMulNBits, or standard ONNX (opset 21) DequantizeLinear
+    # (int4/int8 blocked, symmetric, scales > 0) feeding MatMul — what TensorRT 10 parses as weight-only INT4,
+    # and what ONNX Runtime (>= 1.20: runtime.backends.ort.QDQ_MIN_ORT) fuses back into MatMulNBits at load (same kernel, bitwise equal)
+    form: str = "matmulnbits"
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:
@@ -250,6 +297,11 @@ class WeightFormat:
             raise UnsupportedModelError(f"lm_head format {self.lm_head!r}: choose auto, fp32, int8 or int4")
         if self.embedding not in ("fp16", "fp32"):
             raise UnsupportedModelError(f"embedding format {self.embedding!r}: choose fp16 or fp32")
+        if self.form not in QUANT_FORMS:
+            raise UnsupportedModelError(f"quantized form {self.form!r}: choose one of {', '.join(QUANT_FORMS)}")
+        if self.form == "qdq" and not self.symmetric:
+            raise UnsupportedModelError("--quant-form qdq needs symmetric blocks: TensorRT's DequantizeLinear takes "
+                                        "only zero zero-points (drop --asymmetric, or use --quant-form matmulnbits)")
         if self.quantized:
             QuantSpec(8, self.block, self.symmetric, self.accuracy_level)  # validates block and level
 
@@ -257,9 +309,16 @@ class WeightFormat:
     def quantized(self) -> bool:
         return self.name in ("int8", "int4")
 
+    @property
+    def qdq(self) -> bool:
+        return self.quantized and self.form == "qdq"
+
+    def _spec(self, bits: int) -> QuantSpec:
+        return QuantSpec(bits, self.block, self.symmetric, self.accuracy_level, positive_scales=self.qdq)
+
     def linear_spec(self) -> QuantSpec | None:
-        return QuantSpec(int(self.name[3:]), self.block, self.symmetric, self.accuracy_level) if self.quantized else None
+        return self._spec(int(self.name[3:])) if self.quantized else None
 
     def lm_head_spec(self) -> QuantSpec | None:
         name = ("int8" if self.quantized else "fp32") if self.lm_head == "auto" else self.lm_head
-        return None if name == "fp32" else QuantSpec(int(name[3:]), self.block, self.symmetric, self.accuracy_level)
+        return None if name == "fp32" else self._spec(int(name[3:]))

@@ -70,6 +70,24 @@ def check_graph_io(session: Any, spec: tuple[list, list], what: str) -> None:
                                   f"{list(t.shape)} (dims n_kv_heads/head_dim/vocab or kv_mode disagree)")
 
 
+QDQ_FORMAT = "DequantizeLinear+MatMul"  # manifest quant["format"] of --quant-form qdq graphs
+QDQ_MIN_ORT = (1, 20)
+
+
+def qdq_runtime_check(version: str) -> None:
+    """QDQ int4/int8 graphs are only fast where ONNX Runtime fuses blocked DequantizeLinear + MatMul into
+    MatMulNBits at load; an older one would dequantize every matrix at every step (and hold fp32 copies)."""
+    try:
+        have = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return
+    if have < QDQ_MIN_ORT:
+        raise BackendUnavailableError(
+            f"this bundle's quantized graphs are DequantizeLinear + MatMul (--quant-form qdq), which ONNX Runtime "
+            f">= {'.'.join(map(str, QDQ_MIN_ORT))} fuses into MatMulNBits; onnxruntime {version} would dequantize "
+            "every weight at every step. Upgrade onnxruntime, or re-export with --quant-form matmulnbits")
+
+
 class OrtRunner:
     """One model of a bundle on ONNX Runtime, buffers bound once per width."""
 
@@ -97,6 +115,11 @@ class OrtRunner:
         so.intra_op_num_threads = threads or _physical_cores()
         so.inter_op_num_threads = 1
         so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        quant = self.entry.quant or {}
+        if quant.get("format") == QDQ_FORMAT:
+            qdq_runtime_check(ort.__version__)
+            # the fused MatMulNBits' compute precision: the bundle's, not ONNX Runtime's default (4, int8)
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(quant.get("accuracy_level", 4)))
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BackendUnavailableError("ort-cuda needs onnxruntime-gpu with a working CUDA install")

@@ -102,7 +102,7 @@ def test_conversion_refuses_onnx_runtime_only_graphs(tiny_llama, tmp_path):
 
     b = export_bundle(tiny_llama, "prompt-lookup", tmp_path / "q",
                       ExportOptions(k=2, max_context=64, prefill_chunk=8, weights=WeightFormat("int8"))).out
-    with pytest.raises(UnsupportedModelError, match="fp32 weights and the portable KV mode"):
+    with pytest.raises(UnsupportedModelError, match="--quant-form qdq"):
         convert_graph(b / "target.onnx", tmp_path / "x.onnx", "fp16")
     with pytest.raises(BundleError, match="portable KV mode"):
         validate(b)
