@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from specedge.runtime.cli import comma_list
 from specedge.runtime.config import config_option
 from specedge.runtime.errors import SpecEdgeError
+
+if TYPE_CHECKING:
+    from specedge.runtime.memplan import Board, Plan
 
 
 def _say(msg: str) -> None:
@@ -172,8 +176,10 @@ def info(bundle: str, verify: bool) -> None:
               help="lm_head weights and matmul: fp32, or the reduced precision (saves ~1 GB for a 150k vocabulary; "
                    "logits stay fp32 outputs either way).")
 @click.option("--force", is_flag=True, help="Redo the ONNX conversion even if it is up to date.")
+@click.option("--memory-check/--no-memory-check", default=True, show_default=True,
+              help="trt: print the memory plan for this machine first and refuse a build whose engines cannot fit.")
 def build(bundle: str, backend: str, precision: str, workspace_gb: float, timing_cache: str | None, opt_level: int,
-          head: str, force: bool) -> None:
+          head: str, force: bool, memory_check: bool) -> None:
     """Build reduced-precision graphs and TensorRT engines for BUNDLE, recorded in its manifest."""
     import time
 
@@ -181,6 +187,19 @@ def build(bundle: str, backend: str, precision: str, workspace_gb: float, timing
 
     t0 = time.perf_counter()
     try:
+        if backend == "trt" and memory_check:
+            from specedge.runtime.memplan import GiB, format_plan
+
+            p = _plan_of(bundle, None, "trt", precision, head)
+            _say(format_plan(p))
+            verdict, why = p.verdict()
+            if verdict == "does not fit":
+                raise SpecEdgeError(f"the engines of {bundle} will not fit this machine ({why}); export a smaller "
+                                    "--max-context or int4 weights (--weights int4 --quant-form qdq), use --head low, "
+                                    "or --no-memory-check to build anyway")
+            if p.board is not None and 2 * p.weights + workspace_gb * GiB > p.board.usable_bytes:
+                _say(f"warning: a build holds ~2x the weights ({2 * p.weights / GiB:.1f} GB) plus the "
+                     f"{workspace_gb:g} GB workspace: more than this machine has free; lower --workspace-gb")
         if backend == "onnx":
             es = build_onnx(bundle, precision, _say, force=force, head=head)
         else:
@@ -257,6 +276,88 @@ def validate(bundle: str, candidate: str, reference: str, precision: str | None,
                + ", ".join(f"{r} {100 * g['fraction']:.1f} %" for r, g in rep["greedy"].items())
                + f"); report {out}")
     sys.exit(0 if rep["passed"] else 1)
+
+
+def _board(name: str | None) -> Board | None:
+    """--board: a preset's [board] table, or None: this machine (see memplan.this_machine)."""
+    from specedge.runtime.config import load_config
+    from specedge.runtime.memplan import Board, this_machine
+
+    if name is None:
+        return this_machine()
+    table = load_config(name).get("board")
+    if table is None:
+        raise SpecEdgeError(f"config {name!r} has no [board] table (memory_gb, unified, reserved_gb)")
+    return Board.from_table(name, table)
+
+
+def _plan_of(what: str, board: str | None, backend: str | None, precision: str | None, head: str | None,
+             weights: str | None = None) -> Plan:
+    """The memory plan of a bundle directory or of a preset (its models' dims from their GGUF headers)."""
+    from specedge.runtime.config import list_presets, load_config
+    from specedge.runtime.manifest import model_widths, read_manifest
+    from specedge.runtime.memplan import plan_for_manifest, plan_models
+
+    if Path(what).is_dir():
+        m = read_manifest(Path(what), verify="none")
+        backend = backend or ("trt" if m.engines and any(k.startswith("trt") for k in m.engines) else "ort-cpu")
+        return plan_for_manifest(m, backend, precision or ("fp16" if backend != "ort-cpu" else "fp32"),
+                                 head or "fp32", _board(board), what=f"{what}, {backend}")
+    if what not in list_presets():
+        raise SpecEdgeError(f"{what!r} is neither a bundle directory nor a preset ({', '.join(list_presets())})")
+    cfg = load_config(what)
+    ex, bu, run = cfg.get("export", {}), cfg.get("build", {}), cfg.get("run", {})
+    from .fetch import resolve_model
+    from .loaders import load_source
+
+    k, chunk = int(ex.get("k", 4)), int(ex.get("prefill_chunk", 64))
+    verify = tuple(ex.get("verify_widths", ()))
+    models = []
+    for role in ("target", "draft"):
+        name = ex.get(role)
+        if not name or name == "prompt-lookup":
+            continue
+        dims = load_source(resolve_model(name, progress=_say)).config.dims
+        ws = model_widths(role, k, chunk, verify)
+        fmt = weights or ex.get("draft_weights" if role == "draft" else "weights") or ex.get("weights", "fp32")
+        models.append((role, dims, fmt, max(w.T for w in ws), max(w.L for w in ws)))
+    backend = backend or run.get("backend", "ort-cpu")
+    precision = precision or (bu.get("precision", "fp16") if backend != "ort-cpu" else "fp32")
+    head = head or bu.get("head", "fp32")
+    label = (f"{what}: {' + '.join(ex.get(r) for r in ('target', 'draft') if ex.get(r))}, "
+             f"{weights or ex.get('weights', 'fp32')}"
+             f" export, {backend} {precision} (head {head}), S_max {ex.get('max_context', 2048)}")
+    return plan_models(models, max_context=int(ex.get("max_context", 2048)), backend=backend, precision=precision,
+                       head=head, what=label, board=_board(board or what))
+
+
+@main.command()
+@click.argument("what")
+@click.option("--board", default=None, help="Preset whose [board] the plan is checked against (default: the preset "
+              "itself for a preset, this machine for a bundle).")
+@click.option("--backend", type=click.Choice(["trt", "ort-trt", "ort-cuda", "ort-cpu"]), default=None,
+              help="Backend that will run it (default: the preset's [run] backend; trt for a bundle with engines).")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Engine precision on a GPU (default: the preset's [build] precision, fp16).")
+@click.option("--head", type=click.Choice(["fp32", "low"]), default=None, help="lm_head precision (as build --head).")
+@click.option("--weights", type=click.Choice(["fp32", "int8", "int4"]), default=None,
+              help="A preset's export weights instead of its own (int4 stays INT4 weight-only in GPU engines; fp32 "
+                   "becomes the engine precision).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(what: str, board: str | None, backend: str | None, precision: str | None, head: str | None,
+         weights: str | None, as_json: bool) -> None:
+    """Memory plan of WHAT (a bundle directory or a preset name): weights per model, KV at S_max, scratch, the
+    CUDA/TensorRT context, against a board's memory. Exit status 1 when it does not fit."""
+    import json
+
+    from specedge.runtime.memplan import format_plan
+
+    try:
+        p = _plan_of(what, board, backend, precision, head, weights)
+    except SpecEdgeError as e:
+        _fail(e)
+    click.echo(json.dumps(p.to_json(), indent=2) if as_json else format_plan(p))
+    sys.exit(1 if p.verdict()[0] == "does not fit" else 0)
 
 
 @main.command()

@@ -1,6 +1,7 @@
 """Deployment presets (``configs/*.toml``) and the ``--config`` CLI option.
 
-A preset has one table per command — ``[export]``, ``[build]`` (spec-export), ``[run]`` and
+A preset may also carry a ``[board]`` table (memory_gb, unified, reserved_gb: what the memory plan,
+``spec-export plan``, checks against). A preset has one table per command — ``[export]``, ``[build]`` (spec-export), ``[run]`` and
 ``[bench]`` (spec-run generate / bench) — whose keys are that
 command's option names (``max_context``, ``precision``, ``backend``, …). ``--config NAME`` (a
 preset in ``configs/``) or ``--config PATH`` (any TOML file) makes them the command's defaults;
@@ -56,7 +57,7 @@ def load_config(name_or_path: str) -> dict[str, dict[str, Any]]:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise SpecEdgeError(f"config {p} is not valid TOML: {e}") from e
-    unknown = sorted(set(data) - set(SECTIONS) - {"preset"})
+    unknown = sorted(set(data) - set(SECTIONS) - {"preset", "board"})
     if unknown:
         raise SpecEdgeError(f"config {p}: unknown table(s) {', '.join(unknown)}; allowed: {', '.join(SECTIONS)}")
     return data

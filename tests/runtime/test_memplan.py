@@ -1,0 +1,55 @@
+"""Memory plan: weight counts agree with what an export writes, the verdict follows the board, and
+`spec-export plan` / `build --backend trt` print it and refuse what cannot fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specedge.export import cli as export_cli
+from specedge.runtime import memplan
+from specedge.runtime.manifest import read_manifest
+from specedge.runtime.memplan import GiB, Board, plan_for_manifest
+
+
+def test_weight_count_matches_the_exported_fp32_graph(bundles):
+    b = bundles["model"]
+    m = read_manifest(b, verify="none")
+    p = plan_for_manifest(m, "ort-cpu")
+    for mp, entry in zip(p.models, (m.target, m.draft)):
+        written = (b / entry.weights).stat().st_size
+        counted = sum(mp.weights.values())
+        assert abs(counted - written) / written < 0.1, (mp.role, counted, written)  # + RoPE tables, masks
+
+
+def test_verdicts_follow_the_board(bundles):
+    m = read_manifest(bundles["model"], verify="none")
+    assert plan_for_manifest(m, "trt", "fp16", board=None).verdict()[0] == "unknown"
+    big = plan_for_manifest(m, "trt", "fp16", board=Board("big", 64, True, 2))
+    assert big.verdict()[0] == "fits" and big.process >= memplan.CUDA_CONTEXT_BYTES
+    total = big.total / GiB
+    assert plan_for_manifest(m, "trt", "fp16", board=Board("small", total * 0.9, True, 0)).verdict()[0] == "does not fit"
+    assert plan_for_manifest(m, "trt", "fp16", board=Board("tight", total * 1.1, True, 0)).verdict()[0] == "tight"
+    # fp16 engines halve the linear weights of the fp32 export; the CPU plan has no CUDA context
+    cpu = plan_for_manifest(m, "ort-cpu")
+    assert big.models[0].weights["linear"] < 0.6 * cpu.models[0].weights["linear"] and cpu.process < big.process
+
+
+def test_plan_cli_for_a_bundle_and_a_board_file(bundles, tmp_path):
+    board = tmp_path / "tiny.toml"
+    board.write_text('[board]\nname = "tiny"\nmemory_gb = 0.01\nunified = true\nreserved_gb = 0\n')
+    r = CliRunner().invoke(export_cli.main, ["plan", str(bundles["model"]), "--board", str(board), "--backend", "trt"])
+    assert r.exit_code == 1 and "DOES NOT FIT" in r.output and "target" in r.output and "draft" in r.output
+    r = CliRunner().invoke(export_cli.main, ["plan", str(bundles["model"]), "--json", "--backend", "ort-cpu"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["models"][0]["role"] == "target"
+    r = CliRunner().invoke(export_cli.main, ["plan", "no-such-thing"])
+    assert r.exit_code != 0 and "neither a bundle directory nor a preset" in r.output
+
+
+def test_trt_build_refuses_what_cannot_fit_before_touching_tensorrt(bundles, monkeypatch):
+    monkeypatch.setattr(memplan, "this_machine", lambda: Board("tiny", 0.05, True, 0))
+    r = CliRunner().invoke(export_cli.main, ["build", str(bundles["model"]), "--backend", "trt"])
+    assert r.exit_code != 0 and "will not fit this machine" in r.output and "--no-memory-check" in r.output
