@@ -1,21 +1,56 @@
 #!/usr/bin/env bash
-# GPU check for the TensorRT path, one command, < 8 minutes on a Jetson Orin or a datacenter GPU:
+# GPU smoke kit: one command on a GPU machine, under 8 minutes, nothing downloaded.
 #
-#   bash tools/gpu_check.sh [WORKDIR]        (default WORKDIR: /tmp/specedge-gpu-check)
+#   CPU machine (test venv: torch + transformers make the tiny models), once:
+#       python tools/gpu_kit.py prepare .gpu-kit        # ~15 s, ~7 MB, git-ignored: tiny bundles (model draft,
+#                                                       # prompt lookup, int4), fp16 graphs, CPU goldens, pylib
+#   GPU machine (the repo + the carried .gpu-kit; TensorRT, onnxruntime-gpu, CuPy each optional):
+#       bash tools/gpu_check.sh .gpu-kit [REPORT.json] [check options, e.g. --only trt --budget-s 300]
+#   with the device `run` tool: command "bash tools/gpu_check.sh .gpu-kit", carry [".gpu-kit"]; the report is
+#   written to $OUT/gpu-kit-report.json (else KIT/gpu-kit-report.json), after every check.
 #
-# Needs: a venv with `pip install -e '.[export,validate]'` (on a Jetson: made with --system-site-packages so
-# JetPack's TensorRT is visible), an NVIDIA GPU, and the SmolLM2 wheel from PyPI (or the GGUF in the cache).
+# Without a GPU the same command runs in no-GPU mode (also: --dry-run): the CPU checks run (kit integrity, the
+# goldens replayed on ONNX Runtime CPU, greedy speculative == plain, spec-export validate --goldens), every GPU
+# check prints exactly what it would run (commands, API calls, widths, tolerances) and is reported
+# "skipped: no GPU"; exit 0 when the CPU checks pass. On a GPU: CUDA binding vs CuPy (tools/gpu_check_cuda.py),
+# ort-cuda on a NaN-poisoned allocator, step-by-step parity with the goldens at every width (past_len 0 and
+# > 0, after rollbacks, target and draft interleaved) on ort-cuda fp32/TF32/fp16/int4, TensorRT fp16 with and
+# without CUDA graphs and ort-trt, TensorRT builds (seconds and bytes per profile), spec-export validate
+# --goldens, greedy speculative == plain for every drafter at k = 1..4, step times per width. A check whose
+# library is missing is skipped with the reason. tools/gpu_kit.py says more.
+#
+# The older end-to-end check on SmolLM2-135M (needs the SmolLM2 wheel from PyPI, or its GGUF in the cache):
+#       bash tools/gpu_check.sh --smollm2 [WORKDIR]     (default WORKDIR: /tmp/specedge-gpu-check)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+
+if [ "${1:-}" != "--smollm2" ]; then
+  KIT=${1:-.gpu-kit}
+  [ $# -gt 0 ] && shift
+  REPORT=${OUT:-$KIT}/gpu-kit-report.json
+  if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then REPORT=$1; shift; fi
+  if [ ! -f "$KIT/kit.json" ]; then
+    if $PY -c "import torch, transformers" 2>/dev/null; then
+      $PY tools/gpu_kit.py prepare "$KIT"
+    else
+      echo "no GPU kit at $KIT: make it on the CPU machine (python tools/gpu_kit.py prepare $KIT), carry it here" >&2
+      exit 2
+    fi
+  fi
+  exec timeout 470 $PY tools/gpu_kit.py check "$KIT" --report "$REPORT" "$@"
+fi
+
+# ---------------------------------------------------------------------------------------------- --smollm2
 # Steps: doctor; export SmolLM2-135M (fp32, portable KV, K=4, S_max 1024); then
 #   with TensorRT: build fp16 engines, validate them against ONNX Runtime fp32 (polygraphy + greedy
 #     agreement), check speculative greedy == plain greedy on the trt backend, and print tok/s plain vs
 #     speculative (spec-run bench, same prompts, same run);
 #   without TensorRT (CUDA + CuPy): tools/gpu_check_cuda.py (libcudart binding + KV commit vs CuPy), and the
 #     ort-cuda backend if onnxruntime-gpu is installed.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+shift
 WORK=${1:-/tmp/specedge-gpu-check}
 B=$WORK/smollm2
-PY=${PYTHON:-python}
 mkdir -p "$WORK"
 t0=$(date +%s)
 step() { echo; echo "=== [$(( $(date +%s) - t0 ))s] $*"; }

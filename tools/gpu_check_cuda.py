@@ -1,6 +1,8 @@
 """GPU check without TensorRT: specedge's libcudart binding and the TensorRT backend's KV commit against CuPy.
 
     python tools/gpu_check_cuda.py        # needs an NVIDIA GPU, libcudart and CuPy; prints one line per check
+    python tools/gpu_kit.py exec tools/gpu_check_cuda.py    # the same where specedge is not pip-installed
+                                                            # (the GPU kit's `cuda-binding` check runs it so)
 
 Checks: device name / compute capability / memory against CuPy's view of the same GPU; cudaMalloc,
 host<->device copies and pinned host memory round-trip bytes exactly; KvLayout.commit (the one strided

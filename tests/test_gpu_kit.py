@@ -1,0 +1,146 @@
+"""The GPU smoke kit (tools/gpu_kit.py) on this CPU machine: `prepare` makes a small, complete kit; `check
+--dry-run` passes every CPU check and reports every GPU check as skipped with its reason and plan; a tampered
+golden fails the CPU parity check (so the goldens and the check code are what the GPU run relies on); the
+TensorRT size bookkeeping runs against the stand-in TensorRT of tests/export/test_trt_build_fake.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KIT_PY = [sys.executable, str(ROOT / "tools" / "gpu_kit.py")]
+GPU_CHECKS = {  # every GPU check the kit declares for its three bundles
+    "cuda-binding", "nan-cache/ort-cuda/fp32/model", "nan-cache/ort-cuda/fp16/model",
+    "parity/ort-cuda/fp32/model", "parity/ort-cuda/fp32/lookup", "parity/ort-cuda/tf32/model",
+    "parity/ort-cuda/fp16/model", "parity/ort-cuda/fp16/lookup", "parity/ort-cuda/int4/int4",
+    "greedy/ort-cuda/tf32/model", "greedy/ort-cuda/tf32/lookup", "greedy/ort-cuda/fp16/model",
+    "greedy/ort-cuda/int4/int4", "validate/ort-cuda-fp16/model",
+    "trt-build/model", "trt-build/lookup", "trt-build/int4",
+    "parity/trt/fp16/model", "parity/trt-graphs/fp16/model", "greedy/trt/fp16/model", "validate/trt/model",
+    "parity/trt/fp16/lookup", "parity/trt-graphs/fp16/lookup", "greedy/trt/fp16/lookup", "validate/trt/lookup",
+    "greedy/trt-graphs/fp16/model", "step-times/trt/model", "step-times/ort-cuda/model", "trt-profiles/model",
+    "parity/ort-trt/fp32/model", "parity/ort-trt/fp32/lookup", "greedy/ort-trt/fp32/model",
+}
+CPU_CHECKS = {
+    "environment", "kit-integrity", "parity/ort-cpu/fp32/model", "parity/ort-cpu/fp32/lookup",
+    "parity/ort-cpu/int4/int4", "parity/ort-cpu/fp16/model", "parity/ort-cpu/fp16/lookup",
+    "greedy/ort-cpu/fp32/model", "greedy/ort-cpu/fp32/lookup", "greedy/ort-cpu/int4/int4",
+    "validate/ort-fp16/model", "validate/ort-fp16/lookup",
+}
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpu-kit") / "kit"
+    p = subprocess.run([*KIT_PY, "prepare", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
+
+
+def check(kit: Path, tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    report = tmp / "report.json"
+    p = subprocess.run([*KIT_PY, "check", str(kit), "--dry-run", "--report", str(report), "--work", str(tmp / "work"),
+                        *args], capture_output=True, text=True, timeout=600)
+    return p, json.loads(report.read_text())
+
+
+def test_prepare_makes_a_small_complete_kit(kit):
+    meta = json.loads((kit / "kit.json").read_text())
+    assert meta["bytes"] < 20e6  # carried to the GPU machine with the working tree
+    assert set(meta["bundles"]) == {"model", "lookup", "int4"}
+    for name, b in meta["bundles"].items():
+        man = json.loads((kit / b["dir"] / "manifest.json").read_text())
+        assert ("onnx-fp16" in man["engines"]) == (b["weights"] == "fp32"), name
+        assert man["target"]["precision"] == b["weights"]
+        z = np.load(kit / b["goldens"])
+        ops = json.loads(bytes(z["meta"]).decode())["ops"]
+        assert {o["part"] for o in ops} == {"past_len 0", "past_len P", "rollback", "padded prefill"}
+        assert {o["past_len"] for o in ops if o["part"] == "past_len P"} == {0, 16}
+        for role in ("target", "draft") if b["drafter"] == "model" else ("target",):  # every width at past_len 0
+            widths = {w["T"] for w in man[role]["widths"]}
+            assert {len(o["tokens"]) for o in ops if o["role"] == role and o["part"] == "past_len 0"} == widths
+    greedy = json.loads((kit / "goldens" / "greedy.json").read_text())
+    assert all(len(g["prompts"]) == 3 and all(len(p["tokens"]) == 24 for p in g["prompts"]) for g in greedy.values())
+    assert (kit / "goldens" / "validate-model.npz").is_file() and (kit / "pylib.tar.gz").is_file()
+
+
+def test_dry_run_passes_the_cpu_checks_and_skips_every_gpu_check_with_its_plan(kit, tmp_path):
+    p, rep = check(kit, tmp_path)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert rep["mode"] == "dry-run" and rep["complete"] and rep["passed"]
+    by = {c["id"]: c for c in rep["checks"]}
+    assert {i for i, c in by.items() if c["kind"] == "cpu"} == CPU_CHECKS
+    assert {i for i, c in by.items() if c["kind"] == "gpu"} == GPU_CHECKS
+    for i in CPU_CHECKS:
+        assert by[i]["status"] == "passed", (i, by[i].get("summary"))
+    for i in GPU_CHECKS:
+        c = by[i]
+        assert c["status"] == "skipped" and c["reason"], i
+        assert c["reason"].startswith("no GPU") or (i == "trt-build/int4" and "not applicable" in c["reason"])
+        assert c["plan"].get("what"), i
+    for i in (i for i in GPU_CHECKS if i.startswith("parity/")):  # widths and tolerance spelled out
+        plan = by[i]["plan"]
+        assert plan["widths"]["target"] == [1, 2, 3, 4, 5, 16] and "max|d| <=" in plan["tolerance"], i
+        assert any("SpecDecoder.load" in a or "OrtRunner(" in a for a in plan["api"]), i
+    assert "spec-export build" in by["trt-build/model"]["plan"]["commands"][0]
+    assert "--goldens" in by["validate/trt/model"]["plan"]["commands"][0]
+    assert by["parity/ort-cpu/fp32/model"]["steps_passed"] == by["parity/ort-cpu/fp32/model"]["steps"] > 40
+    assert "skipped: no GPU" in p.stdout
+
+
+def _rewrite(kit: Path, rel: str, rehash: bool) -> None:
+    g = kit / rel
+    z = dict(np.load(g))
+    z["op5"] = z["op5"] + np.float32(0.05)  # one step's logits, off by 10 x the fp32 tolerance
+    np.savez_compressed(g, **z)
+    if rehash:
+        meta = json.loads((kit / "kit.json").read_text())
+        meta["files"][rel] = {"sha256": hashlib.sha256(g.read_bytes()).hexdigest(), "bytes": g.stat().st_size}
+        (kit / "kit.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("rehash", [False, True])
+def test_a_tampered_golden_fails_the_cpu_parity_check(kit, tmp_path, rehash):
+    bad = tmp_path / "kit"
+    shutil.copytree(kit, bad)
+    _rewrite(bad, "goldens/model.npz", rehash)
+    p, rep = check(bad, tmp_path, "--only", "parity/ort-cpu/fp32/model")
+    assert p.returncode == 1 and not rep["passed"]
+    by = {c["id"]: c for c in rep["checks"]}
+    assert by["kit-integrity"]["status"] == ("passed" if rehash else "failed")  # kit.json hashes catch it too
+    par = by["parity/ort-cpu/fp32/model"]
+    assert par["status"] == "failed" and par["steps_passed"] == par["steps"] - 1
+    assert par["first_failure"]["step"] == 5 and par["first_failure"]["max_absdiff"] == pytest.approx(0.05, rel=1e-3)
+    assert by["parity/ort-cpu/fp32/lookup"]["status"] == "skipped"  # --only
+
+
+def test_trt_size_bookkeeping_with_a_stand_in_tensorrt(kit, tmp_path, monkeypatch):
+    """The 1-vs-N-profile measurement's own arithmetic (TensorRT itself is checked on a GPU machine)."""
+    from tests.export.test_trt_build_fake import fake_trt
+
+    import specedge.runtime.backends.trt as trt_backend
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import gpu_kit_trt
+
+    trt = fake_trt()
+    monkeypatch.setattr(trt_backend, "import_tensorrt", lambda: trt)
+    bundle = tmp_path / "model"
+    shutil.copytree(kit / "bundles" / "model", bundle)
+    rep = gpu_kit_trt.engine_sizes(bundle, tmp_path / "timing.cache")
+    assert rep["tensorrt"] == trt.__version__
+    t = rep["target"]
+    assert t["profiles_1"]["profiles"] == 1 and t["profiles_1"]["T"] == [5]  # the widest verify width
+    assert t["profiles_N"]["profiles"] == 6 and t["profiles_N"]["T"] == [1, 2, 3, 4, 5, 16]
+    assert rep["draft"]["profiles_N"]["T"] == [1, 16]
+    assert t["weights_bytes"] == sum((bundle / f).stat().st_size for f in ("target.fp16.onnx", "target.fp16.onnx.data"))
+    assert t["profiles_N"]["engine_bytes"] == 4 and t["bytes_per_extra_profile"] == 0  # the stand-in's b"PLAN"
+    assert len(trt.rec["profiles"]) == (1 + 6) + (1 + 2)  # four builds: target and draft, 1 and N profiles
