@@ -5,6 +5,8 @@
     pip install llama-cpp-python                           # llama.cpp (builds from source)
     python tools/bench_peers.py engines/qwen-coder --peers hf --spec model:4 --suite code,chat
     python tools/bench_peers.py engines/qwen-int4 --peers llamacpp --spec model:4,prompt-lookup:8
+    python3 tools/build_ortgenai.py venv                   # onnxruntime-genai 0.18 in ~/.cache/specedge/peers-venv
+    python tools/bench_peers.py engines/qwen-int4 --peers ortgenai --spec model:4,prompt-lookup:8
 
 Every engine gets the same prompt token ids (from the bundle's tokenizer and chat template) and
 decodes greedily from the weights the bundle was exported from (its GGUF or HF directory).
@@ -17,13 +19,23 @@ decodes greedily from the weights the bundle was exported from (its GGUF or HF d
   (max_new_tokens tokens, 2 repeats); ``prompt-lookup:k`` = ``llama-lookup --spec-draft-n-max k``; ``model:k`` =
   ``llama-speculative-simple --spec-type draft-simple --spec-draft-n-max k`` with the bundle's draft GGUF; speed
   from their own "decoded N tokens ... t/s" line; output compared with ours as text (llama.cpp prints text).
+* ortgenai (onnxruntime-genai 0.18, its own generator loop, run in the peers venv by tools/build_ortgenai.py, which
+  also builds its models from the bundle's source GGUFs with onnxruntime-genai's model builder, cached): plain
+  greedy; ``prompt-lookup:k`` = its n-gram decoding (``ngram_size`` N from ``--ortgenai-ngram-size``,
+  ``max_draft_tokens`` k); ``model:k`` = its draft-model speculative decoding (``model.draft``, the bundle's draft
+  built the same way, ``max_draft_tokens`` k). Weights: the bundle's precision, MatMulNBits block / accuracy level /
+  symmetry and lm_head width, a float embedding; 2 intra-op threads. Our prompt ids go in with ``append_tokens``;
+  its ttft_s is that prompt forward (append_tokens, both models for model:k) and decode counts everything after it
+  (its speculative strategies run a whole round inside the first generate_next_token; first_token_s has that time).
+  A variant this onnxruntime-genai cannot run is reported as "not available in onnxruntime-genai X.Y: reason".
 * llamacpp (llama-cpp-python, the GGUF as is): plain, and prompt lookup
   (``LlamaPromptLookupDecoding(num_pred_tokens=k)``) for ``prompt-lookup:k``; llama-cpp-python has
   no two-model speculation, so ``model:k`` has no llama.cpp counterpart here.
 
 Decode tok/s = tokens after the first / time after the first token (HF: first-token time from a
-separate max_new_tokens=1 call). Every output is compared with our plain greedy output. Engines
-run one after another in this process, each freed before the next loads.
+separate max_new_tokens=1 call; ortgenai: time after the prompt's forward). Every output is compared with our
+plain greedy output. Engines run one after another in this process, each freed before the next loads (ortgenai in
+a subprocess of its own venv).
 """
 
 from __future__ import annotations
@@ -208,6 +220,86 @@ def run_llamacpp_native(manifest, ids_list, specs, max_new: int, rows: list[dict
     return {"llama.cpp": f"native build ({bin_dir})"}
 
 
+NOTES: list[str] = []  # lines printed under the table (variants a peer could not run, and why)
+
+
+def run_ortgenai(manifest, ids_list, specs, max_new: int, rows: list[dict], ngram_size: int = 3,
+                 genai_defaults: bool = False) -> dict:
+    """onnxruntime-genai natively: tools/build_ortgenai.py (in the peers venv) builds the target (and draft) from the
+    bundle's source weights and runs plain, n-gram (prompt-lookup:k) and draft-model (model:k) decoding on our ids."""
+    import subprocess
+
+    script = Path(__file__).with_name("build_ortgenai.py")
+    py = os.environ.get("SPECEDGE_PEERS_PYTHON") or str(
+        Path(os.environ.get("SPECEDGE_CACHE", Path.home() / ".cache" / "specedge")) / "peers-venv" / "bin" / "python")
+    if not Path(py).exists():
+        raise SystemExit(f"--peers ortgenai needs the peers venv ({py}): python3 {script} venv")
+    threads = min(os.cpu_count() or 1, 2)
+
+    def build(entry) -> str:
+        cmd = [py, str(script), "build", entry.source["path"], "--threads", str(threads)]
+        q = entry.quant or {}
+        if entry.precision in ("int4", "int8"):
+            cmd += ["--precision", entry.precision, "--block", str(q.get("block", 32)),
+                    "--accuracy-level", str(q.get("accuracy_level", 4))]
+            cmd += [] if q.get("symmetric", True) else ["--asymmetric"]
+            cmd += ["--genai-defaults"] if genai_defaults else ["--lm-head", q.get("lm_head") or "int8"]
+        else:
+            cmd += ["--precision", "fp32"]
+        say(f"onnxruntime-genai: building (cached) {Path(entry.source['path']).name} {entry.precision} …")
+        return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+
+    target = build(manifest.target)
+    configs = [{"name": "plain", "model": target, "speculative": None}]
+    for d, k in specs:
+        if d == "prompt-lookup":
+            configs.append({"name": f"{d}:{k}", "model": target,
+                            "speculative": {"ngram_size": ngram_size, "max_draft_tokens": k}})
+        elif d == "model" and manifest.draft is not None:
+            draft = build(manifest.draft)
+            pair = subprocess.run([py, str(script), "pair", target, draft, "--k", str(k)], check=True,
+                                  stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+            configs.append({"name": f"{d}:{k}", "model": pair, "speculative": {"max_draft_tokens": k}})
+    job = {"threads": threads, "max_new": max_new, "eos": list(manifest.tokenizer.eos_ids),
+           "prompts": [list(map(int, ids)) for ids in ids_list], "warmup": True, "configs": configs}
+    r = subprocess.run([py, str(script), "generate"], input=json.dumps(job), stdout=subprocess.PIPE, text=True,
+                       check=True)
+    res = json.loads(r.stdout)
+    ver = res["versions"]["onnxruntime_genai"]
+    for c in configs:
+        got = res["results"][c["name"]]
+        if isinstance(got, dict):  # {"error": ...}
+            NOTES.append(f"ortgenai {c['name']}: not available in onnxruntime-genai {ver}: {got['error']}")
+            say(NOTES[-1])
+            continue
+        for i, g in enumerate(got):
+            # decode = tokens after the first / time after the prompt's forward (append_tokens): its speculative
+            # strategies run a whole round inside the first generate_next_token, which must count as decoding
+            _record(rows, i, f"ortgenai {c['name']}", g["ids"], g["prefill_s"], g["total_s"])
+            rows[i][f"ortgenai {c['name']}"]["first_token_s"] = g["ttft_s"]
+            if g.get("spec_stats"):
+                rows[i][f"ortgenai {c['name']}"]["spec_stats"] = g["spec_stats"]
+    if "ortgenai plain" in rows[0]:  # its weights are re-quantized by its builder, so divergence is expected: where
+        pre = []
+        for r in rows:
+            a, b = r["ours plain"]["ids"], r["ortgenai plain"]["ids"]
+            pre.append(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+        NOTES.append("ortgenai plain vs ours plain, tokens in common before the first difference, per prompt: "
+                     + ", ".join(f"{p}/{len(r['ours plain']['ids'])}" for p, r in zip(pre, rows)))
+    for c in configs[1:]:  # speculation should not change the output: compare with onnxruntime-genai's own plain
+        n = f"ortgenai {c['name']}"
+        same = [r[n]["ids"] == r["ortgenai plain"]["ids"] for r in rows if n in r and "ortgenai plain" in r]
+        if same:
+            NOTES.append(f"{n}: output identical to ortgenai plain in {sum(same)}/{len(same)} prompts")
+    if any(d == "model" for d, _ in specs) and manifest.draft is None:
+        NOTES.append("ortgenai model:k: the bundle has no draft model")
+    if any(d == "prompt-lookup" for d, _ in specs):
+        NOTES.append(f"ortgenai prompt-lookup:k = n-gram decoding with ngram_size {ngram_size} (matches the last "
+                     f"{ngram_size - 1} tokens), max_draft_tokens k, fixed width (min_adaptive_k 0), no chained lookup")
+    return {"onnxruntime_genai": ver, "onnxruntime (genai)": res["versions"]["onnxruntime"],
+            "ortgenai weights": Path(target).name}
+
+
 def parse_specs(s: str) -> list[tuple[str, int]]:
     out = []
     for item in filter(None, s.split(",")):
@@ -222,7 +314,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
     ap.add_argument("--peers", default="hf", help="comma list of hf, llamacpp (llama-cpp-python), llamacpp-native "
-                                                  "(llama.cpp's own binaries, tools/build_llama_cpp.sh)")
+                                                  "(llama.cpp's own binaries, tools/build_llama_cpp.sh), ortgenai "
+                                                  "(onnxruntime-genai, tools/build_ortgenai.py)")
+    ap.add_argument("--ortgenai-ngram-size", type=int, default=3,
+                    help="onnxruntime-genai n-gram decoding's ngram_size N (2-16: match the last N-1 tokens)")
+    ap.add_argument("--ortgenai-genai-defaults", action="store_true",
+                    help="build onnxruntime-genai's models with its builder's own lm_head/embedding formats "
+                         "instead of the bundle's")
     ap.add_argument("--spec", default="model:4", help="our (and the peers') speculative configs, drafter:k,...")
     ap.add_argument("--suite", default="code,chat")
     ap.add_argument("--per-suite", type=int, default=2)
@@ -242,6 +340,10 @@ def main() -> None:
     for peer in a.peers.split(","):
         if peer == "llamacpp-native":
             versions.update(run_llamacpp_native(manifest, ids_list, specs, a.max_new_tokens, rows, texts))
+            continue
+        if peer == "ortgenai":
+            versions.update(run_ortgenai(manifest, ids_list, specs, a.max_new_tokens, rows, a.ortgenai_ngram_size,
+                                         a.ortgenai_genai_defaults))
             continue
         versions.update({"hf": run_hf, "llamacpp": run_llamacpp}[peer](manifest, ids_list, specs, a.max_new_tokens, rows))
     names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
@@ -273,11 +375,13 @@ def main() -> None:
         per_prompt = ", ".join(f"{r[n]['decode_tok_s']:.1f}" for r in rows)
         lines.append(f"| {n} | **{med[n]:.2f}** ({per_prompt}) | "
                      f"{med[n] / med['ours plain']:.2f}× | {med[n] / base:.2f}× | {same} |")
+    if NOTES:
+        lines += ["", *(f"* {n}" for n in NOTES)]
     md = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps({"machine": machine, "versions": versions, "args": vars(a),
-                                                 "rows": rows}, indent=1))
+                                                 "notes": NOTES, "rows": rows}, indent=1))
     (out / "peers.md").write_text(md)
     print(md)
 
