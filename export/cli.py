@@ -88,7 +88,7 @@ def presets() -> None:
 @click.option("--quant-form", type=click.Choice(["matmulnbits", "qdq"]), default="matmulnbits", show_default=True,
               help="How int8/int4 matrices are written: ONNX Runtime's MatMulNBits, or standard ONNX (opset 21) "
                    "blocked DequantizeLinear + MatMul with scales > 0 — what TensorRT 10 builds as weight-only "
-                   "INT4, and what ONNX Runtime >= 1.20 fuses back into the same MatMulNBits kernel at load.")
+                   "INT4, and what ONNX Runtime >= 1.25 fuses back into the same MatMulNBits kernel at load.")
 @click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
               help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
                    "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")

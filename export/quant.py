@@ -283,7 +283,7 @@ class WeightFormat:
     gguf_exact: bool = True
     # how a quantized matrix is written: com.microsoft MatMulNBits, or standard ONNX (opset 21) DequantizeLinear
     # (int4/int8 blocked, symmetric, scales > 0) feeding MatMul — what TensorRT 10 parses as weight-only INT4,
-    # and what ONNX Runtime (>= 1.20: runtime.backends.ort.QDQ_MIN_ORT) fuses back into MatMulNBits at load (same kernel, bitwise equal)
+    # and what ONNX Runtime (>= 1.25: runtime.backends.ort.QDQ_MIN_ORT) fuses back into MatMulNBits at load (same kernel, bitwise equal)
     form: str = "matmulnbits"
 
     def __post_init__(self) -> None:

@@ -237,14 +237,15 @@ def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads,
 @click.option("--backend", default="auto", show_default=True, help=BACKEND_HELP)
 @click.option("--threads", type=THREADS, default=None)
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
-def serve(bundle, host, port, max_queue, api_key, backend, threads, log_level) -> None:
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True, help=CUDA_GRAPHS_HELP)
+def serve(bundle, host, port, max_queue, api_key, backend, threads, log_level, cuda_graphs) -> None:
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics). Needs the [serve] extra."""
     from .server import serve as run_server
 
     try:
         run_server(bundle, host=host, port=port, max_queue=max_queue, api_key=api_key, backend=backend,
-                   threads=threads, log_level=log_level)
+                   threads=threads, log_level=log_level, cuda_graphs=cuda_graphs)
     except SpecEdgeError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -337,7 +337,7 @@ def _reason(reason: str | None) -> str | None:
 
 
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16, api_key: str | None = None,
-          backend: str = "auto", threads: int | None = None, log_level: str = "info") -> None:
+          backend: str = "auto", threads: int | None = None, log_level: str = "info", cuda_graphs: bool = True) -> None:
     """Load the bundle and serve it until interrupted."""
     try:
         import uvicorn
@@ -345,7 +345,7 @@ def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int
         raise SpecEdgeError("spec-run serve needs the [serve] extra: pip install 'specedge[serve]'") from None
     from pathlib import Path
 
-    dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size")
+    dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", cuda_graphs=cuda_graphs)
     srv = Server(dec, Path(bundle).resolve().name, max_queue=max_queue, api_key=api_key)
     try:
         uvicorn.run(srv.app, host=host, port=port, log_level=log_level)

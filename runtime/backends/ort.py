@@ -71,7 +71,7 @@ def check_graph_io(session: Any, spec: tuple[list, list], what: str) -> None:
 
 
 QDQ_FORMAT = "DequantizeLinear+MatMul"  # manifest quant["format"] of --quant-form qdq graphs
-QDQ_MIN_ORT = (1, 20)
+QDQ_MIN_ORT = (1, 25)  # int4 blocks fuse from 1.20, 8-bit blocks (Q8_0, Q6_K, the int8 lm_head) from 1.25
 
 
 def qdq_runtime_check(version: str) -> None:

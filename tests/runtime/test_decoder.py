@@ -128,6 +128,8 @@ def test_bad_input_is_refused_and_decoder_stays_usable(decoders):
 
 
 def test_corrupt_bundle_is_refused_at_load(bundles, tmp_path):
+    """The default load checks sizes (no hashing of gigabytes before the first token on a Jetson): a truncated
+    weight file is refused; a bit flip is caught one flag away, verify="sha256"."""
     import shutil
 
     dst = tmp_path / "b"
@@ -136,6 +138,10 @@ def test_corrupt_bundle_is_refused_at_load(bundles, tmp_path):
     raw[-5] ^= 1
     (dst / "target.onnx.data").write_bytes(bytes(raw))
     with pytest.raises(BundleError, match="sha256"):
+        SpecDecoder.load(dst, verify="sha256")
+    SpecDecoder.load(dst).close()  # size-only: the flip goes unnoticed, as documented
+    (dst / "target.onnx.data").write_bytes(bytes(raw[:-64]))
+    with pytest.raises(BundleError, match="bytes"):
         SpecDecoder.load(dst)
 
 
