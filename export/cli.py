@@ -188,7 +188,10 @@ def build(bundle: str, backend: str, precision: str, workspace_gb: float, timing
     t0 = time.perf_counter()
     try:
         if backend == "trt" and memory_check:
+            from specedge.runtime.backends.trt import import_tensorrt
             from specedge.runtime.memplan import GiB, format_plan
+
+            import_tensorrt()  # no TensorRT: say that first, not a plan for a machine that cannot build
 
             p = _plan_of(bundle, None, "trt", precision, head)
             _say(format_plan(p))

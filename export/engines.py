@@ -93,6 +93,23 @@ def trt_parser_problems(model: Any) -> list[str]:
     return out
 
 
+def _read_for_build(bundle_dir: Path) -> Manifest:
+    """The manifest, with the files a build reads (graphs, weights, tokenizer) checked by size. Files of engine
+    sets are not required: a build recreates them (an engine deleted by hand is rebuilt, not an error)."""
+    m = read_manifest(bundle_dir, verify="none")
+    derived = {f for es in m.engines.values() for g in es.get("graphs", {}).values() for f in (g, f"{g}.data")}
+    for name, meta in m.files.items():
+        f = bundle_dir / name
+        if name in derived:
+            continue
+        if not f.is_file():
+            raise BundleError(f"bundle {bundle_dir} is missing {name} (listed in the manifest)")
+        if f.stat().st_size != meta["bytes"]:
+            raise BundleError(f"{name} in {bundle_dir} has {f.stat().st_size} bytes, the manifest says "
+                              f"{meta['bytes']}: the bundle is corrupt")
+    return m
+
+
 def _register(manifest: Manifest, bundle_dir: Path, es: EngineSet, say: Say) -> Manifest:
     """The manifest with `es` recorded and its files hashed (replacing a previous set of the same key)."""
     files = dict(manifest.files)
@@ -121,7 +138,7 @@ def build_onnx(bundle_dir: str | Path, precision: str = "fp16", progress: Say | 
     bundle_dir = Path(bundle_dir)
     if precision not in PRECISIONS:
         raise BundleError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
-    m = read_manifest(bundle_dir, verify="size")
+    m = _read_for_build(bundle_dir)
     key = f"onnx-{precision}"
     sources = {role: m.files[e.graph]["sha256"] for role, e in m.models.items()}
     if key in m.engines and not force:
@@ -188,7 +205,7 @@ def build_trt(bundle_dir: str | Path, opts: TrtBuildOptions = TrtBuildOptions(),
     say(f"TensorRT {trt.__version__} on {gpu} (compute capability {cc}), {free / 2**30:.1f} of "
         f"{total / 2**30:.1f} GiB free")
     onnx_set = build_onnx(bundle_dir, opts.precision, say, head=opts.head)
-    m = read_manifest(bundle_dir, verify="size")
+    m = _read_for_build(bundle_dir)
     cache_path = Path(opts.timing_cache) if opts.timing_cache else default_timing_cache(trt.__version__, cc)
     (bundle_dir / ENGINE_DIR).mkdir(exist_ok=True)
     t_all = time.perf_counter()

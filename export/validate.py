@@ -31,6 +31,7 @@ import numpy as np
 
 from specedge.runtime.drafters import feed
 from specedge.runtime.errors import BundleError
+from specedge.runtime.backends.ort import QDQ_FORMAT
 from specedge.runtime.manifest import Manifest, read_manifest
 from specedge.runtime.text import TextCodec
 
@@ -132,7 +133,7 @@ def record(bundle_dir: Path, manifest: Manifest, opts: ValidateOptions, say: Cal
     cases, greedy = [], []
     P, K = manifest.prefill_chunk, manifest.k
     for role in manifest.models:
-        runner = OrtRunner(bundle_dir, manifest, role, threads=opts.threads)
+        runner = OrtRunner(bundle_dir, manifest, role, threads=opts.threads, accuracy_level=0)
         try:
             for i, ids in enumerate(prompts):
                 need = len(ids) + opts.tokens + K + 1
@@ -174,12 +175,27 @@ def record(bundle_dir: Path, manifest: Manifest, opts: ValidateOptions, say: Cal
     return cases, greedy
 
 
+def _weight_only_session(path: Path, providers: list[str]) -> Callable[[], Any]:
+    """An ONNX Runtime session loader whose fused int4/int8 MatMulNBits (qdq graphs) compute in fp32
+    (accuracy level 0): the numerics of a weight-only engine, without ONNX Runtime's int8 activation rounding."""
+    import onnxruntime as ort
+
+    def load() -> Any:
+        so = ort.SessionOptions()
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+        return ort.InferenceSession(str(path), so, providers=providers)
+
+    return load
+
+
 def run_reference(bundle_dir: Path, manifest: Manifest, cases: list[Case], say: Callable[[str], None]) -> None:
-    """Fill each case's reference outputs with polygraphy's ONNX Runtime runner on the fp32 graph (CPU)."""
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    """Fill each case's reference outputs with polygraphy's ONNX Runtime runner on the fp32 graph (CPU). A
+    --quant-form qdq graph runs with fp32 compute (accuracy level 0): its int4 weights, no int8 activations —
+    the reference a weight-only INT4 engine is held to."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner
 
     for role, e in manifest.models.items():
-        runner = OnnxrtRunner(SessionFromOnnx(str(bundle_dir / e.graph), providers=["CPUExecutionProvider"]),
+        runner = OnnxrtRunner(_weight_only_session(bundle_dir / e.graph, ["CPUExecutionProvider"]),
                               name=f"ort-fp32-{role}")
         with runner:
             for c in (c for c in cases if c.role == role):
@@ -253,14 +269,14 @@ def _candidate_runners(bundle_dir: Path, manifest: Manifest, opts: ValidateOptio
                 yield TrtRunner(engine, name=f"trt-{es.precision}-{role}-T{T}", optimization_profile=p), mine, \
                     np.dtype(np.float16)
         return
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.backend.onnxrt import OnnxrtRunner
 
     from .engines import build_onnx
 
     es = build_onnx(bundle_dir, opts.precision or "fp16")
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if opts.candidate == "ort-cuda-fp16" \
         else ["CPUExecutionProvider"]
-    sess = SessionFromOnnx(str(bundle_dir / es.graphs[role]), providers=providers)
+    sess = _weight_only_session(bundle_dir / es.graphs[role], providers)
     yield OnnxrtRunner(sess, name=f"{opts.candidate}-{role}"), cases, np.dtype(np.float16)
 
 
@@ -269,7 +285,7 @@ def _runtime_candidate(bundle_dir: Path, manifest: Manifest, opts: ValidateOptio
 
     backend = {"ort-fp16": "ort-cpu", "ort-cuda-fp16": "ort-cuda", "trt": "trt"}[opts.candidate]
     precision = opts.precision or ("fp16" if backend != "trt" else None)
-    return open_runner(backend, bundle_dir, manifest, role, opts.threads, precision, {})
+    return open_runner(backend, bundle_dir, manifest, role, opts.threads, precision, {}, accuracy_level=0)
 
 
 def compare_cases(bundle_dir: Path, manifest: Manifest, cases: list[Case], opts: ValidateOptions,
@@ -373,10 +389,12 @@ def validate(bundle: str | Path, opts: ValidateOptions = ValidateOptions(),
     t0 = time.perf_counter()
     bundle_dir = Path(bundle)
     manifest = read_manifest(bundle_dir, verify="size")
-    if manifest.kv_mode != "portable" or any(e.quant for e in manifest.models.values()):
+    if manifest.kv_mode != "portable" or any(e.quant and e.quant.get("format") != QDQ_FORMAT
+                                             for e in manifest.models.values()):
         raise BundleError("validate compares reduced-precision graphs and TensorRT engines, which are built from "
-                          "fp32 bundles in the portable KV mode; this bundle is "
-                          f"{manifest.kv_mode} / {manifest.target.precision}")
+                          "fp32 or --quant-form qdq bundles in the portable KV mode; this bundle is "
+                          f"{manifest.kv_mode} / {manifest.target.precision}"
+                          f"{' (MatMulNBits)' if manifest.target.quant else ''}")
     precision = opts.precision or ("fp16" if opts.candidate != "trt" else manifest.engine_set("trt").precision)
     base = DEFAULT_TOLERANCES.get(precision, DEFAULT_TOLERANCES["fp16"])
     tol = {"logits": opts.logits or base["logits"], "present": opts.present or base["present"]}

@@ -103,12 +103,14 @@ def resolve_backend(name: str, manifest: Manifest) -> str:
 
 
 def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, threads: int | None = None,
-                precision: str | None = None, shared: dict | None = None, cuda_graphs: bool = True) -> GraphRunner:
+                precision: str | None = None, shared: dict | None = None, cuda_graphs: bool = True,
+                accuracy_level: int | None = None) -> GraphRunner:
     """One model's runner. precision: None/"fp32" runs the fp32 graph on ONNX Runtime; "fp16" runs the bundle's
     fp16 ONNX graphs (``spec-export build --backend onnx``); TensorRT runs the built engines (None: the only
     precision built). shared: per-decoder state the runners of one bundle share (TensorRT: stream, scratch).
     cuda_graphs: TensorRT replays each width's step as a CUDA graph (False: plain execute); other backends
-    ignore it."""
+    ignore it. accuracy_level: ONNX Runtime, --quant-form qdq graphs: the fused MatMulNBits' compute precision
+    instead of the bundle's (validate: 0)."""
     if backend == "trt":
         from .trt import TrtRunner
 
@@ -122,7 +124,7 @@ def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, t
         providers = [("TensorrtExecutionProvider", trt_ep_options(bundle_dir, manifest, role)),
                      ("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
     return OrtRunner(bundle_dir, manifest, role, device="cpu" if backend == "ort-cpu" else "cuda",
-                     threads=threads, engines=engines, providers=providers)
+                     threads=threads, engines=engines, providers=providers, accuracy_level=accuracy_level)
 
 
 def trt_ep_options(bundle_dir: Path, manifest: Manifest, role: str) -> dict[str, object]:

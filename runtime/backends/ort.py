@@ -92,9 +92,12 @@ class OrtRunner:
     """One model of a bundle on ONNX Runtime, buffers bound once per width."""
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, role: str, device: str = "cpu",
-                 threads: int | None = None, engines: EngineSet | None = None, providers: list | None = None):
+                 threads: int | None = None, engines: EngineSet | None = None, providers: list | None = None,
+                 accuracy_level: int | None = None):
         """engines: a reduced-precision ("onnx") engine set to run instead of the fp32 graph.
-        providers: ONNX Runtime execution providers (default: CUDA for device "cuda", else CPU)."""
+        providers: ONNX Runtime execution providers (default: CUDA for device "cuda", else CPU).
+        accuracy_level: for --quant-form qdq graphs, the fused MatMulNBits' compute precision instead of the
+        bundle's (validate runs 0, fp32 compute: what a weight-only INT4 engine computes)."""
         import onnxruntime as ort
 
         self.entry = manifest.models[role]
@@ -119,7 +122,8 @@ class OrtRunner:
         if quant.get("format") == QDQ_FORMAT:
             qdq_runtime_check(ort.__version__)
             # the fused MatMulNBits' compute precision: the bundle's, not ONNX Runtime's default (4, int8)
-            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(quant.get("accuracy_level", 4)))
+            level = accuracy_level if accuracy_level is not None else quant.get("accuracy_level", 4)
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BackendUnavailableError("ort-cuda needs onnxruntime-gpu with a working CUDA install")

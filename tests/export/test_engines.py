@@ -268,3 +268,18 @@ def test_goldens_from_another_bundle_are_refused(fp16_bundle, bundles, tmp_path)
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(BundleError, match="not a specedge goldens file"):
         validate(fp16_bundle, ValidateOptions(goldens=tmp_path / "junk.npz"))
+
+
+def test_a_deleted_engine_file_is_rebuilt_not_refused(fp16_bundle, tmp_path):
+    """A derived graph removed by hand: loading refuses the bundle (the file is listed), and `build` recreates
+    it instead of refusing to start."""
+    import shutil
+
+    b = tmp_path / "b"
+    shutil.copytree(fp16_bundle, b)
+    es = read_manifest(b, verify="size").engine_set("onnx", "fp16")
+    (b / es.graphs["target"]).unlink()
+    with pytest.raises(BundleError, match="missing"):
+        read_manifest(b, verify="size")
+    build_onnx(b, "fp16")
+    read_manifest(b, verify="sha256")  # whole again, hashes recorded

@@ -49,7 +49,10 @@ def test_plan_cli_for_a_bundle_and_a_board_file(bundles, tmp_path):
     assert r.exit_code != 0 and "neither a bundle directory nor a preset" in r.output
 
 
-def test_trt_build_refuses_what_cannot_fit_before_touching_tensorrt(bundles, monkeypatch):
+def test_trt_build_refuses_what_cannot_fit_before_building(bundles, monkeypatch):
+    from specedge.runtime.backends import trt
+
     monkeypatch.setattr(memplan, "this_machine", lambda: Board("tiny", 0.05, True, 0))
+    monkeypatch.setattr(trt, "import_tensorrt", lambda: object())  # as if TensorRT were installed
     r = CliRunner().invoke(export_cli.main, ["build", str(bundles["model"]), "--backend", "trt"])
     assert r.exit_code != 0 and "will not fit this machine" in r.output and "--no-memory-check" in r.output
