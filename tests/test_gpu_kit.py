@@ -1,7 +1,8 @@
 """The GPU smoke kit (tools/gpu_kit.py) on this CPU machine: `prepare` makes a small, complete kit; `check
 --dry-run` passes every CPU check and reports every GPU check as skipped with its reason and plan; a tampered
 golden fails the CPU parity check (so the goldens and the check code are what the GPU run relies on); the
-TensorRT size bookkeeping runs against the stand-in TensorRT of tests/export/test_trt_build_fake.py."""
+TensorRT size and build bookkeeping (the int4-qdq bundle's weight-only INT4 engines included) runs against the
+stand-in TensorRT of tests/export/test_trt_build_fake.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT_PY = [sys.executable, str(ROOT / "tools" / "gpu_kit.py")]
-GPU_CHECKS = {  # every GPU check the kit declares for its three bundles
+QDQ_GPU_CHECKS = {  # the int4-qdq bundle on a GPU: weight-only INT4 engines, its fp16 graph on ort-cuda
+    "trt-build/int4-qdq", "parity/trt/int4/int4-qdq", "greedy/trt/int4/int4-qdq",
+    "parity/ort-cuda/int4-fp16/int4-qdq", "greedy/ort-cuda/int4-fp16/int4-qdq",
+}
+QDQ_CPU_CHECKS = {"parity/ort-cpu/int4/int4-qdq", "parity/ort-cpu/int4-fp16/int4-qdq", "greedy/ort-cpu/int4/int4-qdq",
+                  "trt-parser/int4-qdq"}
+GPU_CHECKS = {  # every GPU check the kit declares for its four bundles
     "cuda-binding", "nan-cache/ort-cuda/fp32/model", "nan-cache/ort-cuda/fp16/model",
     "parity/ort-cuda/fp32/model", "parity/ort-cuda/fp32/lookup", "parity/ort-cuda/tf32/model",
     "parity/ort-cuda/fp16/model", "parity/ort-cuda/fp16/lookup", "parity/ort-cuda/int4/int4",
@@ -28,12 +36,13 @@ GPU_CHECKS = {  # every GPU check the kit declares for its three bundles
     "parity/trt/fp16/lookup", "parity/trt-graphs/fp16/lookup", "greedy/trt/fp16/lookup", "validate/trt/lookup",
     "greedy/trt-graphs/fp16/model", "step-times/trt/model", "step-times/ort-cuda/model", "trt-profiles/model",
     "parity/ort-trt/fp32/model", "parity/ort-trt/fp32/lookup", "greedy/ort-trt/fp32/model",
+    *QDQ_GPU_CHECKS,
 }
 CPU_CHECKS = {
     "environment", "kit-integrity", "parity/ort-cpu/fp32/model", "parity/ort-cpu/fp32/lookup",
     "parity/ort-cpu/int4/int4", "parity/ort-cpu/fp16/model", "parity/ort-cpu/fp16/lookup",
     "greedy/ort-cpu/fp32/model", "greedy/ort-cpu/fp32/lookup", "greedy/ort-cpu/int4/int4",
-    "validate/ort-fp16/model", "validate/ort-fp16/lookup",
+    "validate/ort-fp16/model", "validate/ort-fp16/lookup", *QDQ_CPU_CHECKS,
 }
 
 
@@ -55,11 +64,11 @@ def check(kit: Path, tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess
 def test_prepare_makes_a_small_complete_kit(kit):
     meta = json.loads((kit / "kit.json").read_text())
     assert meta["bytes"] < 20e6  # carried to the GPU machine with the working tree
-    assert set(meta["bundles"]) == {"model", "lookup", "int4"}
+    assert set(meta["bundles"]) == {"model", "lookup", "int4", "int4-qdq"}
     for name, b in meta["bundles"].items():
         man = json.loads((kit / b["dir"] / "manifest.json").read_text())
-        assert ("onnx-fp16" in man["engines"]) == (b["weights"] == "fp32"), name
-        assert man["target"]["precision"] == b["weights"]
+        assert ("onnx-fp16" in man["engines"]) == (name != "int4"), name  # int4-qdq: TensorRT's fp16 input
+        assert man["target"]["precision"] == b["weights"] and man["kv_mode"] == "portable"
         z = np.load(kit / b["goldens"])
         ops = json.loads(bytes(z["meta"]).decode())["ops"]
         assert {o["part"] for o in ops} == {"past_len 0", "past_len P", "rollback", "padded prefill"}
@@ -67,6 +76,13 @@ def test_prepare_makes_a_small_complete_kit(kit):
         for role in ("target", "draft") if b["drafter"] == "model" else ("target",):  # every width at past_len 0
             widths = {w["T"] for w in man[role]["widths"]}
             assert {len(o["tokens"]) for o in ops if o["role"] == role and o["part"] == "past_len 0"} == widths
+    for role in ("target", "draft"):  # int4 as standard ONNX, fp32 compute (accuracy level 0) like the int4 bundle
+        q = json.loads((kit / "bundles" / "int4-qdq" / "manifest.json").read_text())[role]["quant"]
+        assert q["format"] == "DequantizeLinear+MatMul" and q["bits"] == 4 and q["block"] == 32
+        assert q["accuracy_level"] == 0
+    assert "--quant-form qdq --kv-mode portable" in meta["bundles"]["int4-qdq"]["commands"][0]
+    assert meta["bundles"]["int4-qdq"]["reduced_precision_on_cpu"]["fp16"]["max_reldiff_vs_int4_on_cpu"] < \
+        meta["tolerances"]["int4-fp16"]["rel"]
     greedy = json.loads((kit / "goldens" / "greedy.json").read_text())
     assert all(len(g["prompts"]) == 3 and all(len(p["tokens"]) == 24 for p in g["prompts"]) for g in greedy.values())
     assert (kit / "goldens" / "validate-model.npz").is_file() and (kit / "pylib.tar.gz").is_file()
@@ -84,13 +100,29 @@ def test_dry_run_passes_the_cpu_checks_and_skips_every_gpu_check_with_its_plan(k
     for i in GPU_CHECKS:
         c = by[i]
         assert c["status"] == "skipped" and c["reason"], i
-        assert c["reason"].startswith("no GPU") or (i == "trt-build/int4" and "not applicable" in c["reason"])
+        if i == "trt-build/int4":  # MatMulNBits: pointed at the int4-qdq bundle's TensorRT checks
+            assert "trt-build/int4-qdq" in c["reason"] and "parity/trt/int4/int4-qdq" in c["reason"], c["reason"]
+        else:
+            assert c["reason"].startswith("no GPU"), (i, c["reason"])
         assert c["plan"].get("what"), i
     for i in (i for i in GPU_CHECKS if i.startswith("parity/")):  # widths and tolerance spelled out
         plan = by[i]["plan"]
         assert plan["widths"]["target"] == [1, 2, 3, 4, 5, 16] and "max|d| <=" in plan["tolerance"], i
         assert any("SpecDecoder.load" in a or "OrtRunner(" in a for a in plan["api"]), i
     assert "spec-export build" in by["trt-build/model"]["plan"]["commands"][0]
+    assert "spec-export build WORK/bundles/int4-qdq --backend trt" in by["trt-build/int4-qdq"]["plan"]["commands"][0]
+    assert "INT4" in by["trt-build/int4-qdq"]["plan"]["what"]
+    for i in ("parity/trt/int4/int4-qdq", "parity/ort-cuda/int4-fp16/int4-qdq"):  # the stated int4-on-GPU bound
+        assert by[i]["plan"]["tolerance"].startswith("int4-fp16: max|d| <= 0.03 x max|ref| + 0.02"), i
+        assert "precision='fp16'" in by[i]["plan"]["api"][0], i
+    parser = by["trt-parser/int4-qdq"]  # the fp16 graphs TensorRT builds: INT4 DequantizeLinear, parser rules hold
+    for role in ("target", "draft"):
+        r = parser["roles"][role]
+        assert r["problems"] == [] and r["int4_dq_nodes"] > 0 and set(r["dq_nodes_by_input_type"]) == {"INT4"}
+        assert r["dq_axis_block_size"] == {"axis=0, block_size=32": r["int4_dq_nodes"]} and r["domains"] == ["ai.onnx"]
+        assert r["fp32_graph_problems"] >= 1  # the int8 lm_head blocks of the fp32 graph: not TensorRT's input
+    assert "INT4 DequantizeLinear" in parser["summary"] and "0 problems" in parser["summary"]
+    assert by["parity/ort-cpu/int4-fp16/int4-qdq"]["steps_passed"] == by["parity/ort-cpu/int4-fp16/int4-qdq"]["steps"]
     assert "--goldens" in by["validate/trt/model"]["plan"]["commands"][0]
     assert by["parity/ort-cpu/fp32/model"]["steps_passed"] == by["parity/ort-cpu/fp32/model"]["steps"] > 40
     assert "skipped: no GPU" in p.stdout
@@ -144,3 +176,48 @@ def test_trt_size_bookkeeping_with_a_stand_in_tensorrt(kit, tmp_path, monkeypatc
     assert t["weights_bytes"] == sum((bundle / f).stat().st_size for f in ("target.fp16.onnx", "target.fp16.onnx.data"))
     assert t["profiles_N"]["engine_bytes"] == 4 and t["bytes_per_extra_profile"] == 0  # the stand-in's b"PLAN"
     assert len(trt.rec["profiles"]) == (1 + 6) + (1 + 2)  # four builds: target and draft, 1 and N profiles
+
+
+def test_trt_build_bookkeeping_of_the_int4_qdq_bundle(kit, tmp_path, monkeypatch):
+    """The int4-qdq build check's own arithmetic — engine bytes vs the fp16 graph's weights and its INT4 blocks, vs
+    the same models' fp16 engines — on engines that the stand-in TensorRT built in-process."""
+    from tests.export.test_trt_build_fake import fake_trt
+
+    import specedge.export.engines as engines
+    import specedge.runtime.backends.cuda_rt as cuda_rt
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import gpu_kit_trt as kt
+
+    class Cuda:
+        def compute_capability(self) -> str:
+            return "8.7"
+
+        def device_name(self) -> str:
+            return "stand-in GPU"
+
+        def mem_info(self) -> tuple[int, int]:
+            return 6 << 30, 8 << 30
+
+    monkeypatch.setattr(cuda_rt, "CudaRuntime", Cuda)
+    meta = json.loads((kit / "kit.json").read_text())
+    ctx = types.SimpleNamespace(meta=meta, results={}, work=tmp_path, bundle=lambda b: tmp_path / "bundles" / b,
+                                spec_export=lambda *a: [sys.executable, "gpu_kit.py", "spec-export", *map(str, a)],
+                                show=lambda cmd: " ".join(cmd),
+                                sh=lambda cmd, timeout: subprocess.CompletedProcess(cmd, 0, "", ""))
+    for name, plan in (("model", b"PLAN" * 100), ("int4-qdq", b"PLAN" * 30)):
+        shutil.copytree(kit / "bundles" / name, ctx.bundle(name))
+        monkeypatch.setattr(engines, "import_tensorrt", lambda plan=plan: fake_trt(plan=plan))
+        engines.build_trt(ctx.bundle(name), engines.TrtBuildOptions(timing_cache=str(tmp_path / "timing.cache")))
+    ctx.results["trt-parser/int4-qdq"] = {"status": "passed", **kt.parser_rules(ctx, "int4-qdq")}
+    ctx.results["trt-build/model"] = {"status": "passed", **kt.build(ctx, "model")}
+    rep = kt.build(ctx, "int4-qdq", "model")
+    assert rep["passed"], rep
+    t = rep["roles"]["target"]
+    graph = ctx.bundle("int4-qdq") / "target.fp16.onnx"
+    assert t["engine_bytes"] == 120 and t["profiles"] == 6 and t["T"] == [1, 2, 3, 4, 5, 16]
+    assert t["weights_bytes"] == graph.stat().st_size + graph.with_name(graph.name + ".data").stat().st_size
+    assert 0 < t["int4_weight_bytes"] < t["weights_bytes"]
+    assert t["fp16_engine_bytes_model"] == 400 and t["engine_over_fp16_engine"] == 0.3
+    assert "INT4" in rep["summary"] and "0.3x the fp16 engine of model" in rep["summary"]
+    assert "the fp16 weights" in ctx.results["trt-build/model"]["summary"]

@@ -1,22 +1,26 @@
 """The GPU smoke kit: prepared on the CPU machine, checked on a GPU machine that cannot download anything.
 
     python tools/gpu_kit.py prepare .gpu-kit            # CPU machine, test venv (torch + transformers): bundles,
-                                                         # fp16 + int4 graphs, goldens from ONNX Runtime CPU (~10 s)
+                                                         # fp16 + int4 (MatMulNBits and qdq) graphs, goldens from
+                                                         # ONNX Runtime CPU (~10 s)
     bash tools/gpu_check.sh .gpu-kit                     # GPU machine: every check below, report JSON, < 8 min
     python tools/gpu_kit.py check .gpu-kit --report R.json [--dry-run] [--only SUBSTR,..] [--work DIR] [--budget-s S]
     python tools/gpu_kit.py spec-export ARGS | exec SCRIPT ARGS   # the CLI / a script, with the imports below
 
 `check` copies the kit's bundles to a work folder (the kit stays as prepared), runs the CPU checks (the kit's
 integrity; its goldens replayed on ONNX Runtime CPU, which proves the goldens and the check code; greedy
-speculative == plain on CPU; `spec-export validate --goldens` on CPU) and then the GPU checks: CUDA binding vs
+speculative == plain on CPU; `spec-export validate --goldens` on CPU; the int4-qdq bundle's fp16 graphs against
+TensorRT's ONNX parser rules, its INT4 DequantizeLinear nodes counted) and then the GPU checks: CUDA binding vs
 CuPy, ort-cuda with a NaN-poisoned allocator, step-by-step parity with the goldens at every width (past_len 0
-and > 0, after rollbacks, target and draft interleaved) on ort-cuda fp32/TF32/fp16/int4, TensorRT fp16 with and
-without CUDA graphs and ONNX Runtime's TensorRT EP, TensorRT builds (seconds, engine vs weight bytes with 1 and
-N profiles), `spec-export validate --goldens`, greedy speculative == plain for every drafter and k = 1..K, step
-times per width with and without CUDA graphs. Without a GPU (or with --dry-run) every GPU check is printed
-with what it would run — commands, API calls, widths, tolerances — and reported "skipped: no GPU"; a check
-whose library is missing (TensorRT, onnxruntime-gpu, CuPy) is skipped with that reason. Exit status 0 when
-no check failed.
+and > 0, after rollbacks, target and draft interleaved) on ort-cuda fp32/TF32/fp16/int4 (MatMulNBits; and the
+int4-qdq fp16 graph), TensorRT fp16 with and without CUDA graphs, TensorRT weight-only INT4 (int4-qdq) and ONNX
+Runtime's TensorRT EP, TensorRT builds (seconds, engine vs weight bytes, with 1 and N profiles; int4-qdq engines
+vs the same models' fp16 engines), `spec-export validate --goldens`, greedy speculative == plain for every
+drafter and k = 1..K, step times per width with and without CUDA graphs. Without a GPU (or with --dry-run) every
+GPU check is printed with what it would run — commands, API calls, widths, tolerances — and reported "skipped: no
+GPU"; a check whose library is missing (TensorRT, onnxruntime-gpu, CuPy; an onnxruntime older than the
+runtime's QDQ_MIN_ORT for the int4-qdq bundle on ONNX Runtime; onnx for its parser-rules check) is skipped
+with that reason. Exit status 0 when no check failed.
 
 The kit imports specedge from this checkout (an import shim where it is not installed, or installed from
 elsewhere) and, where the machine lacks click / jinja2 / tokenizers / polygraphy, the copies the kit carries

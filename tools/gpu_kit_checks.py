@@ -87,7 +87,7 @@ class Check:
     plan: Callable[[Ctx], dict]
     run: Callable[[Ctx], dict]
     after: tuple[str, ...] = ()  # checks that must have passed first
-    na: str | None = None  # not applicable to this kit, and why (reported as skipped)
+    na: str | None = None  # never runs in this kit: the reason reported (where it is checked instead)
 
 
 # ------------------------------------------------------------------ environment
@@ -142,7 +142,32 @@ def probe(dry_run: bool, libs: dict[str, str]) -> tuple[dict, dict[str, bool], d
     for lib in ("polygraphy", "click", "tokenizers", "jinja2"):
         caps[lib] = not str(libs.get(lib, "missing")).startswith("missing")
         why[lib] = f"{lib} {libs.get(lib)} (and the kit's copy did not help)"
+    try:  # the int4-qdq parser-rules check loads its graphs with onnx (the kit does not carry it)
+        import onnx
+
+        caps["onnx"], why["onnx"] = True, f"onnx {onnx.__version__}"
+    except Exception as e:  # noqa: BLE001
+        caps["onnx"], why["onnx"] = False, f"onnx is not importable ({type(e).__name__}: {str(e)[:200]})"
+    caps["ort-qdq"], why["ort-qdq"] = _ort_qdq()
     return env, caps, why
+
+
+def _ort_qdq() -> tuple[bool, str]:
+    """Whether this ONNX Runtime opens --quant-form qdq bundles (the runtime refuses one that would not fuse
+    their DequantizeLinear + MatMul into MatMulNBits)."""
+    import onnxruntime as ort
+
+    from specedge.runtime.errors import BackendUnavailableError
+
+    try:
+        from specedge.runtime.backends.ort import qdq_runtime_check
+
+        qdq_runtime_check(ort.__version__)
+    except BackendUnavailableError as e:
+        return False, str(e)
+    except ImportError:
+        return False, "this checkout's ONNX Runtime backend has no qdq_runtime_check (no --quant-form qdq support)"
+    return True, f"onnxruntime {ort.__version__}"
 
 
 def _validate_fields() -> list[str]:
@@ -196,9 +221,10 @@ NEEDS = {"ort-cpu": (), "ort-cuda": ("ort-cuda",), "trt": ("tensorrt", "tokenize
          "ort-trt": ("ort-trt",)}
 
 
-def _needs(cfg: Config) -> tuple[str, ...]:
+def _needs(cfg: Config, qdq: bool = False) -> tuple[str, ...]:
     base = ("tokenizers", "jinja2") if not cfg.tf32_off else ()  # SpecDecoder.load reads the tokenizer
-    return tuple(dict.fromkeys((*NEEDS[cfg.backend], *base, *(("cuda_graphs",) if cfg.graphs else ()))))
+    ort_qdq = ("ort-qdq",) if qdq and cfg.backend.startswith("ort") else ()  # ONNX Runtime opening a qdq bundle
+    return tuple(dict.fromkeys((*NEEDS[cfg.backend], *base, *(("cuda_graphs",) if cfg.graphs else ()), *ort_qdq)))
 
 
 def checks(ctx: Ctx) -> list[Check]:
@@ -206,17 +232,20 @@ def checks(ctx: Ctx) -> list[Check]:
     before what uses their engines; ONNX Runtime's TensorRT EP (it builds engines on first use) last."""
     fp = [b for b, m in ctx.meta["bundles"].items() if m["weights"] == "fp32"]
     q = [b for b, m in ctx.meta["bundles"].items() if m["weights"] != "fp32"]
+    qdq = [b for b in q if ctx.meta["bundles"][b].get("quant_form") == "qdq"]  # int4 as standard ONNX: TensorRT too
+    nbits = [b for b in q if b not in qdq]  # int4 as MatMulNBits: ONNX Runtime only
     first, by = fp[0], CONFIGS
+    same_models = next((b for b in fp if ctx.meta["bundles"][b]["drafter"] == "model"), None)  # int4-qdq's, in fp16
     out = [Check("environment", False, (), lambda c: {"what": "GPU, CUDA, TensorRT, ONNX Runtime, CuPy, API"},
                  environment),
            Check("kit-integrity", False, (), lambda c: {"what": "sha256 of every kit file and bundle"}, integrity)]
 
     def par(cfg: Config, b: str, gpu: bool, after: tuple[str, ...] = ()) -> Check:
-        return Check(f"parity/{cfg.name}/{b}", gpu, _needs(cfg), lambda c: parity_plan(c, b, cfg),
+        return Check(f"parity/{cfg.name}/{b}", gpu, _needs(cfg, b in qdq), lambda c: parity_plan(c, b, cfg),
                      lambda c: parity(c, b, cfg), after)
 
     def gre(cfg: Config, b: str, gpu: bool, after: tuple[str, ...] = ()) -> Check:
-        return Check(f"greedy/{cfg.name}/{b}", gpu, _needs(cfg), lambda c: greedy_plan(c, b, cfg),
+        return Check(f"greedy/{cfg.name}/{b}", gpu, _needs(cfg, b in qdq), lambda c: greedy_plan(c, b, cfg),
                      lambda c: greedy(c, b, cfg), after)
 
     def val(cand: str, b: str, gpu: bool, needs: tuple[str, ...], after: tuple[str, ...] = ()) -> Check:
@@ -225,27 +254,38 @@ def checks(ctx: Ctx) -> list[Check]:
 
     # CPU: the goldens replayed where they were made (proves them and this code), greedy, validate
     out += [par(by["ort-cpu/fp32"], b, False) for b in fp] + [par(by["ort-cpu/int4"], b, False) for b in q]
-    out += [par(by["ort-cpu/fp16"], b, False) for b in fp]
+    out += [par(by["ort-cpu/fp16"], b, False) for b in fp] + [par(by["ort-cpu/int4-fp16"], b, False) for b in qdq]
     out += [gre(by["ort-cpu/fp32"], b, False) for b in fp] + [gre(by["ort-cpu/int4"], b, False) for b in q]
     out += [val("ort-fp16", b, False, ()) for b in fp]
+    out += [Check(f"trt-parser/{b}", False, ("onnx",), lambda c, b=b: kt.parser_rules_plan(c, b),
+                  lambda c, b=b: kt.parser_rules(c, b)) for b in qdq]  # TensorRT's input, checked on the CPU
     # GPU without TensorRT: the CUDA binding, ONNX Runtime CUDA
     out.append(Check("cuda-binding", True, ("cupy",), cuda_binding_plan, cuda_binding))
     for prec in (None, "fp16"):
         out.append(Check(f"nan-cache/ort-cuda/{prec or 'fp32'}/{first}", True, ("ort-cuda", "tokenizers", "jinja2"),
                          lambda c, p=prec: nan_cache_plan(c, first, p), lambda c, p=prec: nan_cache(c, first, p)))
     out += [par(by["ort-cuda/fp32"], b, True) for b in fp] + [par(by["ort-cuda/tf32"], first, True)]
-    out += [par(by["ort-cuda/fp16"], b, True) for b in fp] + [par(by["ort-cuda/int4"], b, True) for b in q]
+    out += [par(by["ort-cuda/fp16"], b, True) for b in fp] + [par(by["ort-cuda/int4"], b, True) for b in nbits]
+    out += [par(by["ort-cuda/int4-fp16"], b, True) for b in qdq]
     out += [gre(by["ort-cuda/tf32"], b, True) for b in fp] + [gre(by["ort-cuda/fp16"], first, True)]
-    out += [gre(by["ort-cuda/int4"], b, True) for b in q] + [val("ort-cuda-fp16", first, True, ("ort-cuda",))]
-    # TensorRT
+    out += [gre(by["ort-cuda/int4"], b, True) for b in nbits] + [gre(by["ort-cuda/int4-fp16"], b, True) for b in qdq]
+    out += [val("ort-cuda-fp16", first, True, ("ort-cuda",))]
+    # TensorRT: fp16 engines of the fp32 bundles, weight-only INT4 engines of the int4-qdq bundle
     for b in fp:
         out.append(Check(f"trt-build/{b}", True, ("tensorrt", "click"), lambda c, b=b: kt.build_plan(c, b),
                          lambda c, b=b: kt.build(c, b)))
-    out += [Check(f"trt-build/{b}", True, (), lambda c: {"what": "nothing"}, lambda c: {}, na=INT4_ON_TRT) for b in q]
+    for b in qdq:
+        out.append(Check(f"trt-build/{b}", True, ("tensorrt", "click"), lambda c, b=b: kt.build_plan(c, b, same_models),
+                         lambda c, b=b: kt.build(c, b, same_models), (f"trt-parser/{b}",) if ctx.caps["onnx"] else ()))
+    out += [Check(f"trt-build/{b}", True, (), lambda c: {"what": "nothing"}, lambda c: {}, na=int4_on_trt(qdq))
+            for b in nbits]
     for b in fp:
         built = (f"trt-build/{b}",)
         out += [par(by["trt/fp16"], b, True, built), par(by["trt-graphs/fp16"], b, True, built),
                 gre(by["trt/fp16"], b, True, built), val("trt", b, True, ("tensorrt",), built)]
+    for b in qdq:
+        built = (f"trt-build/{b}",)
+        out += [par(by["trt/int4"], b, True, built), gre(by["trt/int4"], b, True, built)]
     built = (f"trt-build/{first}",)
     out.append(gre(by["trt-graphs/fp16"], first, True, built))
     out.append(Check(f"step-times/trt/{first}", True, ("tensorrt", "tokenizers", "jinja2"),
@@ -260,8 +300,14 @@ def checks(ctx: Ctx) -> list[Check]:
     return out
 
 
-INT4_ON_TRT = ("int4 bundles are MatMulNBits graphs (an ONNX Runtime contrib op); TensorRT engines are built from "
-               "fp32 portable bundles (spec-export build converts them to fp16)")
+def int4_on_trt(qdq: list[str]) -> str:
+    """Why a MatMulNBits int4 bundle has no TensorRT build, and where int4 on TensorRT is checked instead."""
+    where = (f"int4 on TensorRT is checked on the {', '.join(qdq)} bundle (--quant-form qdq: INT4 DequantizeLinear, "
+             "weight-only INT4 engines): " + ", ".join(f"trt-build/{b}, parity/trt/int4/{b}, greedy/trt/int4/{b}"
+                                                      for b in qdq) if qdq else
+             "not applicable: this kit has no --quant-form qdq bundle to build int4 engines from")
+    return (f"{where}; this bundle's MatMulNBits is an ONNX Runtime contrib op that TensorRT's parser does not take "
+            "(checked on ort-cpu and ort-cuda)")
 
 
 # ------------------------------------------------------------------ running
@@ -269,7 +315,7 @@ def _skip_reason(ctx: Ctx, c: Check, only: list[str] | None) -> str | None:
     if only and c.id not in ("environment", "kit-integrity") and not any(s in c.id for s in only):
         return "not selected (--only)"
     if c.na:
-        return f"not applicable: {c.na}"
+        return c.na
     if c.gpu and not ctx.caps["gpu"]:
         return f"no GPU ({ctx.why['gpu']})"
     for need in c.needs:

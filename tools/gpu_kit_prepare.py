@@ -7,17 +7,25 @@ OUT_DIR (a few MB, git-ignored as .gpu-kit/):
     bundles/model/               tiny random llama target (2 layers, hidden 64, V 320; tests/conftest.py) + its
                                  first layer as the draft: fp32 + fp16 graphs (`spec-export build --backend onnx`)
     bundles/lookup/              the same target with prompt lookup: fp32 + fp16 graphs
-    bundles/int4/                target + draft as int4 MatMulNBits (--weights int4 --accuracy-level 0)
+    bundles/int4/                target + draft as int4 MatMulNBits (--weights int4 --accuracy-level 0): ONNX
+                                 Runtime only (a contrib op), checked on ort-cpu and ort-cuda
+    bundles/int4-qdq/            target + draft as int4 in standard ONNX (--weights int4 --quant-form qdq
+                                 --kv-mode portable --accuracy-level 0: opset 21 blocked INT4 DequantizeLinear
+                                 + MatMul, int8 lm_head) + their fp16 graphs (`spec-export build --backend onnx
+                                 --precision fp16`: INT4 DequantizeLinear kept, 8-bit blocks made fp16
+                                 constants) — TensorRT's weight-only INT4 input
     goldens/<bundle>.npz         every step of a fixed step script (gpu_kit_goldens) and its logits, run on
-                                 ONNX Runtime CPU with the fp32 (int4: the int4) graphs
+                                 ONNX Runtime CPU with the fp32 (int4: the int4, fp32-compute) graphs
     goldens/greedy.json          per bundle: prompts, their token ids, plain greedy tokens and top-2 gaps
-    goldens/validate-<b>.npz     `spec-export validate --save-goldens` (recorded graph inputs + fp32 outputs)
+    goldens/validate-<b>.npz     `spec-export validate --save-goldens` (recorded graph inputs + fp32 outputs;
+                                 the fp32 bundles)
     prompts.jsonl                the prompts (spec-run bench / spec-export validate format)
     pylib.tar.gz                 pure-Python (and abi3) packages the runtime imports, for a GPU machine that
                                  lacks them and cannot download: click, jinja2, markupsafe, polygraphy,
                                  tokenizers (used only where the machine's own import fails)
 
-All bundles: K=4, verify widths 2..5 (target widths 1, 2, 3, 4, 5, 16; draft 1, 16), S_max 256, prefill P=16.
+All bundles: portable KV, K=4, verify widths 2..5 (target widths 1, 2, 3, 4, 5, 16; draft 1, 16), S_max 256,
+prefill P=16.
 """
 
 from __future__ import annotations
@@ -60,10 +68,11 @@ CANDIDATE_PROMPTS = (
     "def add(a, b):\n    return a + b",
 )
 PYLIB = ("click", "jinja2", "markupsafe", "polygraphy", "tokenizers")
-BUNDLES = {  # name -> (draft, weights, reduced-precision graphs)
-    "model": ("draft", "fp32", ("fp16",)),
-    "lookup": ("prompt-lookup", "fp32", ("fp16",)),
-    "int4": ("draft", "int4", ()),
+BUNDLES = {  # name -> (draft, weights, quantized form, reduced-precision graphs)
+    "model": ("draft", "fp32", None, ("fp16",)),
+    "lookup": ("prompt-lookup", "fp32", None, ("fp16",)),
+    "int4": ("draft", "int4", "matmulnbits", ()),
+    "int4-qdq": ("draft", "int4", "qdq", ("fp16",)),
 }
 
 
@@ -91,14 +100,14 @@ def prepare(out: Path, say: Callable[[str], None] = print, force: bool = False) 
            "bundles": {}, "greedy_tokens": GREEDY_TOKENS,
            "tolerances": {n: {"rel": t.rel, "atol": t.atol, "why": t.why, "rule": t.text()}
                           for n, t in gg.TOLERANCES.items()}}
-    for name, (draft, weights, reduced) in BUNDLES.items():
-        kit["bundles"][name] = _bundle(tmp, hf, name, draft, weights, reduced, say)
+    for name, (draft, weights, form, reduced) in BUNDLES.items():
+        kit["bundles"][name] = _bundle(tmp, hf, name, draft, weights, form, reduced, say)
     greedy = _greedy_goldens(tmp, kit, say)
     (tmp / "goldens" / "greedy.json").write_text(json.dumps(greedy, indent=1) + "\n")
     prompts = greedy["model"]["prompts"]
     (tmp / "prompts.jsonl").write_text("".join(json.dumps({"text": p["text"]}) + "\n" for p in prompts))
     for name, b in kit["bundles"].items():
-        if "fp16" in b["precisions"]:
+        if b["weights"] == "fp32" and "fp16" in b["precisions"]:
             b["validate_goldens"], b["validate_cpu"] = _validate_goldens(tmp, name, [p["text"] for p in prompts], say)
     _pylib(tmp / "pylib.tar.gz", say)
     shutil.rmtree(tmp / "_hf")
@@ -136,21 +145,23 @@ def _models(root: Path, say: Callable[[str], None]) -> dict[str, Path]:
     return {"target": target, "draft": root / "draft"}
 
 
-def _bundle(tmp: Path, hf: dict[str, Path], name: str, draft: str, weights: str, reduced: tuple[str, ...],
-            say: Callable[[str], None]) -> dict:
+def _bundle(tmp: Path, hf: dict[str, Path], name: str, draft: str, weights: str, form: str | None,
+            reduced: tuple[str, ...], say: Callable[[str], None]) -> dict:
     from specedge.export.bundle import ExportOptions, export_bundle
     from specedge.export.engines import build_onnx
     from specedge.export.quant import WeightFormat
     from specedge.runtime.backends.ort import OrtRunner
     from specedge.runtime.manifest import read_manifest
 
-    fmt = WeightFormat(weights, accuracy_level=0) if weights != "fp32" else WeightFormat()
-    opts = ExportOptions(k=K, verify_widths=VERIFY_WIDTHS, max_context=MAX_CONTEXT, prefill_chunk=PREFILL, weights=fmt)
+    fmt = WeightFormat(weights, accuracy_level=0, form=form) if weights != "fp32" else WeightFormat()
+    opts = ExportOptions(k=K, verify_widths=VERIFY_WIDTHS, max_context=MAX_CONTEXT, prefill_chunk=PREFILL, weights=fmt,
+                         kv_mode="portable")
     bdir = tmp / "bundles" / name
     export_bundle(hf["target"], hf["draft"] if draft == "draft" else draft, bdir, opts)
     cmd = (f"spec-export export --target TINY_TARGET --draft {'TINY_DRAFT' if draft == 'draft' else draft} --k {K} "
            f"--verify-widths {','.join(map(str, VERIFY_WIDTHS))} --max-context {MAX_CONTEXT} --prefill-chunk {PREFILL}"
-           + (f" --weights {weights} --accuracy-level 0" if weights != "fp32" else ""))
+           + (f" --weights {weights} --accuracy-level 0" if weights != "fp32" else "")
+           + (" --quant-form qdq --kv-mode portable" if form == "qdq" else ""))
     commands = [cmd]
     for p in reduced:
         build_onnx(bdir, p)
@@ -163,18 +174,18 @@ def _bundle(tmp: Path, hf: dict[str, Path], name: str, draft: str, weights: str,
         for r in runners.values():
             r.close()
     measured = {}
-    for p in reduced:  # how far the reduced-precision graphs land from the fp32 goldens, on this CPU
+    for p in reduced:  # how far the reduced-precision graphs land from the goldens (fp32 / int4 graphs), on this CPU
         es = m.engine_set("onnx", p)
         runners = {r: OrtRunner(bdir, m, r, threads=1, engines=es) for r in m.models}
         meta_, ref = gg.load(tmp / "goldens" / f"{name}.npz")
         got = gg.run_script(runners, meta_["ops"])
         rel = max(float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(got, ref))
-        measured[p] = {"max_reldiff_vs_fp32_on_cpu": float(f"{rel:.4g}")}
-    say(f"bundle {name}: {weights}, drafter {m.drafter}, widths "
+        measured[p] = {f"max_reldiff_vs_{weights}_on_cpu": float(f"{rel:.4g}")}
+    say(f"bundle {name}: {weights}{f' ({form})' if form else ''}, drafter {m.drafter}, widths "
         + "; ".join(f"{r} {[w.T for w in e.widths]}" for r, e in m.models.items())
-        + f", {len(meta['ops'])} golden steps" + (f", fp16 vs fp32 on CPU {measured}" if measured else ""))
-    return {"dir": f"bundles/{name}", "drafter": m.drafter, "weights": weights, "precisions": ["fp32", *reduced]
-            if weights == "fp32" else [weights], "goldens": f"goldens/{name}.npz", "commands": commands,
+        + f", {len(meta['ops'])} golden steps" + (f", fp16 vs {weights} on CPU {measured}" if measured else ""))
+    return {"dir": f"bundles/{name}", "drafter": m.drafter, "weights": weights, "quant_form": form,
+            "precisions": [weights, *reduced], "goldens": f"goldens/{name}.npz", "commands": commands,
             "reduced_precision_on_cpu": measured, "golden_steps": len(meta["ops"])}
 
 

@@ -292,4 +292,8 @@ CONFIGS = {c.name: c for c in (
     Config("trt/fp16", "trt", "fp16", "fp16", graphs=False),
     Config("trt-graphs/fp16", "trt", "fp16", "fp16", graphs=True),
     Config("ort-trt/fp32", "ort-trt", None, "tf32"),
+    # the int4-qdq bundle's fp16 graph (INT4 DequantizeLinear) / its weight-only INT4 engines vs its int4 goldens
+    Config("ort-cpu/int4-fp16", "ort-cpu", "fp16", "int4-fp16"),
+    Config("ort-cuda/int4-fp16", "ort-cuda", "fp16", "int4-fp16"),
+    Config("trt/int4", "trt", "fp16", "int4-fp16"),
 )}
