@@ -107,6 +107,7 @@ class _Linears:
         self.g, self.w, self.src, self.fmt = g, w, src, fmt
         self.repacked = self.requantized = 0  # matrices (parts of fused ones counted one by one)
         self._indicators: dict[tuple[int, int], str] = {}
+        self._sums: dict[tuple[str, int, int], str] = {}
         self._err_num = self._err_den = 0.0
         self._worst = 0.0
 
@@ -133,10 +134,23 @@ class _Linears:
                           block_size=packed.block, accuracy_level=spec.accuracy_level)
         if packed.offsets is None:
             return y
-        # GGUF Q4_1/Q4_K: + sum_b offset[n, b] * (sum of x over block b), two small fp32 MatMuls:
-        # x [.., K] @ E [K, K/32] (block indicator) -> [.., K/32] @ offsets.T [K/32, N] -> [.., N]
-        sums = self.g.op("MatMul", x, self._block_indicator(packed.k, packed.block))
+        # GGUF Q4_1/Q4_K: + sum_b offset[n, b] * (sum of x over block b): the block sums of x (once per input
+        # and block size: q|k|v and gate|up share theirs), then one small fp32 MatMul with offsets.T [K/32, N]
+        sums = self._block_sums(x, packed.k, packed.block)
         return self.g.op("Add", y, self.g.op("MatMul", sums, self.w.add(f"{name}.offsets", packed.offsets.T)))
+
+    def _block_sums(self, x: str, k: int, block: int) -> str:
+        """x [1, T, K] (or [T, K]) -> [T, K/block], each block's sum: a Reshape and a ReduceSum over 32 values, row
+        by row (a row's sums never depend on the other rows: batch-invariant), reading nothing but x. A K that
+        the block does not divide takes the block-indicator MatMul instead (x @ E, E [K, K/block] of 0/1)."""
+        key = (x, k, block)
+        if key not in self._sums:
+            if k % block:
+                self._sums[key] = self.g.op("MatMul", x, self._block_indicator(k, block))
+            else:
+                blocks = self.g.op("Reshape", x, self.g.const([-1, k // block, block]))
+                self._sums[key] = self.g.op("ReduceSum", blocks, self.g.const([-1]), keepdims=0)
+        return self._sums[key]
 
     def _emit_qdq(self, x: str, name: str, packed: Packed) -> tuple[str, Packed]:
         """x @ DequantizeLinear(q [K, N], scales [K/block, N], axis 0, block_size) — standard ONNX (opset 21).

@@ -288,10 +288,12 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
         vi.type.tensor_type.elem_type = low
         rw.dtype[vi.name] = low
     forced = {name: TensorProto.FLOAT for name in _logits_head(g)} if head == "fp32" else {}
-    for n in g.node:  # GGUF block offsets (x . E -> block sums, . offsets^T): sums of 32 activations stay fp32
+    producer = {o: n for n in g.node for o in n.output}
+    for n in g.node:  # GGUF block offsets (block sums of x . offsets^T): sums of 32 activations stay fp32
         if n.op_type == "MatMul" and (n.input[1].startswith("block_indicator.") or n.input[1].endswith(".offsets")):
             forced[n.name] = TensorProto.FLOAT
-    producer = {o: n for n in g.node for o in n.output}
+            if (p := producer.get(n.input[0])) is not None and p.op_type == "ReduceSum":
+                forced[p.name] = TensorProto.FLOAT
     for n in g.node:  # a head kept in fp32 dequantizes its weights in fp32 too
         if n.name in forced and n.op_type in LOW_OPS:
             for i in n.input[1:]:
