@@ -138,7 +138,7 @@ def info(bundle: str, verify: bool) -> None:
         click.echo(f"{'':<11} widths: {widths}; source {e.source.get('kind')} {e.source.get('path')}")
         if e.quant:
             q = e.quant
-            click.echo(f"{'':<11} MatMulNBits int{q['bits']} block {q['block']} "
+            click.echo(f"{'':<11} {q.get('format', 'MatMulNBits')} int{q['bits']} block {q['block']} "
                        f"{'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level {q['accuracy_level']}, "
                        f"lm_head {q['lm_head']}, embedding {q['embedding']}; {q['repacked_from_gguf']} re-packed from "
                        f"GGUF, {q['requantized']} re-quantized (weight rel. RMS error {q['requant_weight_rel_rms_error']})")

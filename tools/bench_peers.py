@@ -300,13 +300,39 @@ def run_ortgenai(manifest, ids_list, specs, max_new: int, rows: list[dict], ngra
             "ortgenai weights": Path(target).name}
 
 
+OURS_ONLY = ("auto", "hybrid")  # our drafters without a peer counterpart: measured for ours, skipped for peers
+
+
 def parse_specs(s: str) -> list[tuple[str, int]]:
     out = []
     for item in filter(None, s.split(",")):
         d, _, k = item.partition(":")
-        if d not in ("model", "prompt-lookup") or not k.isdigit():
-            raise SystemExit(f"--spec items are drafter:k with drafter model or prompt-lookup, got {item!r}")
+        if d not in ("model", "prompt-lookup", *OURS_ONLY) or not k.isdigit():
+            raise SystemExit(f"--spec items are drafter:k with drafter model, prompt-lookup or (ours only) "
+                             f"{', '.join(OURS_ONLY)}, got {item!r}")
         out.append((d, int(k)))
+    return out
+
+
+def per_prompt_table(rows: list[dict], names: list[str]) -> list[str]:
+    """Per prompt (one per suite with --per-suite 1): our best configuration vs the best peer configuration, and
+    auto against our plain and our best fixed configuration."""
+    ours = [n for n in names if n.startswith("ours ")]
+    peers = [n for n in names if not n.startswith("ours ")]
+    fixed = [n for n in ours if not n.startswith(("ours auto", "ours hybrid"))]
+    autos = [n for n in ours if n.startswith("ours auto")]
+    out = ["| prompt | our best (tok/s) | best peer (tok/s) | ours / peer | auto / our plain | auto / our best fixed |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        tok = {n: r[n]["decode_tok_s"] for n in names}
+        ob = max(ours, key=tok.get)
+        pb = max(peers, key=tok.get) if peers else None
+        best_fixed = max(tok[n] for n in fixed)
+        auto = max((tok[n] for n in autos), default=float("nan"))
+        peer = f"{pb} {tok[pb]:.1f}" if pb else "—"
+        ratio = f"{tok[ob] / tok[pb]:.2f}×" if pb else "—"
+        out.append(f"| {r['id']} | {ob} {tok[ob]:.1f} | {peer} | {ratio} | {auto / tok['ours plain']:.2f}× | "
+                   f"{auto / best_fixed:.2f}× |")
     return out
 
 
@@ -328,6 +354,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/peers")
     a = ap.parse_args()
     specs = parse_specs(a.spec)
+    peer_specs = [(d, k) for d, k in specs if d not in OURS_ONLY]
     prompts = suite_prompts(a.suite.split(","), a.per_suite)
     machine = machine_info()
     rows: list[dict] = []
@@ -339,13 +366,14 @@ def main() -> None:
     versions = {}
     for peer in a.peers.split(","):
         if peer == "llamacpp-native":
-            versions.update(run_llamacpp_native(manifest, ids_list, specs, a.max_new_tokens, rows, texts))
+            versions.update(run_llamacpp_native(manifest, ids_list, peer_specs, a.max_new_tokens, rows, texts))
             continue
         if peer == "ortgenai":
-            versions.update(run_ortgenai(manifest, ids_list, specs, a.max_new_tokens, rows, a.ortgenai_ngram_size,
+            versions.update(run_ortgenai(manifest, ids_list, peer_specs, a.max_new_tokens, rows, a.ortgenai_ngram_size,
                                          a.ortgenai_genai_defaults))
             continue
-        versions.update({"hf": run_hf, "llamacpp": run_llamacpp}[peer](manifest, ids_list, specs, a.max_new_tokens, rows))
+        versions.update({"hf": run_hf, "llamacpp": run_llamacpp}[peer](manifest, ids_list, peer_specs, a.max_new_tokens,
+                                                                       rows))
     names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
     for row in rows:
         for n in names:
@@ -375,6 +403,7 @@ def main() -> None:
         per_prompt = ", ".join(f"{r[n]['decode_tok_s']:.1f}" for r in rows)
         lines.append(f"| {n} | **{med[n]:.2f}** ({per_prompt}) | "
                      f"{med[n] / med['ours plain']:.2f}× | {med[n] / base:.2f}× | {same} |")
+    lines += ["", *per_prompt_table(rows, names)]
     if NOTES:
         lines += ["", *(f"* {n}" for n in NOTES)]
     md = "\n".join(lines) + "\n"
