@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""What a multi-token (verify) step costs against a plain step, per bundle, interleaved in one run.
+
+    python tools/verify_cost.py /tmp/b/qwen-int4 [/tmp/b/qwen-int4-requant ...] [--past-len 128] [--repeats 15]
+
+For each bundle's target, every all-logits width T the bundle declares (and T = 1, which the invariant
+decoder never runs but the ratio is quoted against) is stepped ``repeats`` times at ``past_len``, the widths
+and bundles in rotating order so the machine's state is shared fairly. Prints the median milliseconds per
+step and the ratio to a plain step: T = 2 (what a plain round runs under the batch-invariance rule, with its
+free guess) and T = 1 — with the CPU flags, since these ratios depend on the kernels the CPU gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from specedge.runtime import SpecDecoder
+from specedge.runtime.bench.runner import machine_info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundles", nargs="+")
+    ap.add_argument("--past-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=15)
+    a = ap.parse_args()
+    decs = [SpecDecoder.load(b) for b in a.bundles]
+    widths = {}
+    for b, d in zip(a.bundles, decs):
+        d.target.min_width = 1  # measured here only; generation keeps the decoder's rule
+        widths[b] = sorted({1} | {w.T for w in d.manifest.target.widths if w.T == w.L})
+        for T in widths[b]:  # warm every width
+            d.target.step(np.zeros(T, dtype=np.int64), a.past_len, all_logits=True)
+    times: dict[tuple[str, int], list[float]] = {(b, T): [] for b in a.bundles for T in widths[b]}
+    order = list(times)
+    for r in range(a.repeats):
+        for b, T in order[r % len(order):] + order[: r % len(order)]:
+            d = decs[a.bundles.index(b)]
+            ids = np.full(T, 100, dtype=np.int64)
+            t0 = time.perf_counter()
+            d.target.step(ids, a.past_len, all_logits=True)
+            times[(b, T)].append(time.perf_counter() - t0)
+    m = machine_info()
+    print(f"Machine: {m['cpu']} ({m.get('cpu_flags', '')}), {m['cpus']} CPUs; onnxruntime {m['onnxruntime']}; "
+          f"past_len {a.past_len}, {a.repeats} steps per width, interleaved")
+    print("\n| bundle | T | ms per step (median) | vs plain step (T=2) | vs T=1 |\n|---|---|---|---|---|")
+    for b in a.bundles:
+        med = {T: statistics.median(times[(b, T)]) * 1e3 for T in widths[b]}
+        for T in widths[b]:
+            plain = med.get(2, float("nan"))
+            print(f"| `{b}` | {T} | {med[T]:.1f} | {med[T] / plain:.2f}× | {med[T] / med[1]:.2f}× |")
+    for d in decs:
+        d.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
