@@ -100,6 +100,7 @@ def test_every_preset_fits_its_commands():
     """Each preset's tables only name options of the command they configure (so none silently drifts)."""
     from specedge.export.cli import main as export_main
     from specedge.runtime.cli import main as run_main
+    from specedge.runtime.memplan import Board
 
     commands = {"export": export_main.commands["export"], "build": export_main.commands["build"],
                 "run": run_main.commands["generate"], "bench": run_main.commands["bench"]}
@@ -107,9 +108,11 @@ def test_every_preset_fits_its_commands():
     assert {"jetson-orin-nano-8gb", "jetson-agx-orin-64gb", "jetson-thor", "datacenter-gpu", "x86-cpu"} <= set(names)
     for name in names:
         cfg = load_config(name)
-        assert set(cfg) <= {*SECTIONS, "preset"}
+        assert set(cfg) <= {*SECTIONS, "preset", "board"}
+        assert "board" in cfg, name  # every preset says what memory the plan checks against
+        Board.from_table(name, cfg["board"])
         for section, table in cfg.items():
-            if section == "preset":
+            if section in ("preset", "board"):
                 continue
             params = {p.name: p for p in commands[section].params}
             assert set(table) <= set(params), (name, section, set(table) - set(params))
