@@ -43,6 +43,7 @@ class ExportOptions:
     weights: WeightFormat = WeightFormat()  # target
     draft_weights: WeightFormat | None = None  # None: same as the target
     kv_mode: str = "portable"  # portable (every backend) | ort-inplace (ONNX Runtime GroupQueryAttention)
+    device_argmax: bool = False  # graphs also output next_ids = ArgMax(logits) (see Manifest.device_argmax)
     overwrite: bool = False
     cache_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -133,6 +134,7 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
             drafter_params=({"ngram_max": opts.lookup_ngram_max, "ngram_min": opts.lookup_ngram_min}
                             if draft == "prompt-lookup" else {}),
             tokenizer=tok, files=files, created_by=f"specedge {__version__}", kv_mode=opts.kv_mode,
+            device_argmax=opts.device_argmax,
         )
         write_manifest(tmp, manifest)
         tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary directory
@@ -164,7 +166,8 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
     t0 = time.perf_counter()
     fmt = opts.weights if role == "target" or opts.draft_weights is None else opts.draft_weights
     onnx_path, data_path, quant = build_model_graph(src, tmp, role, progress=lambda s: say(f"  {role}: {s}"), fmt=fmt,
-                                                    kv_mode=opts.kv_mode, max_positions=opts.max_context)
+                                                    kv_mode=opts.kv_mode, max_positions=opts.max_context,
+                                                    argmax=opts.device_argmax)
     if quant:
         say(f"  {role}: {fmt.name}: {quant['repacked_from_gguf']} matrices re-packed from GGUF blocks, "
             f"{quant['requantized']} re-quantized (weight rel. RMS error {quant['requant_weight_rel_rms_error']:.4f})")

@@ -92,11 +92,14 @@ def presets() -> None:
 @click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
               help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
                    "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
+@click.option("--device-argmax/--no-device-argmax", default=False, show_default=True,
+              help="Graphs also output next_ids = ArgMax(logits): greedy rounds copy K+1 ids back instead of "
+                   "(K+1) x V logits (GPU backends; on a CPU the logits are in host memory anyway).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
 def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weights: str, draft_weights: str | None,
-           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, kv_mode: str, max_context: int, prefill_chunk: int, ngram_max: int, out: str,
+           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
@@ -106,6 +109,7 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weig
         fmt = lambda name: WeightFormat(name, quant_block, not asymmetric, accuracy_level, lm_head,  # noqa: E731
                                         gguf_exact=gguf_exact, form=quant_form)
         opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights), kv_mode=kv_mode,
+                             device_argmax=device_argmax,
                              draft_weights=fmt(draft_weights) if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max,
                              overwrite=overwrite, cache_dir=cache_dir)
         rep = export_bundle(target, draft, out, opts, progress=_say)

@@ -243,6 +243,7 @@ def build_model_graph(
     fmt: WeightFormat = WeightFormat(),
     kv_mode: str = "portable",
     max_positions: int = 2048,
+    argmax: bool = False,
 ) -> tuple[Path, Path, dict]:
     """Write ``<graph_name>.onnx`` + ``<graph_name>.onnx.data`` into out_dir; returns their paths and the
     quantization report (empty for fp32)."""
@@ -315,9 +316,15 @@ def build_model_graph(
         logits = linear(flat, "lm_head", ["lm_head"], spec=head_spec, weights=tied)  # [B*L, V]
     out_shape = g.op("Concat", g.op("Shape", "logits_at"), g.const([d.vocab]), axis=0)
     g.nodes.append(helper.make_node("Reshape", [logits, out_shape], ["logits"]))
+    if argmax:  # device-side greedy: [B, L] ids, so a greedy round copies L ids instead of L x V logits.
+        # axis 2, not -1: onnx-tensorrt builds ArgMax as a TopK whose axis mask is 1 << axis (it casts the indices to
+        # INT64). ONNX picks the first index of a tie; TensorRT's TopK is not documented to - either way every greedy
+        # round (plain and speculative alike) takes its ids from here, so the output stays the same for both.
+        g.nodes.append(helper.make_node("ArgMax", ["logits"], ["next_ids"], name="next_ids", axis=2, keepdims=0,
+                                        select_last_index=0))
     w.close()
 
-    inputs, outputs = io_spec(d, kv_mode)
+    inputs, outputs = io_spec(d, kv_mode, argmax=argmax)
     vi = lambda s: helper.make_tensor_value_info(s.name, _NP_TO_ONNX[s.dtype], list(s.shape))  # noqa: E731
     graph = helper.make_graph(
         g.nodes, graph_name, [vi(s) for s in inputs], [vi(s) for s in outputs],

@@ -309,6 +309,8 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
             n_fp32 += p == TensorProto.FLOAT
         # outputs: logits in fp32, present rows in the cache's precision
         for vo in g.output:
+            if vo.name not in ("logits",) and not vo.name.startswith("present."):
+                continue  # next_ids: int64 whatever the precision
             want = low if vo.name.startswith("present.") else TensorProto.FLOAT
             have = rw.dtype.get(vo.name)
             if have != want and have in _FLOATS:

@@ -24,7 +24,8 @@ from .backends import GraphRunner, open_runner, resolve_backend
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError
 from .manifest import VERIFY_MODES, Manifest, read_manifest
-from .sampling import SamplingParams, choose_next, process_logits, verify_greedy, verify_keyed, verify_sampled
+from .sampling import (SamplingParams, accept_argmax, choose_next, process_logits, verify_greedy, verify_keyed,
+                       verify_sampled)
 from .stats import Stats
 from .text import IncrementalDetokenizer, TextCodec
 
@@ -279,11 +280,14 @@ class SpecDecoder:
             prop = self._free_guess(req)
         t1 = time.perf_counter()
         verify_in = np.concatenate([req.tokens[req.n - 1: req.n], prop.tokens])  # [last committed, d_1..d_n]
-        logits = self.target.step(verify_in, req.n - 1, all_logits=True)  # [n+1, V]
+        # greedy on a graph with next_ids: only the n+1 argmax ids leave the device (same rows, same argmax)
+        ids_only = req.params.greedy and getattr(self.target, "has_argmax", False)
+        out = (self.target.step(verify_in, req.n - 1, all_logits=True, ids_only=True) if ids_only  # [n+1]
+               else self.target.step(verify_in, req.n - 1, all_logits=True))  # [n+1, V]
         t2 = time.perf_counter()
         if self._costs is not None:
             self._costs.observe_target(len(verify_in), t2 - t1)
-        m, nxt = self._accept(logits, prop, req)
+        m, nxt = accept_argmax(out, prop.tokens) if ids_only else self._accept(out, prop, req)
         if guess and self._costs is not None:
             self._costs.observe_guess(m)  # what plain rounds really yield, for auto's choice
         drafter.commit(0 if guess else m)

@@ -130,6 +130,7 @@ class Manifest:
     schema: str = SCHEMA
     created_by: str = ""
     engines: dict[str, Any] = field(default_factory=dict)  # key "<kind>-<precision>" -> EngineSet.to_json()
+    device_argmax: bool = False  # graphs also output next_ids [B, L] = ArgMax(logits): greedy copies ids, not logits
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -302,14 +303,15 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
     return tuple(sorted(by_t.values(), key=lambda w: w.T))
 
 
-def io_spec(dims: ModelDims, kv_mode: str = "portable",
-            kv_dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
+def io_spec(dims: ModelDims, kv_mode: str = "portable", kv_dtype: str = "float32",
+            argmax: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Inputs and outputs of one model graph.
 
     portable: ``present`` holds the T new rows, copied into the cache by the runtime.
     ort-inplace: ``present`` is the cache itself (bound to the same buffer as ``past``).
     kv_dtype: the cache's element type (float32; float16 / bfloat16 in reduced-precision graphs).
-    Logits are float32 in every graph.
+    Logits are float32 in every graph. argmax (``Manifest.device_argmax``): also ``next_ids`` [B, L] int64, the
+    first index of each logits row's maximum (ONNX ArgMax, select_last_index 0: numpy's argmax).
     """
     kv_in = [
         TensorSpec(f"past_key_values.{i}.{kind}", kv_dtype, ("B", dims.n_kv_heads, "S_max", dims.head_dim))
@@ -329,6 +331,8 @@ def io_spec(dims: ModelDims, kv_mode: str = "portable",
         *kv_in,
     ]
     outputs = [TensorSpec("logits", "float32", ("B", "L", dims.vocab)), *kv_out]
+    if argmax:
+        outputs.append(TensorSpec("next_ids", "int64", ("B", "L")))
     return inputs, outputs
 
 

@@ -136,7 +136,11 @@ def verify_greedy(target_logits: np.ndarray, draft_tokens: np.ndarray) -> tuple[
 
     Accept d_i while d_i == argmax p_i; the next token is argmax at the first mismatch (or the bonus row).
     """
-    best = np.argmax(target_logits, axis=-1)  # [n+1]
+    return accept_argmax(np.argmax(target_logits, axis=-1), draft_tokens)
+
+
+def accept_argmax(best: np.ndarray, draft_tokens: np.ndarray) -> tuple[int, int]:
+    """Greedy acceptance from the target's argmax ids [n+1] (computed here or on the device)."""
     n = len(draft_tokens)
     m = 0
     while m < n and best[m] == draft_tokens[m]:

@@ -155,13 +155,13 @@ def _bundle(tmp: Path, hf: dict[str, Path], name: str, draft: str, weights: str,
 
     fmt = WeightFormat(weights, accuracy_level=0, form=form) if weights != "fp32" else WeightFormat()
     opts = ExportOptions(k=K, verify_widths=VERIFY_WIDTHS, max_context=MAX_CONTEXT, prefill_chunk=PREFILL, weights=fmt,
-                         kv_mode="portable")
+                         kv_mode="portable", device_argmax=form == "qdq")  # the Jetson preset's form: ids on device
     bdir = tmp / "bundles" / name
     export_bundle(hf["target"], hf["draft"] if draft == "draft" else draft, bdir, opts)
     cmd = (f"spec-export export --target TINY_TARGET --draft {'TINY_DRAFT' if draft == 'draft' else draft} --k {K} "
            f"--verify-widths {','.join(map(str, VERIFY_WIDTHS))} --max-context {MAX_CONTEXT} --prefill-chunk {PREFILL}"
            + (f" --weights {weights} --accuracy-level 0" if weights != "fp32" else "")
-           + (" --quant-form qdq --kv-mode portable" if form == "qdq" else ""))
+           + (" --quant-form qdq --kv-mode portable --device-argmax" if form == "qdq" else ""))
     commands = [cmd]
     for p in reduced:
         build_onnx(bdir, p)

@@ -32,12 +32,14 @@ class GraphRunner(Protocol):
     # rows of every width >= 2 are bitwise identical — so never running width 1 makes every logits row
     # independent of how the step that computed it was batched.
     min_width: int
+    has_argmax: bool  # the graph outputs next_ids (Manifest.device_argmax): step(ids_only=True) is available
 
-    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
+    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool, ids_only: bool = False) -> np.ndarray:
         """Run len(tokens) new tokens at positions past_len.. and write their KV rows there.
 
         Returns logits [len(tokens), V] if all_logits else [1, V] for the last token: a view
-        into a buffer the runner owns, valid until the next step.
+        into a buffer the runner owns, valid until the next step. ids_only (runners with has_argmax): the
+        int64 argmax of those rows instead, [len(tokens)] or [1] — only the ids leave the device.
         """
 
     def close(self) -> None: ...

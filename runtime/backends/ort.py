@@ -39,6 +39,7 @@ class _Bound:
     logits: np.ndarray | None  # [1, L, V] float32 host (CPU) ...
     logits_dev: Any  # ... or a device OrtValue (CUDA)
     present: list[Any]  # per layer*2: host arrays (CPU) or device OrtValues (CUDA)
+    ids: Any = None  # next_ids [1, L] int64: a host array (CPU) or a device OrtValue (CUDA); None without argmax
 
 
 def zero_device_cache(cuda: Any, values: list, nbytes: int) -> None:
@@ -112,6 +113,7 @@ class OrtRunner:
         self.device = device
         self.pads_into_cache = manifest.kv_mode == "ort-inplace"  # a step writes all T rows at past_len
         self.min_width = 1  # narrowest width a step may run in (the decoder sets 2: see GraphRunner)
+        self.has_argmax = manifest.device_argmax
         d = self.entry.dims
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -138,7 +140,8 @@ class OrtRunner:
         except Exception as e:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...)
             raise BundleError(f"ONNX Runtime cannot load the {role} graph {graph}: {str(e).splitlines()[0][:300]}") \
                 from None
-        check_graph_io(self.session, io_spec(self.entry.dims, manifest.kv_mode, self.kv_dtype.name), f"{role} {graph}")
+        check_graph_io(self.session, io_spec(self.entry.dims, manifest.kv_mode, self.kv_dtype.name, self.has_argmax),
+                       f"{role} {graph}")
         self._ort = ort
         kv_shape = (d.n_layers, 2, 1, d.n_kv_heads, self.max_context, d.head_dim)
         if device == "cpu":
@@ -186,9 +189,15 @@ class OrtRunner:
             present_values = present
         for name, val in zip(names, present_values):
             io.bind_ortvalue_output(f"present.{name}", val)
+        next_ids = None
+        if self.has_argmax:
+            next_ids = (np.zeros((1, w.L), dtype=np.int64) if self.device == "cpu"
+                        else ort.OrtValue.ortvalue_from_shape_and_type((1, w.L), np.int64, "cuda", 0))
+            io.bind_ortvalue_output("next_ids", ort.OrtValue.ortvalue_from_numpy(next_ids) if self.device == "cpu"
+                                    else next_ids)
         # Keep the host arrays alive: the OrtValues above only borrow their memory.
         self._keepalive = getattr(self, "_keepalive", []) + [host_inputs]
-        return _Bound(w, io, ids, past, at, logits, logits_dev, present)
+        return _Bound(w, io, ids, past, at, logits, logits_dev, present, next_ids)
 
     def _pick(self, n: int, all_logits: bool, past_len: int) -> _Bound:
         fits = [b for b in self._bound.values() if b.width.T >= max(n, self.min_width)
@@ -217,8 +226,10 @@ class OrtRunner:
             out[f"past_key_values.{i}.value"] = self.kv[i, 1].copy()
         return out
 
-    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
+    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool, ids_only: bool = False) -> np.ndarray:
         n = len(tokens)
+        if ids_only and not self.has_argmax:
+            raise ValueError(f"{self.entry.graph} has no next_ids output (export with --device-argmax)")
         assert 0 < n and past_len + n <= self.max_context, (n, past_len, self.max_context)
         b = self._pick(n, all_logits, past_len)
         b.input_ids[0, :n] = tokens
@@ -230,10 +241,13 @@ class OrtRunner:
             b.binding.synchronize_inputs()
         self.session.run_with_iobinding(b.binding)
         self._commit_rows(b, past_len, n)
+        last = n - 1 if b.width.L == b.width.T else 0  # a width with every row's logits: the last real row
+        if ids_only:  # only the ids cross from the device
+            ids = b.ids if self.device == "cpu" else b.ids.numpy()
+            return ids[0, :n] if all_logits else ids[0, last:last + 1]
         logits = b.logits if self.device == "cpu" else b.logits_dev.numpy()
         if all_logits:
             return logits[0, :n]
-        last = n - 1 if b.width.L == b.width.T else 0  # a width with every row's logits: the last real row
         return logits[0, last:last + 1]
 
     def _commit_rows(self, b: _Bound, past_len: int, n: int) -> None:

@@ -84,14 +84,14 @@ def compat_problems(es: EngineSet, trt_version: str, compute_capability: str, gp
 
 
 def io_problems(desc: dict[str, Any], dims: ModelDims, widths: Sequence[Width], max_context: int,
-                kv_dtype: str) -> list[str]:
+                kv_dtype: str, argmax: bool = False) -> list[str]:
     """Differences between an engine's tensors/profiles (:func:`describe_engine`) and the bundle's contract.
 
     desc: {"tensors": {name: {"mode": "input"|"output", "dtype": str, "shape": [..., -1 dynamic]}},
            "profiles": [{input name: [min, opt, max]}, ...]}.
     """
     out = []
-    inputs, outputs = io_spec(dims, "portable", kv_dtype)
+    inputs, outputs = io_spec(dims, "portable", kv_dtype, argmax)
     want = {s.name: ("input", s.dtype) for s in inputs} | {s.name: ("output", s.dtype) for s in outputs}
     tensors = desc["tensors"]
     missing = sorted(set(want) - set(tensors))
@@ -302,7 +302,9 @@ class TrtRunner:
             raise BundleError(f"TensorRT could not deserialize {path} (see the TensorRT log above); "
                               f"rebuild it: {rebuild_hint(bundle_dir, engines.precision)}")
         d, widths = self.entry.dims, self.entry.widths
-        problems = io_problems(describe_engine(self.engine, trt), d, widths, self.max_context, engines.kv_dtype)
+        self.has_argmax = manifest.device_argmax
+        problems = io_problems(describe_engine(self.engine, trt), d, widths, self.max_context, engines.kv_dtype,
+                               self.has_argmax)
         if problems:
             raise BundleError(f"{path} does not match the bundle's manifest: {'; '.join(problems)}. "
                               f"Rebuild it: {rebuild_hint(bundle_dir, engines.precision)}")
@@ -317,15 +319,18 @@ class TrtRunner:
         c.memset(self.kv, 0, self.layout.cache_bytes(), self.stream)
         self.present = self._alloc(self.layout.new_bytes(t_max))
         self.logits_dev = self._alloc(self._l_max * d.vocab * 4)
+        self.ids_dev = self._alloc(self._l_max * 8) if self.has_argmax else 0  # next_ids [l_max] int64
         # int64 inputs in one block, each on a 256-byte boundary: ids [t_max] | past_len [1] | logits_at [l_max]
         self._io_off = (0, _align(t_max * 8), _align(t_max * 8) + ALIGN)
         self._io_n = (self._io_off[2] + _align(self._l_max * 8)) // 8
         self._io_idx = tuple(o // 8 for o in self._io_off)  # the same offsets in int64 elements
         self._arange = np.arange(self._l_max, dtype=np.int64)  # logits_at of the all-rows widths
         self.io_dev = self._alloc(self._io_n * 8)
-        self._host_ptrs = [c.malloc_host(self._io_n * 8), c.malloc_host(self._l_max * d.vocab * 4)]
+        self._host_ptrs = [c.malloc_host(self._io_n * 8), c.malloc_host(self._l_max * d.vocab * 4),
+                           c.malloc_host(self._l_max * 8)]
         self.io_host = host_array(self._host_ptrs[0], (self._io_n,), np.int64)
         self.logits_host = host_array(self._host_ptrs[1], (self._l_max, d.vocab), np.float32)
+        self.ids_host = host_array(self._host_ptrs[2], (self._l_max,), np.int64)
         self.io_host[:] = 0
         self.graph_status: dict[int, str] = {} if cuda_graphs else {
             w.T: "plain execute: cuda_graphs=False" for w in widths}
@@ -359,6 +364,8 @@ class TrtRunner:
                 raise BundleError(f"TensorRT refused shape {shape} for {name} (profile {index}, T={w.T})")
         addr = {"input_ids": self.io_dev + o[0], "past_len": self.io_dev + o[1], "logits_at": self.io_dev + o[2],
                 "logits": self.logits_dev}
+        if self.has_argmax:
+            addr["next_ids"] = self.ids_dev
         for i in range(d.n_layers):
             for j, kind in enumerate(("key", "value")):
                 addr[f"past_key_values.{i}.{kind}"] = self.layout.past_address(self.kv, i, j)
@@ -417,9 +424,11 @@ class TrtRunner:
             c.graph_destroy(graph)  # the executable graph does not need it
         self.graph_status[p.width.T] = "captured" if p.graph else f"plain execute: {why}"
 
-    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> np.ndarray:
+    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool, ids_only: bool = False) -> np.ndarray:
         n = len(tokens)
         assert 0 < n and past_len + n <= self.max_context, (n, past_len, self.max_context)
+        if ids_only and not self.has_argmax:
+            raise ValueError(f"{self.entry.graph} has no next_ids output (export with --device-argmax)")
         p = self._pick(n, all_logits)
         T, L, c, s = p.width.T, p.width.L, self.cuda, self.stream
         io, (o_ids, o_past, o_at) = self.io_host, self._io_idx
@@ -436,6 +445,10 @@ class TrtRunner:
         self.layout.commit(c, self.kv, self.present, T, past_len, n, s)  # every layer's new rows (1 copy or 2L)
         rows = n if all_logits else 1
         first = n - 1 if not all_logits and L == T else 0  # every row computed: the last real one is n-1
+        if ids_only:  # rows x 8 bytes instead of rows x V x 4
+            c.memcpy(self._host_ptrs[2], self.ids_dev + first * 8, rows * 8, D2H, s)
+            c.synchronize(s)
+            return self.ids_host[:rows]
         V = self.entry.dims.vocab
         c.memcpy(self._host_ptrs[1], self.logits_dev + first * V * 4, rows * V * 4, D2H, s)
         c.synchronize(s)

@@ -40,6 +40,7 @@ class FakeCuda:
         self.graphs: set[int] = set()
         self.execs: set[int] = set()
         self.capturing = False
+        self.copies: list[tuple[int, int, int, int]] = []  # (dst, src, bytes, kind) of every memcpy
         self._next = 1 << 20
 
     def _handle(self, nbytes: int = 256) -> int:
@@ -75,6 +76,7 @@ class FakeCuda:
 
     def memcpy(self, dst, src, nbytes, kind, stream=None):
         self._enqueue("memcpy", stream)
+        self.copies.append((dst, src, nbytes, kind))
 
     def memcpy2d(self, dst, dpitch, src, spitch, width, height, kind, stream):
         self._enqueue("memcpy2d", stream)
@@ -121,7 +123,8 @@ class FakeCuda:
             self.graphs.remove(graph)
 
 
-def fake_trt(cuda: FakeCuda, refuse: str | None = None, capture_ok: bool = True) -> types.SimpleNamespace:
+def fake_trt(cuda: FakeCuda, refuse: str | None = None, capture_ok: bool = True,
+             argmax: bool = False) -> types.SimpleNamespace:
     """A `tensorrt` module whose engines match the test manifest; refuse: "profile" | "shape" | "address" makes the
     matching setter return False (TensorRT's way to say no); capture_ok False: execute_async_v3 fails under capture."""
     log = cuda.log
@@ -158,7 +161,7 @@ def fake_trt(cuda: FakeCuda, refuse: str | None = None, capture_ok: bool = True)
     class Engine:
         def __init__(self, role):
             self.role, self.contexts = role, []
-            ins, outs = io_spec(DIMS[role], "portable", "float16")
+            ins, outs = io_spec(DIMS[role], "portable", "float16", argmax)
             self.tensors = {s.name: ("in", s.dtype) for s in ins} | {s.name: ("out", s.dtype) for s in outs}
             self.names = list(self.tensors)
             self.num_io_tensors = len(self.names)
@@ -209,7 +212,7 @@ def bundle(tmp_path):
     for role in WIDTHS:
         (tmp_path / f"{role}.engine").write_text(role)  # what the fake runtime "deserializes"
     models = {role: ModelEntry("llama", DIMS[role], f"{role}.onnx", None, "fp16", WIDTHS[role]) for role in WIDTHS}
-    manifest = SimpleNamespace(models=models, max_context=S_MAX)
+    manifest = SimpleNamespace(models=models, max_context=S_MAX, device_argmax=False)
     engines = EngineSet("trt", "fp16", "float16", {r: f"{r}.engine" for r in WIDTHS}, {r: "x" for r in WIDTHS},
                         tensorrt="10.3.0.30", gpu={"name": "Fake Orin", "compute_capability": "8.7"})
     return tmp_path, manifest, engines
@@ -455,3 +458,29 @@ def test_cuda_graph_binding(monkeypatch):
     c.graph_exec_destroy(0)
     c.graph_destroy(0)
     assert [n for n, _ in calls] == ["cudaGraphLaunch", "cudaGraphExecDestroy", "cudaGraphDestroy"]
+
+
+def test_device_argmax_copies_ids_not_logits(monkeypatch, bundle):
+    """next_ids is bound once per context like every tensor; a greedy step copies rows x 8 bytes of ids back,
+    not rows x V x 4 of logits; an engine without next_ids refuses ids_only."""
+    from specedge.runtime.backends.cuda_rt import D2H
+
+    d, m, es = bundle
+    argmax_bundle = (d, SimpleNamespace(**{**vars(m), "device_argmax": True}), es)
+    runners, _, cuda, log = open_pair(monkeypatch, argmax_bundle, argmax=True)
+    t = runners["target"]
+    assert t.has_argmax
+    bound = [c for c in log if c[0] == "set_tensor_address" and c[3] == "next_ids"]
+    assert len(bound) == len(WIDTHS["target"]) + len(WIDTHS["draft"])
+    t.ids_host[:3] = [7, 8, 9]  # what the device "computed"
+    cuda.copies.clear()
+    out = t.step([3, 4, 5], 10, all_logits=True, ids_only=True)
+    back = [c for c in cuda.copies if c[3] == D2H]
+    assert [c[2] for c in back] == [3 * 8] and back[0][0] == t._host_ptrs[2] and back[0][1] == t.ids_dev
+    assert out.dtype.name == "int64" and list(out) == [7, 8, 9]
+    cuda.copies.clear()
+    t.step([3, 4, 5], 10, all_logits=True)  # sampling still gets the logits
+    assert [c[2] for c in cuda.copies if c[3] == D2H] == [3 * DIMS["target"].vocab * 4]
+    plain, _, _, _ = open_pair(monkeypatch, bundle)
+    with pytest.raises(ValueError, match="--device-argmax"):
+        plain["target"].step([3, 4], 10, all_logits=True, ids_only=True)
