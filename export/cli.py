@@ -131,7 +131,8 @@ def info(bundle: str, verify: bool) -> None:
     except SpecEdgeError as e:
         _fail(e)
     click.echo(f"bundle      {Path(bundle)}  ({m.schema}, {m.created_by})")
-    click.echo(f"context     S_max={m.max_context}  K={m.k} (verify width {m.k + 1})  prefill P={m.prefill_chunk}")
+    click.echo(f"context     S_max={m.max_context}  K={m.k} (verify width {m.k + 1})  prefill P={m.prefill_chunk}"
+               + ("  next_ids output (--device-argmax)" if m.device_argmax else ""))
     click.echo(f"kv          {m.kv_mode}, layout [{m.kv_layout}], {m.kv_dtype}; ONNX opset {m.opset}")
     click.echo(f"drafter     {m.drafter} {m.drafter_params or ''}".rstrip())
     for role, e in m.models.items():
