@@ -18,6 +18,7 @@ from typing import Any, Callable
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
     KV_MODES,
+    ONNX_OPSET,
     Manifest, ModelEntry, model_widths, sha256_file, write_manifest,
 )
 
@@ -25,7 +26,7 @@ from .fetch import resolve_model
 from .graph import build_model_graph
 from .install import check_destination, install, workspace
 from .loaders import WeightSource, load_source
-from .quant import WeightFormat
+from .quant import QDQ_OPSET, WeightFormat
 from .tokenizer import TOKENIZER_FILE, check_same_vocab, write_tokenizer
 
 DRAFT_NO_MODEL = ("prompt-lookup", "none")
@@ -135,6 +136,7 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
                             if draft == "prompt-lookup" else {}),
             tokenizer=tok, files=files, created_by=f"specedge {__version__}", kv_mode=opts.kv_mode,
             device_argmax=opts.device_argmax,
+            opset=max(QDQ_OPSET if (f or opts.weights).qdq else ONNX_OPSET for f in (opts.weights, opts.draft_weights)),
         )
         write_manifest(tmp, manifest)
         tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary directory

@@ -154,3 +154,8 @@ def test_fp16_graph_of_a_qdq_bundle_keeps_int4_blocks_and_runs(mixed, tmp_path):
     plain = dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=12, ignore_eos=True), drafter="none").token_ids
     assert dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=12, ignore_eos=True), drafter="prompt-lookup",
                         k=3).token_ids == plain
+
+
+def test_manifest_records_the_qdq_opset(mixed):
+    assert SpecDecoder.load(mixed["qdq"]).manifest.opset == 21
+    assert SpecDecoder.load(mixed["nbits"]).manifest.opset == 17
