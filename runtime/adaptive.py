@@ -161,16 +161,23 @@ class Decision:
 
 
 def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: float | None, k_max: int,
-           mode: str = "auto", model_overhead: float = 0.0) -> Decision:
+           mode: str = "auto", model_overhead: float = 0.0, horizon: int | None = None) -> Decision:
     """The option with the highest predicted tokens/s (pure function of the cost model and the estimates).
 
     auto: best of plain, prompt lookup (the first 1..lookup_len tokens of its match) and the draft model at
-    k = 1..k_max (charged ``model_overhead`` seconds of catch-up). hybrid: prompt lookup when it has a match, else the draft model's best k (never plain).
+    k = 1..k_max (charged ``model_overhead`` seconds of catch-up: to this round alone, or, given the ``horizon`` of
+    tokens the request may still generate, spread over them — the catch-up is paid once and serves every later
+    model round: rate = horizon / (overhead + horizon / rate without it)). hybrid: prompt lookup when it has a match, else the draft model's best k (never plain).
     """
     options = [Decision("none", 0, costs.rate_plain())]
     options += [Decision("prompt-lookup", m, costs.rate_lookup(alpha_lookup, m)) for m in range(1, lookup_len + 1)]
     if alpha_model is not None and costs.draft is not None:
-        options += [Decision("model", k, costs.rate_model(alpha_model, k, model_overhead)) for k in range(1, k_max + 1)]
+        if horizon is None or model_overhead <= 0.0:
+            options += [Decision("model", k, costs.rate_model(alpha_model, k, model_overhead)) for k in range(1, k_max + 1)]
+        else:
+            for k in range(1, k_max + 1):
+                r0 = costs.rate_model(alpha_model, k)
+                options.append(Decision("model", k, horizon / (model_overhead + horizon / r0) if r0 > 0 else 0.0))
     if mode == "hybrid":
         lookup = [o for o in options if o.kind == "prompt-lookup"]
         model = [o for o in options if o.kind == "model"]
@@ -183,6 +190,7 @@ class AutoDrafter:
     """Chooses plain, prompt lookup or the draft model (with its k) every round; see the module docstring."""
 
     OPTIMISTIC_ALPHA = 0.9  # what a re-probe assumes: is the option worth trying if its drafts were good?
+    HORIZON_CAP = 256  # tokens a request is assumed to still run at most, when spreading the draft's catch-up
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -204,6 +212,7 @@ class AutoDrafter:
         self._plain_streak = 0
         self._probe_gap = self.probe_every
         self.rounds = {}
+        self._start: int | None = None  # context length at the request's first round
 
     def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
         if k <= 0:  # the last token of a request: nothing to draft
@@ -213,9 +222,12 @@ class AutoDrafter:
         look = self.lookup.propose(tokens, k, params, rng)
         behind = max(0, len(tokens) - 1 - self.model.rows) if self.model is not None else 0
         catchup = self.costs.catchup_time(behind)
+        if self._start is None:
+            self._start = len(tokens)  # the prompt and the token its prefill produced
+        horizon = min(self.HORIZON_CAP, max(1, params.max_new_tokens - 1 - (len(tokens) - self._start)))
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
         d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,
-                   model_overhead=catchup)
+                   model_overhead=catchup, horizon=horizon)
         if d.kind == "none":
             self._plain_streak += 1
             if self._plain_streak >= self._probe_gap:
@@ -224,7 +236,7 @@ class AutoDrafter:
                 self._plain_streak, self._probe_gap = 0, min(2 * self._probe_gap, 256)
                 hope = self.OPTIMISTIC_ALPHA
                 d = decide(self.costs, hope, len(look.tokens), hope if self.model is not None else None, k,
-                           self.mode, model_overhead=catchup)
+                           self.mode, model_overhead=catchup, horizon=horizon)
         else:
             self._plain_streak, self._probe_gap = 0, self.probe_every
         self.rounds[d.kind] = self.rounds.get(d.kind, 0) + 1

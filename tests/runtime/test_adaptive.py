@@ -126,3 +126,18 @@ def test_plain_rate_counts_confirmed_free_guesses():
     for _ in range(100):
         c.observe_guess(1)
     assert c.rate_plain() == pytest.approx(20.0, rel=1e-3)  # every guess confirmed: 2 tokens per step
+
+
+def test_catch_up_is_amortized_over_the_tokens_left_to_generate():
+    """The draft's one-off catch-up (the prompt it has not seen) buys every later model round, not just the first:
+    charged to one round, a draft accepted 90 % of the time would never be tried on a long request (what happened
+    on the Qwen pair: auto never ran the 0.5B draft while model k=8 gave 1.27x on JSON)."""
+    c = costs()
+    one_round = decide(c, 0.5, 0, alpha_model=0.9, k_max=8, model_overhead=1.0)
+    assert one_round.kind == "none"
+    long_request = decide(c, 0.5, 0, alpha_model=0.9, k_max=8, model_overhead=1.0, horizon=400)
+    assert long_request.kind == "model"
+    # the amortized rate is the rate over the rest of the request: R / (overhead + R / rate without it)
+    r0 = c.rate_model(0.9, long_request.k)
+    assert long_request.rate == pytest.approx(400 / (1.0 + 400 / r0))
+    assert decide(c, 0.5, 0, alpha_model=0.9, k_max=8, model_overhead=1.0, horizon=3).kind == "none"  # not worth it
