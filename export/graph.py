@@ -118,7 +118,10 @@ class _Linears:
         if spec is None:
             w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
             return self.g.op("MatMul", x, self.w.add(f"{name}.weight", w_cat.T))  # [in, out]
-        groups = self._pack_groups(parts, spec, weights)
+        # an explicit --lm-head width is what the head gets (and what the manifest says), even when the GGUF's own
+        # blocks could be carried at another width
+        exact_width = name == "lm_head" and self.fmt.lm_head != "auto"
+        groups = self._pack_groups(parts, spec, weights, exact_width)
         outs = [self._emit(x, name if len(groups) == 1 else f"{name}.{i}", packed, spec)
                 for i, packed in enumerate(groups)]
         return outs[0] if len(outs) == 1 else self.g.op("Concat", *outs, axis=-1)  # parts in order, [.., out]
@@ -176,17 +179,19 @@ class _Linears:
             self._indicators[key] = self.w.add(f"block_indicator.{k}x{block}", e)
         return self._indicators[key]
 
-    def _carried(self, raw: tuple[str, np.ndarray] | None, spec: QuantSpec) -> bool:
+    def _carried(self, raw: tuple[str, np.ndarray] | None, spec: QuantSpec, exact_width: bool = False) -> bool:
         """Whether a GGUF tensor is carried over exactly. Default (gguf_exact): every type with an exact
         MatMulNBits form, at its own width (a Q6_K tensor stays 8-bit in an int4 bundle: faithful first).
-        --no-gguf-exact: only Q4_0 / Q8_0, and only at the requested width."""
+        --no-gguf-exact: only Q4_0 / Q8_0, and only at the requested width. exact_width (an explicit --lm-head):
+        only a type whose exact form has the requested width; any other is re-quantized to it."""
         if raw is None or raw[0] not in GGUF_REPACKABLE or not spec.symmetric or spec.block != 32:
             return False
         if self.fmt.gguf_exact:
-            return True
+            return not exact_width or GGUF_REPACKABLE[raw[0]][2] == spec.bits
         return raw[0] in ("Q4_0", "Q8_0") and GGUF_REPACKABLE[raw[0]][2] == spec.bits
 
-    def _pack_groups(self, parts: list[str], spec: QuantSpec, weights: np.ndarray | None) -> list[Packed]:
+    def _pack_groups(self, parts: list[str], spec: QuantSpec, weights: np.ndarray | None,
+                     exact_width: bool = False) -> list[Packed]:
         """The matrix in MatMulNBits form, as few groups as the parts allow: consecutive parts that end up with
         the same bits and block are fused into one; GGUF blocks are carried over where ``_carried`` says so,
         the rest quantized from their float values."""
@@ -195,7 +200,7 @@ class _Linears:
         raws = [self.src.raw(p) for p in parts]
         packed = []
         for p, r in zip(parts, raws):
-            if self._carried(r, spec):
+            if self._carried(r, spec, exact_width):
                 self.repacked += 1
                 packed.append(repack_gguf(*r))
             else:

@@ -119,3 +119,23 @@ def test_prefix_reuse_is_exact_at_int4_accuracy_level_4(q_bundles):
         reused = dec.generate(follow, params)
         fresh = dec.generate(follow, params, reuse_prefix=False)
         assert reused.stats.reused_tokens > 0 and reused.token_ids == fresh.token_ids
+
+
+def test_an_explicit_lm_head_width_is_honoured_for_a_carried_gguf_head(tiny_llama, tmp_path):
+    """--lm-head int4 on a GGUF whose output matrix is Q8_0: the head is re-quantized to int4 (what was asked,
+    and what the manifest says), not silently carried at 8 bits; --lm-head auto keeps carrying it exactly."""
+    import onnx
+
+    gg = tmp_path / "m.gguf"
+    write_tiny_gguf(tiny_llama, gg, {**{name: Q.Q4_0 for name in ALL_LINEAR}, "output": Q.Q8_0})
+
+    def head_bits(bundle):
+        m = onnx.load(str(bundle / "target.onnx"), load_external_data=False)
+        return {a.i for n in m.graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith("lm_head")
+                for a in n.attribute if a.name == "bits"}
+
+    asked = export_bundle(gg, "prompt-lookup", tmp_path / "h4", _opts("int4", lm_head="int4")).out
+    assert head_bits(asked) == {4}
+    assert SpecDecoder.load(asked).manifest.target.quant["lm_head"] == "int4"
+    auto = export_bundle(gg, "prompt-lookup", tmp_path / "ha", _opts("int4")).out
+    assert head_bits(auto) == {8}  # auto: int8, and the Q8_0 blocks carried as they are
