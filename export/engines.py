@@ -27,7 +27,7 @@ from typing import Any, Callable
 from specedge.runtime.backends.trt import import_tensorrt
 from specedge.runtime.errors import BundleError
 from specedge.runtime.manifest import (
-    EngineSet, Manifest, read_manifest, sha256_file, width_shapes, write_manifest,
+    EngineSet, Manifest, read_manifest, sha256_file, verify_files, width_shapes, write_manifest,
 )
 
 from .precision import KV_DTYPE, PRECISIONS, convert_graph
@@ -97,16 +97,8 @@ def _read_for_build(bundle_dir: Path) -> Manifest:
     """The manifest, with the files a build reads (graphs, weights, tokenizer) checked by size. Files of engine
     sets are not required: a build recreates them (an engine deleted by hand is rebuilt, not an error)."""
     m = read_manifest(bundle_dir, verify="none")
-    derived = {f for es in m.engines.values() for g in es.get("graphs", {}).values() for f in (g, f"{g}.data")}
-    for name, meta in m.files.items():
-        f = bundle_dir / name
-        if name in derived:
-            continue
-        if not f.is_file():
-            raise BundleError(f"bundle {bundle_dir} is missing {name} (listed in the manifest)")
-        if f.stat().st_size != meta["bytes"]:
-            raise BundleError(f"{name} in {bundle_dir} has {f.stat().st_size} bytes, the manifest says "
-                              f"{meta['bytes']}: the bundle is corrupt")
+    derived = frozenset(f for es in m.engines.values() for g in es.get("graphs", {}).values() for f in (g, f"{g}.data"))
+    verify_files(bundle_dir, m, "size", skip=derived)
     return m
 
 

@@ -27,7 +27,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from specedge.runtime.errors import UnsupportedModelError
-from specedge.runtime.manifest import ONNX_OPSET, io_spec
+from specedge.runtime.manifest import ONNX_OPSET, QDQ_FORMAT, io_spec
 
 from .attention import KV_MODES, InplaceGqaAttention, PortableAttention
 from .families import ModelConfig
@@ -232,7 +232,8 @@ class _Linears:
             return {}
         err = (self._err_num / self._err_den) ** 0.5 if self._err_den else 0.0
         lm = self.fmt.lm_head_spec()
-        return {"format": "DequantizeLinear+MatMul" if self.fmt.qdq else "MatMulNBits", "bits": int(self.fmt.name[3:]), "block": self.fmt.block,
+        return {"format": QDQ_FORMAT if self.fmt.qdq else "MatMulNBits", "bits": int(self.fmt.name[3:]),
+                "block": self.fmt.block,
                 "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,
                 "lm_head": f"int{lm.bits}" if lm else "fp32", "embedding": self.fmt.embedding,
                 "gguf_exact": self.fmt.gguf_exact,

@@ -228,8 +228,10 @@ def positive_scales(p: Packed) -> Packed:
     b[neg] = ~b[neg]  # per stored value: 4-bit nibbles and 8-bit bytes alike
     mid = 1 << (p.bits - 1)
     b[zero] = (mid | (mid << 4)) if p.bits == 4 else mid  # q = 0
-    offsets = p.offsets.copy() if p.offsets is not None else np.zeros_like(p.scales)
-    offsets[neg] += -p.scales[neg]
+    offsets = p.offsets  # all-zero blocks need none; flipped blocks carry their sign here
+    if neg.any():
+        offsets = p.offsets.copy() if p.offsets is not None else np.zeros_like(p.scales)
+        offsets[neg] += -p.scales[neg]
     scales = np.where(neg, -p.scales, np.where(zero, np.float32(1.0), p.scales)).astype(np.float32)
     return Packed(b, scales, None, p.k, p.bits, p.block, offsets)
 

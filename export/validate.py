@@ -31,8 +31,7 @@ import numpy as np
 
 from specedge.runtime.drafters import feed
 from specedge.runtime.errors import BundleError
-from specedge.runtime.backends.ort import QDQ_FORMAT
-from specedge.runtime.manifest import Manifest, read_manifest
+from specedge.runtime.manifest import QDQ_FORMAT, Manifest, read_manifest
 from specedge.runtime.text import TextCodec
 
 DEFAULT_PROMPTS = (

@@ -100,8 +100,8 @@ class SpecDecoder:
              threads: int | None = None, precision: str | None = None, invariant: bool = True,
              cuda_graphs: bool = True) -> "SpecDecoder":
         """verify: "size" (default: every file present with its recorded size — what the CLI does; a bit flip in a
-        weight file is not caught), "sha256" (hash every file first: minutes for gigabytes on a Jetson; `spec-run
-        verify` / `spec-export verify` do it on demand) or "none".
+        weight file is not caught), "sha256" (hash every file first: minutes for gigabytes on a Jetson; `spec-export
+        info BUNDLE` does it on demand) or "none".
         backend: auto | ort-cpu | ort-cuda | ort-trt | trt. precision: None (fp32 graphs on ONNX Runtime; the
         built engines on TensorRT) or fp16/bf16 (the bundle's reduced-precision graphs or engines).
         invariant: True (default) runs every target step at width >= 2, so speculative output is bitwise the

@@ -23,6 +23,7 @@ from .errors import BundleError
 SCHEMA = "specedge.bundle/1"
 MANIFEST_NAME = "manifest.json"
 VERIFY_MODES = ("sha256", "size", "none")
+QDQ_FORMAT = "DequantizeLinear+MatMul"  # ModelEntry.quant["format"] of --quant-form qdq graphs (else MatMulNBits)
 MAX_DIM = 1 << 22  # no model dimension (layers, heads, hidden, vocab) comes near this
 MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front  # how read_manifest checks the bundle's files
 ONNX_OPSET = 17  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 17 has everything we use.
@@ -386,19 +387,27 @@ def read_manifest(bundle_dir: str | Path, verify: str = "sha256") -> Manifest:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{path} is not valid JSON: {e}") from e
     manifest = Manifest.from_json(raw)
-    if verify != "none":
-        for name, meta in manifest.files.items():
-            f = bundle_dir / name
-            if not f.is_file():
-                raise BundleError(f"bundle {bundle_dir} is missing {name} (listed in the manifest)")
-            size = f.stat().st_size
-            if size != meta["bytes"]:
-                raise BundleError(
-                    f"{name} in {bundle_dir} has {size} bytes, the manifest says {meta['bytes']}: the bundle is corrupt"
-                )
-            if verify == "sha256" and sha256_file(f) != meta["sha256"]:
-                raise BundleError(
-                    f"{name} in {bundle_dir} fails its sha256 check (manifest {meta['sha256'][:12]}…): "
-                    "the bundle is corrupt; re-export it"
-                )
+    verify_files(bundle_dir, manifest, verify)
     return manifest
+
+
+def verify_files(bundle_dir: Path, manifest: Manifest, verify: str, skip: frozenset[str] = frozenset()) -> None:
+    """Every file the manifest lists (but ``skip``) is present with its size ("size"), and its sha256 ("sha256")."""
+    if verify == "none":
+        return
+    for name, meta in manifest.files.items():
+        if name in skip:
+            continue
+        f = bundle_dir / name
+        if not f.is_file():
+            raise BundleError(f"bundle {bundle_dir} is missing {name} (listed in the manifest)")
+        size = f.stat().st_size
+        if size != meta["bytes"]:
+            raise BundleError(
+                f"{name} in {bundle_dir} has {size} bytes, the manifest says {meta['bytes']}: the bundle is corrupt"
+            )
+        if verify == "sha256" and sha256_file(f) != meta["sha256"]:
+            raise BundleError(
+                f"{name} in {bundle_dir} fails its sha256 check (manifest {meta['sha256'][:12]}…): "
+                "the bundle is corrupt; re-export it"
+            )

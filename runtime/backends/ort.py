@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import BackendUnavailableError, BundleError
-from ..manifest import EngineSet, Manifest, Width, io_spec
+from ..manifest import QDQ_FORMAT, EngineSet, Manifest, Width, io_spec
 
 
 @dataclass
@@ -71,7 +71,6 @@ def check_graph_io(session: Any, spec: tuple[list, list], what: str) -> None:
                                   f"{list(t.shape)} (dims n_kv_heads/head_dim/vocab or kv_mode disagree)")
 
 
-QDQ_FORMAT = "DequantizeLinear+MatMul"  # manifest quant["format"] of --quant-form qdq graphs
 QDQ_MIN_ORT = (1, 25)  # int4 blocks fuse from 1.20, 8-bit blocks (Q8_0, Q6_K, the int8 lm_head) from 1.25
 
 
