@@ -26,7 +26,7 @@ QDQ_GPU_CHECKS = {  # the int4-qdq bundle on a GPU: weight-only INT4 engines, it
 QDQ_CPU_CHECKS = {"parity/ort-cpu/int4/int4-qdq", "parity/ort-cpu/int4-fp16/int4-qdq", "greedy/ort-cpu/int4/int4-qdq",
                   "trt-parser/int4-qdq"}
 GPU_CHECKS = {  # every GPU check the kit declares for its four bundles
-    "cuda-binding", "nan-cache/ort-cuda/fp32/model", "nan-cache/ort-cuda/fp16/model",
+    "cuda-binding", "trt-runner-graphs", "nan-cache/ort-cuda/fp32/model", "nan-cache/ort-cuda/fp16/model",
     "parity/ort-cuda/fp32/model", "parity/ort-cuda/fp32/lookup", "parity/ort-cuda/tf32/model",
     "parity/ort-cuda/fp16/model", "parity/ort-cuda/fp16/lookup", "parity/ort-cuda/int4/int4",
     "greedy/ort-cuda/tf32/model", "greedy/ort-cuda/tf32/lookup", "greedy/ort-cuda/fp16/model",

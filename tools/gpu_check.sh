@@ -13,9 +13,9 @@
 # goldens replayed on ONNX Runtime CPU, greedy speculative == plain, spec-export validate --goldens), every GPU
 # check prints exactly what it would run (commands, API calls, widths, tolerances) and is reported
 # "skipped: no GPU"; exit 0 when the CPU checks pass. On a GPU: CUDA binding vs CuPy (tools/gpu_check_cuda.py),
-# ort-cuda on a NaN-poisoned allocator, step-by-step parity with the goldens at every width (past_len 0 and
-# > 0, after rollbacks, target and draft interleaved) on ort-cuda fp32/TF32/fp16/int4, TensorRT fp16 with and
-# without CUDA graphs and ort-trt, TensorRT builds (seconds and bytes per profile), spec-export validate
+# the trt runner with real CUDA graphs around a CuPy stand-in engine (tools/gpu_check_graphs.py), ort-cuda on a
+# NaN-poisoned allocator, step-by-step parity with the goldens at every width (past_len 0 and > 0, after
+# rollbacks, target and draft interleaved) on ort-cuda fp32/TF32/fp16/int4, TensorRT fp16 with and without CUDA graphs and ort-trt, TensorRT builds (seconds and bytes per profile), spec-export validate
 # --goldens, greedy speculative == plain for every drafter at k = 1..4, step times per width. A check whose
 # library is missing is skipped with the reason. tools/gpu_kit.py says more.
 #

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import gpu_kit_goldens as gg
 import gpu_kit_trt as kt
-from gpu_kit_runs import (CONFIGS, Config, Skip, cuda_binding, cuda_binding_plan, greedy, greedy_plan, nan_cache,
-                          nan_cache_plan, parity, parity_plan, validate, validate_plan)
+from gpu_kit_runs import (CONFIGS, Config, Skip, cuda_binding_plan, greedy, greedy_plan, nan_cache, nan_cache_plan,
+                          parity, parity_plan, runner_graphs_plan, script_check, validate, validate_plan)
 
 TOOLS = Path(__file__).resolve().parent
 
@@ -260,7 +260,9 @@ def checks(ctx: Ctx) -> list[Check]:
     out += [Check(f"trt-parser/{b}", False, ("onnx",), lambda c, b=b: kt.parser_rules_plan(c, b),
                   lambda c, b=b: kt.parser_rules(c, b)) for b in qdq]  # TensorRT's input, checked on the CPU
     # GPU without TensorRT: the CUDA binding, ONNX Runtime CUDA
-    out.append(Check("cuda-binding", True, ("cupy",), cuda_binding_plan, cuda_binding))
+    out.append(Check("cuda-binding", True, ("cupy",), cuda_binding_plan, lambda c: script_check(c, "gpu_check_cuda.py")))
+    out.append(Check("trt-runner-graphs", True, ("cupy",), runner_graphs_plan,
+                     lambda c: script_check(c, "gpu_check_graphs.py")))
     for prec in (None, "fp16"):
         out.append(Check(f"nan-cache/ort-cuda/{prec or 'fp32'}/{first}", True, ("ort-cuda", "tokenizers", "jinja2"),
                          lambda c, p=prec: nan_cache_plan(c, first, p), lambda c, p=prec: nan_cache(c, first, p)))

@@ -268,8 +268,17 @@ def cuda_binding_plan(ctx: Ctx) -> dict:
             "commands": ["python tools/gpu_kit.py exec tools/gpu_check_cuda.py"]}
 
 
-def cuda_binding(ctx: Ctx) -> dict:
-    cmd = ctx.kit_cmd("exec", TOOLS / "gpu_check_cuda.py")
+def runner_graphs_plan(ctx: Ctx) -> dict:
+    return {"what": "TrtRunner with real libcudart and CUDA graphs around a stand-in engine whose contexts launch CuPy "
+                    "kernels on the bound tensors: target + draft interleaved on one stream and scratch, rollbacks, "
+                    "all-rows / last-row logits, device argmax; bit-equal to a numpy model, with and without graphs, "
+                    "every width captured",
+            "commands": ["python tools/gpu_kit.py exec tools/gpu_check_graphs.py"]}
+
+
+def script_check(ctx: Ctx, script: str) -> dict:
+    """Run one of the `ok  ` / `FAIL` line-per-check scripts (tools/gpu_check_cuda.py, gpu_check_graphs.py)."""
+    cmd = ctx.kit_cmd("exec", TOOLS / script)
     p = ctx.sh(cmd, timeout=120)
     lines = p.stdout.splitlines()
     fails = [line for line in lines if line.startswith("FAIL")]
@@ -277,7 +286,6 @@ def cuda_binding(ctx: Ctx) -> dict:
                                                                                  for line in lines),
             "failed": fails, "output_tail": (p.stdout + p.stderr)[-2000:],
             "summary": lines[-1] if lines else f"exit {p.returncode}: {p.stderr[-300:]}"}
-
 
 
 # Every way the kit runs a bundle: name -> (backend, precision, tolerance name, CUDA graphs, TF32 off)
