@@ -19,18 +19,29 @@ import time
 import numpy as np
 
 
+class Checks:
+    """One `ok  ` / `FAIL` line per check (the GPU kit counts them); ``done()`` prints the summary, gives the exit
+    status. Shared with tools/gpu_check_graphs.py."""
+
+    def __init__(self):
+        self.failures = 0
+
+    def __call__(self, name: str, ok: bool, detail: str = "") -> None:
+        self.failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+    def done(self) -> int:
+        print("all checks passed" if not self.failures else f"{self.failures} check(s) FAILED")
+        return 1 if self.failures else 0
+
+
 def main() -> int:
     import cupy as cp
 
     from specedge.runtime.backends.cuda_rt import D2H, H2D, CudaRuntime, host_array
     from specedge.runtime.backends.trt import KvLayout
 
-    failures = 0
-
-    def check(name: str, ok: bool, detail: str = "") -> None:
-        nonlocal failures
-        failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+    check = Checks()
 
     c = CudaRuntime()
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -98,8 +109,7 @@ def main() -> int:
             check(f"KV commit {np.dtype(dtype).name} L={L} H={H} D={D} S={S} T={T} n={n} past={past}",
                   ok and aligned, f"{lay.copies(T)} cudaMemcpy2DAsync call(s), {us:.0f} us")
     c.stream_destroy(s)
-    print(f"{'all checks passed' if not failures else f'{failures} check(s) FAILED'}")
-    return 1 if failures else 0
+    return check.done()
 
 
 if __name__ == "__main__":

@@ -192,12 +192,9 @@ def main() -> int:
     from specedge.runtime.backends.cuda_rt import CudaRuntime
     from specedge.runtime.manifest import EngineSet, ModelEntry
 
-    failures = 0
+    from gpu_check_cuda import Checks  # tools/ is on sys.path: run directly or through gpu_kit.py exec
 
-    def check(name: str, ok: bool, detail: str = "") -> None:
-        nonlocal failures
-        failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+    check = Checks()
 
     module = cp.RawModule(code=_SRC, options=("-std=c++14",))
     kernels = {k: module.get_function(k) for k in ("present", "logits", "argmax")}
@@ -281,8 +278,7 @@ def main() -> int:
         cuda.stream_destroy(shared["stream"])
     same = all(np.array_equal(a, b) for a, b in zip(outputs[False], outputs[True]))
     check("graph replay == plain execute, every step", same)
-    print(f"{'all checks passed' if not failures else f'{failures} check(s) FAILED'}")
-    return 1 if failures else 0
+    return check.done()
 
 
 if __name__ == "__main__":

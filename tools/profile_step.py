@@ -20,9 +20,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def profile(bundle: Path, role: str, T: int, steps: int, past: int, threads: int | None) -> dict:
@@ -109,5 +107,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    np.seterr(all="ignore")
     sys.exit(main())
