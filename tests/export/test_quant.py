@@ -20,15 +20,41 @@ def _weights(n=24, k=80, seed=0):  # k=80: not a multiple of 32, exercises the p
 
 
 @pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True), (8, False)])
-def test_quantize_error_is_within_half_a_step(bits, symmetric):
+def test_round_to_nearest_error_is_within_half_a_step(bits, symmetric):
     w = _weights()
-    p = quantize(w, QuantSpec(bits, 32, symmetric))
+    p = quantize(w, QuantSpec(bits, 32, symmetric, search=False))
     step = np.repeat(np.abs(p.scales), 32, axis=1)[:, : w.shape[1]]
     err = np.abs(dequantize(p) - w)
     # round to nearest: half a step, except the symmetric form clips the top level (+7/+127 vs -8/-128)
     bound = step * (1.0 if symmetric else 0.5) + 1e-6
     assert (err <= bound).all()
     assert rel_rms_error(w, p) < (0.12 if bits == 4 else 0.008)
+
+
+def _block_sq_err(w, p):
+    d = np.zeros((w.shape[0], -(-w.shape[1] // p.block) * p.block), np.float64)
+    d[:, : w.shape[1]] = dequantize(p).astype(np.float64) - w
+    return (d.reshape(w.shape[0], -1, p.block) ** 2).sum(-1)  # [N, k_blocks]
+
+
+@pytest.mark.parametrize("bits,symmetric,block", [(4, True, 32), (4, False, 32), (4, True, 128), (4, False, 128),
+                                                  (8, True, 32)])
+def test_scale_search_never_loses_to_round_to_nearest_and_usually_wins(bits, symmetric, block):
+    w = _weights(n=64, k=300)
+    rtn, best = (quantize(w, QuantSpec(bits, block, symmetric, search=s)) for s in (False, True))
+    e_rtn, e_best = _block_sq_err(w, rtn), _block_sq_err(w, best)
+    assert (e_best <= e_rtn * (1 + 1e-5) + 1e-9).all()  # round-to-nearest is one of the candidates
+    if bits == 4:  # and a better scale exists for most 4-bit blocks of gaussian weights
+        assert e_best.sum() < 0.94 * e_rtn.sum()
+        assert (e_best < e_rtn * (1 - 1e-4)).mean() > 0.5
+
+
+def test_scale_search_keeps_positive_scales_and_zero_blocks():
+    w = _weights(n=16, k=96)
+    w[3, 32:64] = 0.0
+    p = quantize(w, QuantSpec(4, 32, positive_scales=True))
+    assert (p.scales >= 0).all() and p.scales[3, 1] == 0
+    assert (dequantize(p)[3, 32:64] == 0).all()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
