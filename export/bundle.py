@@ -62,6 +62,9 @@ class ExportOptions:
                 f"verify width K+1 {self.k + 1}: it must be at least {self.prefill_chunk + self.k + 1}")
         if self.kv_mode not in KV_MODES:
             raise BundleError(f"--kv-mode {self.kv_mode!r}: choose one of {', '.join(KV_MODES)}")
+        if self.weights.quantized and self.prefill_chunk % 2:
+            raise BundleError(f"--prefill-chunk {self.prefill_chunk}: an int8/int4 target needs an even prefill chunk "
+                              f"(ONNX Runtime's kernel takes rows in pairs; see manifest.model_widths)")
         bad = [t for t in self.verify_widths if not 2 <= t <= self.k + 1]
         if bad:
             raise BundleError(f"--verify-widths {bad} out of range: each must be in 2..K+1={self.k + 1}")
@@ -176,6 +179,7 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
     say(f"  {role}: graph written in {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mb():.0f} MB")
     return ModelEntry(
         family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,
-        precision=fmt.name, widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths),
+        precision=fmt.name, widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths,
+                                                even=role == "target" and fmt.quantized),
         source=src.describe(), quant=quant,
     )

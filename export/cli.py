@@ -67,15 +67,16 @@ def presets() -> None:
               help="Draft model (dir, .gguf, known name), or 'prompt-lookup', or 'none'.")
 @click.option("--k", "k", type=int, default=4, show_default=True, help="Draft length K, 1..16 (verify width K+1).")
 @click.option("--verify-widths", default="", callback=comma_list(int), help="Extra, narrower verify widths, e.g. 3,5,7 with --k 8: a draft of "
-              "k < K tokens runs at the smallest width >= k+1 instead of K+1. Default: K+1 only.")
+              "k < K tokens runs at the smallest width >= k+1 instead of K+1. Default: K+1 only. int8/int4 targets "
+              "round every verify width up to an even one (9 -> 10: batch invariance, README Exactness).")
 @click.option("--max-context", type=int, default=2048, show_default=True, help="KV buffer length S_max.")
-@click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P.")
+@click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P (even for int8/int4 targets).")
 @click.option("--ngram-max", type=int, default=3, show_default=True, help="Prompt lookup: longest n-gram to match.")
 @click.option("--weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32", show_default=True,
               help="Target weight format: int8/int4 are ONNX Runtime MatMulNBits (GGUF Q8_0/Q4_0 re-packed exactly).")
 @click.option("--draft-weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default=None,
               help="Draft weight format (default: same as --weights).")
-@click.option("--quant-block", type=int, default=32, show_default=True, help="int8/int4 block size.")
+@click.option("--quant-block", type=int, default=32, show_default=True, help="int8/int4 block size (re-quantized matrices; GGUF blocks carried exactly keep theirs): larger blocks read fewer bytes and make multi-token CPU steps cheaper, at some accuracy (README, Weight formats).")
 @click.option("--asymmetric", is_flag=True, help="int8/int4 with uint8 zero points (default symmetric).")
 @click.option("--accuracy-level", type=int, default=4, show_default=True,
               help="MatMulNBits accuracy_level: 4 = int8 compute (the fast CPU path), 0 = fp32 compute.")

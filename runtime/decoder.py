@@ -13,6 +13,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -87,6 +88,12 @@ class SpecDecoder:
         # carries a free one-token guess instead of running alone.
         self.invariant = invariant
         target.min_width = 2 if invariant else 1
+        t = manifest.target
+        odd = [w.T for w in t.widths if w.L == w.T and w.T > 1 and w.T % 2]
+        if invariant and t.quant and odd:
+            warnings.warn(f"{bundle_dir}: this int8/int4 target declares odd verify widths {odd}; with blocks >= 64 "
+                          f"ONNX Runtime computes an odd last row by other rounding, so speculative output may differ "
+                          f"from plain. Re-export it: new exports use even widths (README, Exactness).", stacklevel=3)
         p = manifest.drafter_params
         self._guesser = PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", 1))
         self._lock = threading.Lock()  # held for one prefill or round at a time (never across a yield)

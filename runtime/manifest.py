@@ -278,7 +278,8 @@ def _check_files(m: "Manifest") -> None:
             raise BundleError(f"tokenizer.{name} {bad} outside the vocabulary 0..{V - 1}")
 
 
-def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int, ...] = ()) -> tuple[Width, ...]:
+def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int, ...] = (),
+                 even: bool = False) -> tuple[Width, ...]:
     """The fixed widths each model is run at.
 
     target: prefill (P), verify (K+1 and 2) and decode (1). Verify width 2 is what plain decoding runs
@@ -289,12 +290,21 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
     at the smallest width >= k+1 instead of padding to K+1 (one more optimization profile
     for TensorRT; nothing more for ONNX Runtime).
     draft: prefill (P) and decode (1).
+    even (target of an int8/int4 bundle): every verify width rounded up to an even one (K+1 = 9 -> 10; a draft of
+    4 then runs at width 6, one padding row). ONNX Runtime's int8-compute MatMulNBits kernel takes rows in pairs
+    and an odd last row alone through its M=1 kernel, whose rounding differs (measured on x86 with blocks >= 64
+    at 4 bits, >= 128 at 8 bits; tests/export/test_quantized_bundle.py): with even widths no real row is ever
+    that odd one, so a row's result is the same whatever the width. The prefill chunk must then be even too.
     """
+    if even and prefill_chunk % 2:
+        raise ValueError(f"the prefill chunk of an int8/int4 target must be even (its rows go through the kernel in "
+                         f"pairs), got {prefill_chunk}")
     widths = {Width(ROLE_PREFILL, prefill_chunk, 1), Width(ROLE_DECODE, 1, 1)}
     if role == "target":
         for t in {k + 1, 2, *extra_verify}:
             if not 2 <= t <= k + 1:
                 raise ValueError(f"verify widths must be in 2..K+1={k + 1}, got {t}")
+            t += t % 2 if even else 0
             widths.add(Width(ROLE_VERIFY, t, t))
     # A width may coincide with another (e.g. P == K+1): keep the one that gives most logits.
     by_t: dict[int, Width] = {}

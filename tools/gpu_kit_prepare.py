@@ -24,8 +24,8 @@ OUT_DIR (a few MB, git-ignored as .gpu-kit/):
                                  lacks them and cannot download: click, jinja2, markupsafe, polygraphy,
                                  tokenizers (used only where the machine's own import fails)
 
-All bundles: portable KV, K=4, verify widths 2..5 (target widths 1, 2, 3, 4, 5, 16; draft 1, 16), S_max 256,
-prefill P=16.
+All bundles: portable KV, K=4, verify widths 2..5 (target widths 1, 2, 3, 4, 5, 16; int8/int4 targets round
+them up to even ones: 1, 2, 4, 6, 16; draft 1, 16), S_max 256, prefill P=16.
 """
 
 from __future__ import annotations

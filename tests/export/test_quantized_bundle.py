@@ -10,7 +10,7 @@ import pytest
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.export.quant import WeightFormat
 from specedge.runtime import SamplingParams, SpecDecoder
-from specedge.runtime.errors import UnsupportedModelError
+from specedge.runtime.errors import BundleError, UnsupportedModelError
 
 from .test_gguf import write_tiny_gguf
 
@@ -19,8 +19,9 @@ ALL_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
 PROMPTS = ["def fib(n):", "hello world hello world hello", "the cat sat on the"]
 
 
-def _opts(fmt: str, **kw) -> ExportOptions:
-    return ExportOptions(k=4, max_context=128, prefill_chunk=16, verify_widths=(2, 3), weights=WeightFormat(fmt, **kw))
+def _opts(fmt: str, kv_mode: str = "portable", **kw) -> ExportOptions:
+    return ExportOptions(k=4, max_context=128, prefill_chunk=16, verify_widths=(2, 3), weights=WeightFormat(fmt, **kw),
+                         kv_mode=kv_mode)
 
 
 def _logits(dec: SpecDecoder, ids: list[int]) -> np.ndarray:
@@ -37,6 +38,13 @@ def q_bundles(tiny_llama, tiny_draft, tmp_path_factory):
     out["int4-asym"] = export_bundle(tiny_llama, tiny_draft, root / "int4a",
                                      _opts("int4", symmetric=False, accuracy_level=0)).out
     out["int4-fast"] = export_bundle(tiny_llama, tiny_draft, root / "int4f", _opts("int4", accuracy_level=4)).out
+    # blocks >= 64: ONNX Runtime's int8-compute kernel takes rows in pairs and an odd last row alone, by other
+    # arithmetic (the M=1 kernel); the bundle must never give a real row an odd position at the end of a step
+    # ort-inplace (GroupQueryAttention) needs head_dim >= 16: tiny_llama's own, no draft model
+    out["int4-b64"] = export_bundle(tiny_llama, "prompt-lookup", root / "int4b64",
+                                    _opts("int4", "ort-inplace", block=64, symmetric=False, accuracy_level=4)).out
+    out["int4-inplace"] = export_bundle(tiny_llama, "prompt-lookup", root / "int4i",
+                                        _opts("int4", "ort-inplace", accuracy_level=4)).out
     return out
 
 
@@ -110,8 +118,9 @@ def test_mixed_gguf_types_in_one_fused_matrix_are_carried_exactly(tiny_llama, tm
                       k=4).token_ids == plain
 
 
-def test_prefix_reuse_is_exact_at_int4_accuracy_level_4(q_bundles):
-    dec = SpecDecoder.load(q_bundles["int4-fast"])
+@pytest.mark.parametrize("fmt", ["int4-fast", "int4-b64"])
+def test_prefix_reuse_is_exact_at_int4_accuracy_level_4(q_bundles, fmt):
+    dec = SpecDecoder.load(q_bundles[fmt])
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     for prompt in PROMPTS:
         first = dec.generate(prompt, params)
@@ -139,3 +148,34 @@ def test_an_explicit_lm_head_width_is_honoured_for_a_carried_gguf_head(tiny_llam
     assert SpecDecoder.load(asked).manifest.target.quant["lm_head"] == "int4"
     auto = export_bundle(gg, "prompt-lookup", tmp_path / "ha", _opts("int4")).out
     assert head_bits(auto) == {8}  # auto: int8, and the Q8_0 blocks carried as they are
+
+
+@pytest.mark.parametrize("fmt", ["int4-inplace", "int4-b64"])
+def test_every_row_is_bitwise_the_same_whatever_the_step_width(q_bundles, fmt):
+    """The batch-invariance rule itself, below the token level (a tiny model's logits rarely tie, so token
+    equality alone would hide a kernel that rounds some rows differently): the target's logits for the same
+    positions, fed 1..K+1 tokens per step as the decoder does (width >= 2, padded), equal those of 2 per step."""
+    dec = SpecDecoder.load(q_bundles[fmt])
+    t = dec.target
+    seq = np.array(dec.encode_prompt(PROMPTS[1] + " " + PROMPTS[0]) * 3)[:24]
+    start = 8
+    feed_logits = t.step(seq[:start], 0, all_logits=False)  # noqa: F841 - the prompt's rows
+
+    def logits_by(n: int) -> np.ndarray:
+        rows = []
+        for pos in range(start, len(seq), n):
+            chunk = seq[pos: pos + n]
+            rows.append(np.array(t.step(chunk, pos, all_logits=True))[: len(chunk)])
+        return np.concatenate(rows)
+
+    ref = logits_by(2)
+    for n in range(1, dec.manifest.k + 2):
+        got = logits_by(n)
+        bad = [i for i in range(len(ref)) if not np.array_equal(got[i], ref[i])]
+        assert not bad, f"{n} tokens per step: rows {bad} differ from 2 per step (max |d| {np.abs(got - ref).max()})"
+
+
+def test_an_odd_prefill_chunk_is_refused_for_a_quantized_target():
+    with pytest.raises(BundleError, match="even prefill chunk"):
+        ExportOptions(prefill_chunk=15, weights=WeightFormat("int4"))
+    ExportOptions(prefill_chunk=15)  # fp32: any width
