@@ -179,3 +179,15 @@ def test_an_odd_prefill_chunk_is_refused_for_a_quantized_target():
     with pytest.raises(BundleError, match="even prefill chunk"):
         ExportOptions(prefill_chunk=15, weights=WeightFormat("int4"))
     ExportOptions(prefill_chunk=15)  # fp32: any width
+
+
+def test_loading_an_old_block_64_bundle_with_odd_widths_warns(q_bundles, tmp_path):
+    import json
+    import shutil
+    old = tmp_path / "old"
+    shutil.copytree(q_bundles["int4-b64"], old)
+    m = json.loads((old / "manifest.json").read_text())
+    m["target"]["widths"] = [w if w["T"] != 4 else {**w, "T": 3, "L": 3} for w in m["target"]["widths"]]
+    (old / "manifest.json").write_text(json.dumps(m))
+    with pytest.warns(UserWarning, match=r"odd verify widths \[3\].*Re-export"):
+        SpecDecoder.load(old)
