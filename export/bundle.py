@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from specedge.runtime.drafters import DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
     KV_MODES,
@@ -39,7 +40,7 @@ class ExportOptions:
     max_context: int = 2048
     prefill_chunk: int = 64
     lookup_ngram_max: int = 3
-    lookup_ngram_min: int = 1
+    lookup_ngram_min: int = DEFAULT_NGRAM_MIN
     verify_widths: tuple[int, ...] = ()  # extra verify widths 2..K (K+1 is always there)
     weights: WeightFormat = WeightFormat()  # target
     draft_weights: WeightFormat | None = None  # None: same as the target

@@ -10,6 +10,7 @@ import click
 
 from specedge.runtime.cli import comma_list
 from specedge.runtime.config import config_option
+from specedge.runtime.drafters import DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import SpecEdgeError
 
 if TYPE_CHECKING:
@@ -72,6 +73,9 @@ def presets() -> None:
 @click.option("--max-context", type=int, default=2048, show_default=True, help="KV buffer length S_max.")
 @click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P (even for int8/int4 targets).")
 @click.option("--ngram-max", type=int, default=3, show_default=True, help="Prompt lookup: longest n-gram to match.")
+@click.option("--ngram-min", type=int, default=DEFAULT_NGRAM_MIN, show_default=True,
+              help="Prompt lookup: shortest n-gram a multi-token draft needs (1-token matches still fill plain rounds' "
+                   "free guess).")
 @click.option("--weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32", show_default=True,
               help="Target weight format: int8/int4 are ONNX Runtime MatMulNBits (GGUF Q8_0/Q4_0 re-packed exactly).")
 @click.option("--draft-weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default=None,
@@ -100,7 +104,7 @@ def presets() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
 def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weights: str, draft_weights: str | None,
-           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, out: str,
+           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
@@ -111,7 +115,7 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weig
                                         gguf_exact=gguf_exact, form=quant_form)
         opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights), kv_mode=kv_mode,
                              device_argmax=device_argmax,
-                             draft_weights=fmt(draft_weights) if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max,
+                             draft_weights=fmt(draft_weights) if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
                              overwrite=overwrite, cache_dir=cache_dir)
         rep = export_bundle(target, draft, out, opts, progress=_say)
     except SpecEdgeError as e:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
-from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
+from .drafters import DEFAULT_NGRAM_MIN, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError
 from .manifest import VERIFY_MODES, Manifest, read_manifest
 from .sampling import (SamplingParams, accept_argmax, choose_next, process_logits, verify_greedy, verify_keyed,
@@ -95,7 +95,8 @@ class SpecDecoder:
                           f"ONNX Runtime computes an odd last row by other rounding, so speculative output may differ "
                           f"from plain. Re-export it: new exports use even widths (README, Exactness).", stacklevel=3)
         p = manifest.drafter_params
-        self._guesser = PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", 1))
+        # the free guess takes any match, down to one token: it rides in a width-2 step that runs anyway
+        self._guesser = PromptLookupDrafter(p.get("ngram_max", 3), 1)
         self._lock = threading.Lock()  # held for one prefill or round at a time (never across a yield)
         self._owner: _Request | None = None  # the request whose rows the caches hold
         self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
@@ -147,12 +148,12 @@ class SpecDecoder:
                 raise SamplingParamsError("this bundle has no draft model; use drafter 'prompt-lookup' or 'none'")
             return ModelDrafter(self.draft_runner, self.manifest.target.dims.vocab, self.manifest.prefill_chunk)
         if kind == "prompt-lookup":
-            return PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", 1))
+            return PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", DEFAULT_NGRAM_MIN))
         if kind == "none":
             return NoDrafter()
         if kind in SPEC_MODES:
             model = self.make_drafter("model") if self.draft_runner is not None else None
-            return AutoDrafter(self.cost_model(), PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", 1)),
+            return AutoDrafter(self.cost_model(), PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", DEFAULT_NGRAM_MIN)),
                                model, mode=kind)
         raise SamplingParamsError(f"unknown drafter {kind!r}; choose auto, hybrid, model, prompt-lookup (lookup) "
                                   f"or none (off)")

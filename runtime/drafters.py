@@ -60,6 +60,13 @@ class NoDrafter(_Stateless):
         return EMPTY
 
 
+# Shortest suffix match a prompt-lookup draft needs (bundles that record no ngram_min). One-token matches are
+# left to the decoder's free guess, which rides in the width-2 step a plain round runs anyway: as K-token
+# drafts they widened the verify step for little (fixed-k lookup on Qwen int4, one run per suite: 0.73-0.88x
+# plain with them, 0.95-1.05x without on code, chat and JSON; docs/benchmarks.md, 2026-11-30 second session).
+DEFAULT_NGRAM_MIN = 2
+
+
 class PromptLookupDrafter(_Stateless):
     """n-gram match over prompt + output: find the most recent earlier occurrence of the
     longest suffix n-gram (n = ngram_max..ngram_min) and propose what followed it. No weights."""
