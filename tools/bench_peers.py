@@ -303,6 +303,25 @@ def run_ortgenai(manifest, ids_list, specs, max_new: int, rows: list[dict], ngra
 OURS_ONLY = ("auto", "hybrid")  # our drafters without a peer counterpart: measured for ours, skipped for peers
 
 
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Rows of several rounds of the same engines and prompts -> one row set whose speeds are the per-prompt
+    medians (each round's values kept under ``*_rounds``); ids, text and the rest come from the first round."""
+    merged = []
+    for i, first in enumerate(rounds[0]):
+        row = dict(first)
+        for name, cell in first.items():
+            if not isinstance(cell, dict):
+                continue
+            cell = dict(cell)
+            for key in ("decode_tok_s", "e2e_tok_s", "ttft_s"):
+                if key in cell:
+                    vals = [r[i][name][key] for r in rounds]
+                    cell[key], cell[key + "_rounds"] = statistics.median(vals), vals
+            row[name] = cell
+        merged.append(row)
+    return merged
+
+
 def parse_specs(s: str) -> list[tuple[str, int]]:
     out = []
     for item in filter(None, s.split(",")):
@@ -351,29 +370,40 @@ def main() -> None:
     ap.add_argument("--suite", default="code,chat")
     ap.add_argument("--per-suite", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every engine this many times, one after another per round, and report per-prompt "
+                         "medians (a shared VM's speed drifts by +-20 %% between single runs)")
     ap.add_argument("--out", default="bench/peers")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
     specs = parse_specs(a.spec)
     peer_specs = [(d, k) for d, k in specs if d not in OURS_ONLY]
     prompts = suite_prompts(a.suite.split(","), a.per_suite)
     machine = machine_info()
-    rows: list[dict] = []
-    ids_list, manifest = run_ours(a.bundle, prompts, specs, a.max_new_tokens, rows)
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(Path(a.bundle) / manifest.tokenizer.file))
-    texts = [tok.decode(ids, skip_special_tokens=False) for ids in ids_list]  # the same prompt, as text
+    rounds: list[list[dict]] = []
     versions = {}
-    for peer in a.peers.split(","):
-        if peer == "llamacpp-native":
-            versions.update(run_llamacpp_native(manifest, ids_list, peer_specs, a.max_new_tokens, rows, texts))
-            continue
-        if peer == "ortgenai":
-            versions.update(run_ortgenai(manifest, ids_list, peer_specs, a.max_new_tokens, rows, a.ortgenai_ngram_size,
-                                         a.ortgenai_genai_defaults))
-            continue
-        versions.update({"hf": run_hf, "llamacpp": run_llamacpp}[peer](manifest, ids_list, peer_specs, a.max_new_tokens,
-                                                                       rows))
+    for r in range(a.rounds):
+        if a.rounds > 1:
+            say(f"round {r + 1}/{a.rounds}")
+        rows: list[dict] = []
+        ids_list, manifest = run_ours(a.bundle, prompts, specs, a.max_new_tokens, rows)
+        tok = Tokenizer.from_file(str(Path(a.bundle) / manifest.tokenizer.file))
+        texts = [tok.decode(ids, skip_special_tokens=False) for ids in ids_list]  # the same prompt, as text
+        for peer in a.peers.split(","):
+            if peer == "llamacpp-native":
+                versions.update(run_llamacpp_native(manifest, ids_list, peer_specs, a.max_new_tokens, rows, texts))
+                continue
+            if peer == "ortgenai":
+                versions.update(run_ortgenai(manifest, ids_list, peer_specs, a.max_new_tokens, rows,
+                                             a.ortgenai_ngram_size, a.ortgenai_genai_defaults))
+                continue
+            versions.update({"hf": run_hf, "llamacpp": run_llamacpp}[peer](manifest, ids_list, peer_specs,
+                                                                           a.max_new_tokens, rows))
+        rounds.append(rows)
+    rows = merge_rounds(rounds)
     names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
     for row in rows:
         for n in names:
@@ -392,7 +422,8 @@ def main() -> None:
         f"onnxruntime {machine['onnxruntime']}; " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         f"Bundle `{a.bundle}` (target {t.precision}, kv_mode {manifest.kv_mode}); source "
         f"`{Path(t.source.get('path', '')).name}`; greedy; max_new_tokens {a.max_new_tokens}; "
-        f"prompts {', '.join(r['id'] for r in rows)}.", "",
+        f"prompts {', '.join(r['id'] for r in rows)}"
+        + (f"; {a.rounds} rounds, every speed the per-prompt median." if a.rounds > 1 else "."), "",
         "| engine / config | decode tok/s, median (per prompt) | vs ours plain | vs the same engine's plain "
         "| output identical to ours plain |", "|---|---|---|---|---|"]
     for n in names:

@@ -1,0 +1,28 @@
+"""tools/bench_peers.py's round merging (the engines themselves need llama.cpp / onnxruntime-genai builds)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "bench_peers.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_peers", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rounds_merge_into_per_prompt_medians_and_keep_every_value():
+    def cell(v, ids):
+        return {"decode_tok_s": v, "e2e_tok_s": v / 2, "ttft_s": 0.1, "new_tokens": 3, "ids": ids}
+
+    rounds = [[{"id": "code-0", "prompt_tokens": 9, "ours plain": cell(v, [1, 2, 3]), "peer plain": cell(w, None)}]
+              for v, w in ((20.0, 30.0), (26.0, 24.0), (23.0, 27.0))]
+    (row,) = _tool().merge_rounds(rounds)
+    assert row["id"] == "code-0" and row["prompt_tokens"] == 9
+    assert row["ours plain"]["decode_tok_s"] == 23.0 and row["ours plain"]["decode_tok_s_rounds"] == [20.0, 26.0, 23.0]
+    assert row["peer plain"]["decode_tok_s"] == 27.0 and row["peer plain"]["e2e_tok_s"] == 13.5
+    assert row["ours plain"]["ids"] == [1, 2, 3] and rounds[0][0]["ours plain"]["decode_tok_s"] == 20.0  # not mutated
