@@ -70,7 +70,9 @@ class ExportOptions:
         if bad:
             raise BundleError(f"--verify-widths {bad} out of range: each must be in 2..K+1={self.k + 1}")
         if not 1 <= self.lookup_ngram_min <= self.lookup_ngram_max:
-            raise BundleError(f"prompt-lookup n-gram range [{self.lookup_ngram_min}, {self.lookup_ngram_max}] is empty")
+            raise BundleError(f"prompt-lookup n-gram range is empty: --ngram-min {self.lookup_ngram_min} > --ngram-max "
+                              f"{self.lookup_ngram_max} (both must be >= 1; --ngram-min defaults to "
+                              f"{DEFAULT_NGRAM_MIN})")
 
 
 @dataclass(frozen=True)

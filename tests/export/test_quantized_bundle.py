@@ -191,3 +191,9 @@ def test_loading_an_old_block_64_bundle_with_odd_widths_warns(q_bundles, tmp_pat
     (old / "manifest.json").write_text(json.dumps(m))
     with pytest.warns(UserWarning, match=r"odd verify widths \[3\].*Re-export"):
         SpecDecoder.load(old)
+
+
+def test_an_empty_lookup_ngram_range_names_both_options():
+    with pytest.raises(BundleError, match=r"--ngram-min 2 > --ngram-max 1"):
+        ExportOptions(lookup_ngram_max=1)
+    assert ExportOptions(lookup_ngram_max=1, lookup_ngram_min=1).lookup_ngram_min == 1
