@@ -435,13 +435,14 @@ def main() -> None:
         lines.append(f"| {n} | **{med[n]:.2f}** ({per_prompt}) | "
                      f"{med[n] / med['ours plain']:.2f}× | {med[n] / base:.2f}× | {same} |")
     lines += ["", *per_prompt_table(rows, names)]
-    if NOTES:
-        lines += ["", *(f"* {n}" for n in NOTES)]
+    notes = list(dict.fromkeys(NOTES))  # every round adds the same ones
+    if notes:
+        lines += ["", *(f"* {n}" for n in notes)]
     md = "\n".join(lines) + "\n"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps({"machine": machine, "versions": versions, "args": vars(a),
-                                                 "notes": NOTES, "rows": rows}, indent=1))
+                                                 "notes": notes, "rows": rows}, indent=1))
     (out / "peers.md").write_text(md)
     print(md)
 
