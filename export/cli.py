@@ -331,8 +331,8 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
         if not name or name == "prompt-lookup":
             continue
         dims = load_source(resolve_model(name, progress=_say)).config.dims
-        ws = model_widths(role, k, chunk, verify)
         fmt = weights or ex.get("draft_weights" if role == "draft" else "weights") or ex.get("weights", "fp32")
+        ws = model_widths(role, k, chunk, verify, even=role == "target" and fmt in ("int8", "int4"))
         models.append((role, dims, fmt, max(w.T for w in ws), max(w.L for w in ws)))
     backend = backend or run.get("backend", "ort-cpu")
     precision = precision or (bu.get("precision", "fp16") if backend != "ort-cpu" else "fp32")

@@ -153,8 +153,7 @@ class SpecDecoder:
             return NoDrafter()
         if kind in SPEC_MODES:
             model = self.make_drafter("model") if self.draft_runner is not None else None
-            return AutoDrafter(self.cost_model(), PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", DEFAULT_NGRAM_MIN)),
-                               model, mode=kind)
+            return AutoDrafter(self.cost_model(), self.make_drafter("prompt-lookup"), model, mode=kind)
         raise SamplingParamsError(f"unknown drafter {kind!r}; choose auto, hybrid, model, prompt-lookup (lookup) "
                                   f"or none (off)")
 

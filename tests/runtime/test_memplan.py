@@ -56,3 +56,22 @@ def test_trt_build_refuses_what_cannot_fit_before_building(bundles, monkeypatch)
     monkeypatch.setattr(trt, "import_tensorrt", lambda: object())  # as if TensorRT were installed
     r = CliRunner().invoke(export_cli.main, ["build", str(bundles["model"]), "--backend", "trt"])
     assert r.exit_code != 0 and "will not fit this machine" in r.output and "--no-memory-check" in r.output
+
+
+def test_a_preset_plan_counts_the_even_verify_widths_an_int4_export_declares(monkeypatch):
+    """x86-cpu exports int4 with K=8: the bundle's widest verify width is 10, not 9 (manifest.model_widths)."""
+    import types
+
+    import specedge.export.fetch as fetch
+    import specedge.export.loaders as loaders
+    from specedge.runtime.manifest import ModelDims
+
+    dims = ModelDims(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=128, vocab=100)
+    monkeypatch.setattr(fetch, "resolve_model", lambda name, progress=None: name)
+    monkeypatch.setattr(loaders, "load_source",
+                        lambda path: types.SimpleNamespace(config=types.SimpleNamespace(dims=dims)))
+    seen = {}
+    monkeypatch.setattr(memplan, "plan_models", lambda models, **kw: seen.setdefault("models", models))
+    export_cli._plan_of("x86-cpu", None, None, None, None)
+    ((role, _, fmt, widest_t, widest_l),) = seen["models"]
+    assert (role, fmt, widest_t, widest_l) == ("target", "int4", 64, 10)  # prefill 64; verify K+1 = 9 -> 10
