@@ -63,9 +63,10 @@ class ExportOptions:
                 f"verify width K+1 {self.k + 1}: it must be at least {self.prefill_chunk + self.k + 1}")
         if self.kv_mode not in KV_MODES:
             raise BundleError(f"--kv-mode {self.kv_mode!r}: choose one of {', '.join(KV_MODES)}")
-        if self.weights.quantized and self.prefill_chunk % 2:
-            raise BundleError(f"--prefill-chunk {self.prefill_chunk}: an int8/int4 target needs an even prefill chunk "
-                              f"(ONNX Runtime's kernel takes rows in pairs; see manifest.model_widths)")
+        if self.weights.even_widths and self.prefill_chunk % 2:
+            raise BundleError(f"--prefill-chunk {self.prefill_chunk}: an int8/int4 MatMulNBits target needs an even "
+                              f"prefill chunk (ONNX Runtime's kernel takes rows in pairs; see manifest.model_widths; "
+                              f"--weights int8 --quant-form intgemm has no such rule)")
         bad = [t for t in self.verify_widths if not 2 <= t <= self.k + 1]
         if bad:
             raise BundleError(f"--verify-widths {bad} out of range: each must be in 2..K+1={self.k + 1}")
@@ -183,6 +184,6 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
     return ModelEntry(
         family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,
         precision=fmt.name, widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths,
-                                                even=role == "target" and fmt.quantized),
+                                                even=role == "target" and fmt.even_widths),
         source=src.describe(), quant=quant,
     )

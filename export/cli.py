@@ -90,10 +90,14 @@ def presets() -> None:
               help="int8/int4 from a GGUF: carry its blocks exactly wherever MatMulNBits can hold them (Q4_0, and "
                    "Q4_1/Q4_K as int4 + a per-block float offset; Q8_0 and Q6_K as int8, even in an int4 bundle) "
                    "instead of re-quantizing them to the requested width.")
-@click.option("--quant-form", type=click.Choice(["matmulnbits", "qdq"]), default="matmulnbits", show_default=True,
-              help="How int8/int4 matrices are written: ONNX Runtime's MatMulNBits, or standard ONNX (opset 21) "
+@click.option("--quant-form", type=click.Choice(["matmulnbits", "qdq", "intgemm"]), default="matmulnbits",
+              show_default=True,
+              help="How int8/int4 matrices are written: ONNX Runtime's MatMulNBits; standard ONNX (opset 21) "
                    "blocked DequantizeLinear + MatMul with scales > 0 — what TensorRT 10 builds as weight-only "
-                   "INT4, and what ONNX Runtime >= 1.25 fuses back into the same MatMulNBits kernel at load.")
+                   "INT4, and what ONNX Runtime >= 1.25 fuses back into the same MatMulNBits kernel at load; or "
+                   "intgemm: 8-bit matrices (all of --weights int8, the lm_head of int4) as int8 per channel run "
+                   "by MatMulInteger on activations quantized per row: exact integer sums, and a multi-token "
+                   "step that costs little more than one token on a CPU (ONNX Runtime only; README, Weight formats).")
 @click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
               help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
                    "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
@@ -332,7 +336,9 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
             continue
         dims = load_source(resolve_model(name, progress=_say)).config.dims
         fmt = weights or ex.get("draft_weights" if role == "draft" else "weights") or ex.get("weights", "fp32")
-        ws = model_widths(role, k, chunk, verify, even=role == "target" and fmt in ("int8", "int4"))
+        form = ex.get("quant_form", "matmulnbits")
+        even = fmt == "int4" or (fmt == "int8" and form != "intgemm")
+        ws = model_widths(role, k, chunk, verify, even=role == "target" and even)
         models.append((role, dims, fmt, max(w.T for w in ws), max(w.L for w in ws)))
     backend = backend or run.get("backend", "ort-cpu")
     precision = precision or (bu.get("precision", "fp16") if backend != "ort-cpu" else "fp32")

@@ -27,13 +27,13 @@ import onnx
 from onnx import TensorProto, helper
 
 from specedge.runtime.errors import UnsupportedModelError
-from specedge.runtime.manifest import ONNX_OPSET, QDQ_FORMAT, io_spec
+from specedge.runtime.manifest import INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, io_spec
 
 from .attention import KV_MODES, InplaceGqaAttention, PortableAttention
 from .families import ModelConfig
 from .loaders import WeightSource
-from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows, pack_int4,
-                    positive_scales, quantize, rel_rms_error, repack_gguf, signed_values)
+from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows, dequantize,
+                    pack_int4, positive_scales, quantize, quantize_channels, repack_gguf, signed_values)
 
 _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
 _ALIGN = 64
@@ -108,6 +108,8 @@ class _Linears:
         self.repacked = self.requantized = 0  # matrices (parts of fused ones counted one by one)
         self._indicators: dict[tuple[int, int], str] = {}
         self._sums: dict[tuple[str, int, int], str] = {}
+        self._rowq: dict[str, tuple[str, str]] = {}
+        self._zp: str | None = None
         self._err_num = self._err_den = 0.0
         self._worst = 0.0
 
@@ -115,6 +117,9 @@ class _Linears:
                  weights: np.ndarray | None = None) -> str:
         """x [.., in] @ concat(parts, out axis).T -> [.., out]. ``weights`` overrides reading ``parts``."""
         spec = spec if spec is not None or weights is not None else self.fmt.linear_spec()
+        if spec is not None and spec.bits == 8 and self.fmt.intgemm:  # from the float weights: quantized once
+            w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
+            return self._emit_intgemm(x, name, w_cat)
         if spec is None:
             w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
             return self.g.op("MatMul", x, self.w.add(f"{name}.weight", w_cat.T))  # [in, out]
@@ -127,6 +132,8 @@ class _Linears:
         return outs[0] if len(outs) == 1 else self.g.op("Concat", *outs, axis=-1)  # parts in order, [.., out]
 
     def _emit(self, x: str, name: str, packed: Packed, spec: QuantSpec) -> str:
+        if self.fmt.intgemm and packed.bits == 8:  # a GGUF Q6_K/Q8_0 part carried at 8 bits in an int4 model
+            return self._emit_intgemm(x, name, dequantize(packed))
         if self.fmt.qdq:
             y, packed = self._emit_qdq(x, name, packed)
         else:
@@ -141,6 +148,37 @@ class _Linears:
         # and block size: q|k|v and gate|up share theirs), then one small fp32 MatMul with offsets.T [K/32, N]
         sums = self._block_sums(x, packed.k, packed.block)
         return self.g.op("Add", y, self.g.op("MatMul", sums, self.w.add(f"{name}.offsets", packed.offsets.T)))
+
+    def _emit_intgemm(self, x: str, name: str, w_cat: np.ndarray) -> str:
+        """x [.., K] @ w_cat [N, K].T in integer arithmetic: w_cat as int8 per output channel (quantize_channels),
+        x as uint8 per row (``_row_quantized``), MatMulInteger's int32 sums, then x's row scale times w's channel
+        scale. Every row's sums are exact integers whatever the other rows are: batch-invariant by construction."""
+        q, scales = quantize_channels(w_cat)
+        self._record_error(w_cat, q.astype(np.float32) * scales[:, None])
+        xq, xs = self._row_quantized(x)
+        acc = self.g.op("MatMulInteger", xq, self.w.add(f"{name}.qweight", np.ascontiguousarray(q.T)),
+                        self._zp128())
+        # channel scales first, then the row's: ONNX Runtime fuses Mul(Cast(MatMulInteger), Mul(a, b)) into
+        # MatMulIntegerToFloat, which takes one scale for all of A's rows (per-row scales come out wrong)
+        y = self.g.op("Mul", self.g.op("Cast", acc, to=TensorProto.FLOAT), self.w.add(f"{name}.scales", scales))
+        return self.g.op("Mul", y, xs)
+
+    def _row_quantized(self, x: str) -> tuple[str, str]:
+        """x [.., K] float -> (uint8 round(x / s) + 128, s [.., 1]) with s = max|row| / 127: symmetric per row, so
+        one scalar zero point serves every row (MatMulInteger takes no per-row zero point). Once per input (q|k|v
+        and gate|up share it); a zero row gets s = tiny, not a division by zero."""
+        if x not in self._rowq:
+            amax = self.g.op("ReduceMax", self.g.op("Abs", x), axes=[-1], keepdims=1)  # opset 17: axes attribute
+            s = self.g.op("Div", self.g.op("Max", amax, self.g.const(np.float32(1e-30), np.float32)),
+                          self.g.const(np.float32(127.0), np.float32))
+            u = self.g.op("Add", self.g.op("Round", self.g.op("Div", x, s)), self.g.const(np.float32(128.0), np.float32))
+            self._rowq[x] = (self.g.op("Cast", u, to=TensorProto.UINT8), s)
+        return self._rowq[x]
+
+    def _zp128(self) -> str:
+        if self._zp is None:
+            self._zp = self.g.const(np.uint8(128), np.uint8)
+        return self._zp
 
     def _block_sums(self, x: str, k: int, block: int) -> str:
         """x [1, T, K] (or [T, K]) -> [T, K/block], each block's sum: a Reshape and a ReduceSum over 32 values, row
@@ -219,20 +257,25 @@ class _Linears:
 
     def _quantize(self, w_cat: np.ndarray, spec: QuantSpec) -> Packed:
         packed = quantize(w_cat, spec)
+        self._record_error(w_cat, dequantize(packed))
+        return packed
+
+    def _record_error(self, w_cat: np.ndarray, approx: np.ndarray) -> None:
         self.requantized += 1
-        d = rel_rms_error(w_cat, packed)
+        d = float(np.sqrt(((approx - w_cat) ** 2).sum() / max((w_cat * w_cat).sum(), 1e-30)))
         n2 = float((w_cat.astype(np.float64) ** 2).sum())
         self._err_num += d * d * n2
         self._err_den += n2
         self._worst = max(self._worst, d)
-        return packed
 
     def report(self) -> dict:
         if not self.fmt.quantized:
             return {}
         err = (self._err_num / self._err_den) ** 0.5 if self._err_den else 0.0
         lm = self.fmt.lm_head_spec()
-        return {"format": QDQ_FORMAT if self.fmt.qdq else "MatMulNBits", "bits": int(self.fmt.name[3:]),
+        form = (QDQ_FORMAT if self.fmt.qdq else INTGEMM_FORMAT if self.fmt.intgemm and self.fmt.name == "int8"
+                else f"MatMulNBits+{INTGEMM_FORMAT}" if self.fmt.intgemm else "MatMulNBits")
+        return {"format": form, "bits": int(self.fmt.name[3:]),
                 "block": self.fmt.block,
                 "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,
                 "lm_head": f"int{lm.bits}" if lm else "fp32", "embedding": self.fmt.embedding,

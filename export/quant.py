@@ -294,6 +294,21 @@ def pack_int4(q: np.ndarray) -> bytes:
     return _pack_nibbles(u).tobytes()
 
 
+def quantize_channels(w: np.ndarray, search: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """w [N out, K in] float32 -> (q int8 [N, K], scales float32 [N]): symmetric int8, one scale per output
+    channel, w ~ q * scale — the weight side of the integer-GEMM form (``intgemm``). The value of largest
+    magnitude maps to -128 as in the block form, and the least-squares scale search (SEARCH_FACTORS) runs per
+    channel."""
+    N, K = w.shape
+    q = np.empty((N, K), dtype=np.int8)
+    scales = np.empty(N, dtype=np.float32)
+    spec = QuantSpec(8, search=search)
+    for r in range(0, N, _SEARCH_ROWS):
+        v, s, _ = _quantize_rows(np.asarray(w[r: r + _SEARCH_ROWS], dtype=np.float32)[:, None, :], spec)
+        q[r: r + _SEARCH_ROWS], scales[r: r + _SEARCH_ROWS] = v[:, 0], s[:, 0]
+    return q, scales
+
+
 def rel_rms_error(w: np.ndarray, p: Packed) -> float:
     """||dequant(p) - w|| / ||w||: what quantization moved the weights by."""
     d = dequantize(p) - w
@@ -301,7 +316,7 @@ def rel_rms_error(w: np.ndarray, p: Packed) -> float:
 
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
-QUANT_FORMS = ("matmulnbits", "qdq")
+QUANT_FORMS = ("matmulnbits", "qdq", "intgemm")
 QDQ_OPSET = 21  # DequantizeLinear with int4 and block_size
 
 
@@ -327,6 +342,11 @@ class WeightFormat:
     # how a quantized matrix is written: com.microsoft MatMulNBits, or standard ONNX (opset 21) DequantizeLinear
     # (int4/int8 blocked, symmetric, scales > 0) feeding MatMul — what TensorRT 10 parses as weight-only INT4,
     # and what ONNX Runtime (>= 1.25: runtime.backends.ort.QDQ_MIN_ORT) fuses back into MatMulNBits at load (same kernel, bitwise equal)
+    # intgemm: every 8-bit matrix (all of an int8 model; an int4 model's int8 lm_head and its Q6_K parts) is
+    # int8 per output channel, run by MatMulInteger on activations quantized to int8 per row, then scaled:
+    # exact integer sums, so a row's result never depends on the step's width on any CPU, and MLAS's integer
+    # GEMM reads the weights once per step whatever the width (a cheap multi-token step); 4-bit matrices stay
+    # MatMulNBits. ONNX Runtime only (TensorRT builds Q/DQ, not MatMulInteger).
     form: str = "matmulnbits"
 
     def __post_init__(self) -> None:
@@ -355,6 +375,17 @@ class WeightFormat:
     @property
     def qdq(self) -> bool:
         return self.quantized and self.form == "qdq"
+
+    @property
+    def intgemm(self) -> bool:
+        return self.quantized and self.form == "intgemm"
+
+    @property
+    def even_widths(self) -> bool:
+        """Whether a target in this format must step at even widths only: MatMulNBits computes rows in pairs
+        and an odd last row through a kernel that rounds differently (README, Exactness). An int8 model in the
+        integer-GEMM form has no MatMulNBits left."""
+        return self.quantized and not (self.intgemm and self.name == "int8")
 
     def _spec(self, bits: int) -> QuantSpec:
         return QuantSpec(bits, self.block, self.symmetric, self.accuracy_level, positive_scales=self.qdq)

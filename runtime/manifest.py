@@ -23,6 +23,7 @@ from .errors import BundleError
 SCHEMA = "specedge.bundle/1"
 MANIFEST_NAME = "manifest.json"
 VERIFY_MODES = ("sha256", "size", "none")
+INTGEMM_FORMAT = "MatMulInteger"  # --quant-form intgemm: 8-bit matrices (int4 models: "MatMulNBits+MatMulInteger")
 QDQ_FORMAT = "DequantizeLinear+MatMul"  # ModelEntry.quant["format"] of --quant-form qdq graphs (else MatMulNBits)
 MAX_DIM = 1 << 22  # no model dimension (layers, heads, hidden, vocab) comes near this
 MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front  # how read_manifest checks the bundle's files

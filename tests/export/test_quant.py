@@ -9,7 +9,8 @@ import pytest
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 from onnx import TensorProto, helper
 
-from specedge.export.quant import QuantSpec, concat_rows, dequantize, quantize, rel_rms_error, repack_gguf
+from specedge.export.quant import (QuantSpec, concat_rows, dequantize, quantize, quantize_channels, rel_rms_error,
+                                   repack_gguf)
 from specedge.runtime.errors import UnsupportedModelError
 
 Q = gguf.GGMLQuantizationType
@@ -47,6 +48,44 @@ def test_scale_search_never_loses_to_round_to_nearest_and_usually_wins(bits, sym
     if bits == 4:  # and a better scale exists for most 4-bit blocks of gaussian weights
         assert e_best.sum() < 0.94 * e_rtn.sum()
         assert (e_best < e_rtn * (1 - 1e-4)).mean() > 0.5
+
+
+def test_channel_quantization_is_int8_per_row_and_its_search_never_loses():
+    w = _weights(n=40, k=300)
+    w[5] = 0.0
+    (q0, s0), (q, s) = quantize_channels(w, search=False), quantize_channels(w)
+    assert q.dtype == np.int8 and q.shape == w.shape and s.shape == (40,)
+    assert (q[5] == 0).all() and s0[5] == 0
+    assert (np.abs(q0.astype(np.int16)).max(axis=1)[np.arange(40) != 5] == 128).all()  # the extreme maps to -128
+    e0 = ((q0 * s0[:, None] - w) ** 2).sum(1)
+    e = ((q * s[:, None] - w) ** 2).sum(1)
+    assert (e <= e0 * (1 + 1e-5) + 1e-9).all()
+    assert np.sqrt(e.sum() / (w * w).sum()) < 0.01
+
+
+def test_onnxruntime_integer_gemm_is_exact_and_row_invariant_on_this_cpu():
+    """What --quant-form intgemm rests on: MatMulInteger (uint8 activations, zero point 128, int8 weights over the
+    full range -128..127, the extremes included) returns the exact integer sums, for every number of rows. A CPU
+    kernel that saturated int16 pair sums (AVX2 vpmaddubsw) would fail here; ONNX Runtime's does not."""
+    rng = np.random.default_rng(0)
+    k, n = 1536, 96
+    w = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    w[:8] = -128  # the worst case for a pair of products
+    x = rng.integers(0, 256, (10, k)).astype(np.uint8)
+    x[0] = 255
+    x[1] = 0
+    g = helper.make_graph([helper.make_node("MatMulInteger", ["x", "w", "zp"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.UINT8, ["T", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT32, ["T", n])],
+                          [helper.make_tensor("w", TensorProto.INT8, [k, n], w.tobytes(), raw=True),
+                           helper.make_tensor("zp", TensorProto.UINT8, [], [128])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    ref = (x.astype(np.int64) - 128) @ w.astype(np.int64)
+    for t in range(1, 11):
+        np.testing.assert_array_equal(sess.run(None, {"x": x[:t]})[0], ref[:t])
 
 
 def test_scale_search_keeps_positive_scales_and_zero_blocks():
@@ -143,3 +182,31 @@ def test_q6_k_blocks_are_carried_exactly_as_int8():
     p = repack_gguf("Q6_K", raw)
     assert (p.bits, p.block, p.offsets) == (8, 16, None)
     np.testing.assert_array_equal(dequantize(p), gguf_dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(n, -1))
+
+
+def test_intgemm_linear_scales_every_row_by_its_own_scale(tmp_path):
+    """The emitted integer-GEMM linear, run by ONNX Runtime at full optimization, against x @ w.T: rows of very
+    different magnitudes each keep their own activation scale (ONNX Runtime's MatMulIntegerToFloat fusion
+    would apply one scale to every row if the graph let it match)."""
+    import onnx
+
+    from specedge.export.graph import ExternalWeights, _Graph, _Linears
+    from specedge.export.quant import WeightFormat
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((48, 64)).astype(np.float32)
+    g, ext = _Graph(), ExternalWeights(tmp_path / "m.onnx.data")
+    y = _Linears(g, ext, None, WeightFormat("int8", form="intgemm"))("x", "m", [], spec=QuantSpec(8), weights=w)
+    bias = rng.standard_normal(48).astype(np.float32)
+    y = g.op("Add", y, ext.add("m.bias", bias))  # as Qwen's q|k|v: the fusion takes a constant bias in too
+    ext.close()
+    graph = helper.make_graph(g.nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", 64])],
+                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, None)], ext.initializers + g.consts)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    assert {n.op_type for n in graph.node} >= {"MatMulInteger", "ReduceMax"}
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((1, 4, 64)).astype(np.float32) * np.array([1e-3, 1.0, 100.0, 0.0], np.float32)[:, None]
+    got, ref = sess.run(None, {"x": x})[0][0] - bias, x[0] @ w.T
+    for row in range(3):
+        assert np.abs(got[row] - ref[row]).max() < 0.03 * np.abs(ref[row]).max(), row
+    assert np.abs(got[3]).max() < 1e-6  # an all-zero row: no division by zero

@@ -45,10 +45,16 @@ def q_bundles(tiny_llama, tiny_draft, tmp_path_factory):
                                     _opts("int4", "ort-inplace", block=64, symmetric=False, accuracy_level=4)).out
     out["int4-inplace"] = export_bundle(tiny_llama, "prompt-lookup", root / "int4i",
                                         _opts("int4", "ort-inplace", accuracy_level=4)).out
+    # integer GEMM: int8 everywhere (odd widths allowed: no MatMulNBits left), and int4 with its int8 lm_head so
+    out["int8-intgemm"] = export_bundle(tiny_llama, tiny_draft, root / "int8ig", _opts("int8", form="intgemm")).out
+    out["int8-intgemm-inplace"] = export_bundle(tiny_llama, "prompt-lookup", root / "int8igi",
+                                                _opts("int8", "ort-inplace", form="intgemm")).out
+    out["int4-intgemm"] = export_bundle(tiny_llama, "prompt-lookup", root / "int4ig",
+                                        _opts("int4", "ort-inplace", block=64, symmetric=False, form="intgemm")).out
     return out
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-asym", "int4-fast"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-asym", "int4-fast", "int8-intgemm"])
 def test_quantized_bundle_generates_and_speculation_is_exact(q_bundles, fmt):
     dec = SpecDecoder.load(q_bundles[fmt])
     assert dec.manifest.target.precision == fmt.split("-")[0]
@@ -150,7 +156,11 @@ def test_an_explicit_lm_head_width_is_honoured_for_a_carried_gguf_head(tiny_llam
     assert head_bits(auto) == {8}  # auto: int8, and the Q8_0 blocks carried as they are
 
 
-@pytest.mark.parametrize("fmt", ["int4-inplace", "int4-b64"])
+@pytest.mark.parametrize("fmt", ["int4-inplace", "int4-b64", "int8-intgemm-inplace", "int4-intgemm",
+                                 pytest.param("fp32", marks=pytest.mark.xfail(
+                                     strict=True, reason="portable attention sums a position's value into the "
+                                     "past or the new part depending on the step it was fed in (~1e-6; README, "
+                                     "Exactness): known, not fixed"))])
 def test_every_row_is_bitwise_the_same_whatever_the_step_width(q_bundles, fmt):
     """The batch-invariance rule itself, below the token level (a tiny model's logits rarely tie, so token
     equality alone would hide a kernel that rounds some rows differently): the target's logits for the same
@@ -178,7 +188,31 @@ def test_every_row_is_bitwise_the_same_whatever_the_step_width(q_bundles, fmt):
 def test_an_odd_prefill_chunk_is_refused_for_a_quantized_target():
     with pytest.raises(BundleError, match="even prefill chunk"):
         ExportOptions(prefill_chunk=15, weights=WeightFormat("int4"))
+    with pytest.raises(BundleError, match="even prefill chunk"):  # its 4-bit matrices are still MatMulNBits
+        ExportOptions(prefill_chunk=15, weights=WeightFormat("int4", form="intgemm"))
     ExportOptions(prefill_chunk=15)  # fp32: any width
+    ExportOptions(prefill_chunk=15, weights=WeightFormat("int8", form="intgemm"))  # integer sums: any width
+
+
+def test_intgemm_graphs_run_8_bit_matrices_as_integer_gemm(q_bundles):
+    """int8 intgemm: no MatMulNBits left, odd verify widths kept; int4 intgemm: the body stays MatMulNBits and
+    only the 8-bit lm_head is a MatMulInteger. The manifest says which."""
+    import onnx
+
+    def ops(fmt):
+        m = onnx.load(str(q_bundles[fmt] / "target.onnx"), load_external_data=False)
+        return {(n.op_type, n.input[1].split(".")[0]) for n in m.graph.node
+                if n.op_type in ("MatMulNBits", "MatMulInteger")}
+
+    int8 = ops("int8-intgemm")
+    assert int8 and {op for op, _ in int8} == {"MatMulInteger"}
+    dec = SpecDecoder.load(q_bundles["int8-intgemm"])
+    assert dec.manifest.target.quant["format"] == "MatMulInteger"
+    assert 3 in [w.T for w in dec.manifest.target.widths]  # --verify-widths 2,3 kept as asked
+    int4 = ops("int4-intgemm")
+    assert {w for op, w in int4 if op == "MatMulInteger"} == {"lm_head"}
+    assert any(op == "MatMulNBits" for op, _ in int4)
+    assert SpecDecoder.load(q_bundles["int4-intgemm"]).manifest.target.quant["format"] == "MatMulNBits+MatMulInteger"
 
 
 def test_loading_an_old_block_64_bundle_with_odd_widths_warns(q_bundles, tmp_path):
