@@ -239,8 +239,9 @@ class _Linears:
         packed = []
         for p, r in zip(parts, raws):
             if self._carried(r, spec, exact_width):
-                self.repacked += 1
                 packed.append(repack_gguf(*r))
+                # an 8-bit part in the integer-GEMM form is re-quantized per channel (_emit), not carried
+                self.repacked += not (self.fmt.intgemm and packed[-1].bits == 8)
             else:
                 packed.append(None)
         if not any(x is not None for x in packed):  # nothing carried: quantize the fused matrix in one go

@@ -384,8 +384,9 @@ class WeightFormat:
     def even_widths(self) -> bool:
         """Whether a target in this format must step at even widths only: MatMulNBits computes rows in pairs
         and an odd last row through a kernel that rounds differently (README, Exactness). An int8 model in the
-        integer-GEMM form has no MatMulNBits left."""
-        return self.quantized and not (self.intgemm and self.name == "int8")
+        integer-GEMM form has no MatMulNBits left (unless its lm_head is int4)."""
+        all_integer = self.intgemm and self.name == "int8" and self.lm_head in ("auto", "int8", "fp32")
+        return self.quantized and not all_integer
 
     def _spec(self, bits: int) -> QuantSpec:
         return QuantSpec(bits, self.block, self.symmetric, self.accuracy_level, positive_scales=self.qdq)

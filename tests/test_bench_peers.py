@@ -26,3 +26,14 @@ def test_rounds_merge_into_per_prompt_medians_and_keep_every_value():
     assert row["ours plain"]["decode_tok_s"] == 23.0 and row["ours plain"]["decode_tok_s_rounds"] == [20.0, 26.0, 23.0]
     assert row["peer plain"]["decode_tok_s"] == 27.0 and row["peer plain"]["e2e_tok_s"] == 13.5
     assert row["ours plain"]["ids"] == [1, 2, 3] and rounds[0][0]["ours plain"]["decode_tok_s"] == 20.0  # not mutated
+
+
+def test_another_bundle_of_ours_counts_as_ours_not_as_a_peer():
+    def cell(v):
+        return {"decode_tok_s": v}
+
+    row = {"id": "edit-0", "ours plain": cell(20.0), "ours auto:8": cell(22.0), "ours[int8] plain": cell(15.0),
+           "ours[int8] prompt-lookup:8": cell(34.0), "llama.cpp plain": cell(25.0)}
+    names = [n for n in row if n != "id"]
+    (line,) = _tool().per_prompt_table([row], names)[2:]
+    assert line.startswith("| edit-0 | ours[int8] prompt-lookup:8 34.0 | llama.cpp plain 25.0 | 1.36× | 1.10× |")

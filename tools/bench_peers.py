@@ -65,7 +65,9 @@ def _record(rows: list[dict], i: int, name: str, ids: list[int], ttft: float, to
     say(f"{rows[i]['id']} {name}: {rows[i][name]['decode_tok_s']:.2f} tok/s, {n} tokens")
 
 
-def run_ours(bundle: str, prompts, specs, max_new: int, rows: list[dict]):
+def run_ours(bundle: str, prompts, specs, max_new: int, rows: list[dict], engine: str = "ours"):
+    """Our runtime on ``bundle``; its rows are named ``{engine} plain`` and ``{engine} drafter:k``. The first call
+    (engine "ours") creates the rows, an ``--also`` bundle's call adds to them."""
     dec = SpecDecoder.load(bundle, verify="size")
     params = SamplingParams(max_new_tokens=max_new)
     dec.generate("Hello", SamplingParams(max_new_tokens=8))  # warm-up
@@ -73,10 +75,11 @@ def run_ours(bundle: str, prompts, specs, max_new: int, rows: list[dict]):
     for i, p in enumerate(prompts):
         text, chat = p.as_request()
         ids_list.append(dec.encode_prompt(text, chat))
-        rows.append({"id": p.id, "prompt_tokens": len(ids_list[-1])})
+        if engine == "ours":
+            rows.append({"id": p.id, "prompt_tokens": len(ids_list[-1])})
         for drafter, k in [("none", 0), *specs]:
             r = dec.generate(text, params, drafter=drafter, k=k, chat=chat)
-            _record(rows, i, "ours plain" if drafter == "none" else f"ours {drafter}:{k}", r.token_ids,
+            _record(rows, i, f"{engine} plain" if drafter == "none" else f"{engine} {drafter}:{k}", r.token_ids,
                     r.stats.ttft_s, r.stats.ttft_s + r.stats.decode_s)
     manifest = dec.manifest
     dec.close()
@@ -336,8 +339,8 @@ def parse_specs(s: str) -> list[tuple[str, int]]:
 def per_prompt_table(rows: list[dict], names: list[str]) -> list[str]:
     """Per prompt (one per suite with --per-suite 1): our best configuration vs the best peer configuration, and
     auto against our plain and our best fixed configuration."""
-    ours = [n for n in names if n.startswith("ours ")]
-    peers = [n for n in names if not n.startswith("ours ")]
+    ours = [n for n in names if n.startswith("ours")]  # "ours ..." and every --also bundle's "ours[...] ..."
+    peers = [n for n in names if not n.startswith("ours")]
     fixed = [n for n in ours if not n.startswith(("ours auto", "ours hybrid"))]
     autos = [n for n in ours if n.startswith("ours auto")]
     out = ["| prompt | our best (tok/s) | best peer (tok/s) | ours / peer | auto / our plain | auto / our best fixed |",
@@ -373,6 +376,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every engine this many times, one after another per round, and report per-prompt "
                          "medians (a shared VM's speed drifts by +-20 %% between single runs)")
+    ap.add_argument("--also", action="append", default=[], metavar="BUNDLE",
+                    help="our runtime on another bundle of the same model too (e.g. another weight form), in the same "
+                         "rounds, with the same --spec; its rows are named ours[DIRNAME] and compared with its own "
+                         "plain output (repeatable)")
     ap.add_argument("--out", default="bench/peers")
     a = ap.parse_args()
     if a.rounds < 1:
@@ -390,6 +397,10 @@ def main() -> None:
             say(f"round {r + 1}/{a.rounds}")
         rows: list[dict] = []
         ids_list, manifest = run_ours(a.bundle, prompts, specs, a.max_new_tokens, rows)
+        for other in a.also:
+            if run_ours(other, prompts, specs, a.max_new_tokens, rows, f"ours[{Path(other).name}]")[0] != ids_list:
+                raise SystemExit(f"--also {other}: its tokenizer or chat template gives other prompt ids than "
+                                 f"{a.bundle}'s; compare bundles of the same model")
         tok = Tokenizer.from_file(str(Path(a.bundle) / manifest.tokenizer.file))
         texts = [tok.decode(ids, skip_special_tokens=False) for ids in ids_list]  # the same prompt, as text
         for peer in a.peers.split(","):
@@ -407,7 +418,10 @@ def main() -> None:
     names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
     for row in rows:
         for n in names:
-            if row[n]["ids"] is not None:
+            engine = n.rsplit(" ", 1)[0]
+            if engine.startswith("ours["):  # another bundle's weights: the same text as its own plain decoding
+                row[n]["identical_to_ours_plain"] = row[n]["ids"] == row[f"{engine} plain"]["ids"]
+            elif row[n]["ids"] is not None:
                 row[n]["identical_to_ours_plain"] = row[n]["ids"] == row["ours plain"]["ids"]
             elif row[n].get("text") is not None:  # llama.cpp's binaries print text: compare the common length
                 ours = tok.decode(row["ours plain"]["ids"])
@@ -423,9 +437,10 @@ def main() -> None:
         f"Bundle `{a.bundle}` (target {t.precision}, kv_mode {manifest.kv_mode}); source "
         f"`{Path(t.source.get('path', '')).name}`; greedy; max_new_tokens {a.max_new_tokens}; "
         f"prompts {', '.join(r['id'] for r in rows)}"
+        + "".join(f"; ours[{Path(o).name}]: `{o}`" for o in a.also)
         + (f"; {a.rounds} rounds, every speed the per-prompt median." if a.rounds > 1 else "."), "",
         "| engine / config | decode tok/s, median (per prompt) | vs ours plain | vs the same engine's plain "
-        "| output identical to ours plain |", "|---|---|---|---|---|"]
+        "| output identical to ours plain (ours[...]: to its own plain) |", "|---|---|---|---|---|"]
     for n in names:
         engine = n.rsplit(" ", 1)[0]
         base = med.get(f"{engine} plain", float("nan"))

@@ -192,6 +192,8 @@ def test_an_odd_prefill_chunk_is_refused_for_a_quantized_target():
         ExportOptions(prefill_chunk=15, weights=WeightFormat("int4", form="intgemm"))
     ExportOptions(prefill_chunk=15)  # fp32: any width
     ExportOptions(prefill_chunk=15, weights=WeightFormat("int8", form="intgemm"))  # integer sums: any width
+    with pytest.raises(BundleError, match="even prefill chunk"):  # an int4 lm_head is a MatMulNBits again
+        ExportOptions(prefill_chunk=15, weights=WeightFormat("int8", form="intgemm", lm_head="int4"))
 
 
 def test_intgemm_graphs_run_8_bit_matrices_as_integer_gemm(q_bundles):
