@@ -77,7 +77,8 @@ def presets() -> None:
               help="Prompt lookup: shortest n-gram a multi-token draft needs (1-token matches still fill plain rounds' "
                    "free guess).")
 @click.option("--weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32", show_default=True,
-              help="Target weight format: int8/int4 are ONNX Runtime MatMulNBits (GGUF Q8_0/Q4_0 re-packed exactly).")
+              help="Target weight format: int8/int4 are ONNX Runtime MatMulNBits (GGUF Q8_0/Q4_0 re-packed exactly; "
+                   "--quant-form intgemm for int8 through MatMulInteger).")
 @click.option("--draft-weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default=None,
               help="Draft weight format (default: same as --weights).")
 @click.option("--quant-block", type=int, default=32, show_default=True, help="int8/int4 block size (re-quantized matrices; GGUF blocks carried exactly keep theirs): larger blocks read fewer bytes and make multi-token CPU steps cheaper, at some accuracy (README, Weight formats).")

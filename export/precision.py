@@ -272,9 +272,10 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
     src_onnx, dst_onnx = Path(src_onnx), Path(dst_onnx)
     model = onnx.load(str(src_onnx), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
-    if ops & {"MatMulNBits", "GroupQueryAttention"} or any(o.domain == "com.microsoft" for o in model.opset_import):
+    ort_only = {"MatMulNBits", "GroupQueryAttention", "MatMulInteger"}  # MatMulInteger: standard, not TensorRT's
+    if ops & ort_only or any(o.domain == "com.microsoft" for o in model.opset_import):
         raise UnsupportedModelError(
-            f"{src_onnx.name} uses ONNX Runtime contrib ops ({', '.join(sorted(ops & {'MatMulNBits', 'GroupQueryAttention'}))}): "
+            f"{src_onnx.name} uses ONNX Runtime-only ops ({', '.join(sorted(ops & ort_only))}): "
             "reduced-precision graphs for TensorRT are made from fp32 weights, or int8/int4 written as standard "
             "DequantizeLinear, and the portable KV mode; re-export with --kv-mode portable and --weights fp32 or "
             "--quant-form qdq")

@@ -106,6 +106,13 @@ def test_conversion_refuses_onnx_runtime_only_graphs(tiny_llama, tmp_path):
         convert_graph(b / "target.onnx", tmp_path / "x.onnx", "fp16")
     with pytest.raises(BundleError, match="portable KV mode"):
         validate(b)
+    ig = export_bundle(tiny_llama, "prompt-lookup", tmp_path / "ig",  # standard ops, but MatMulInteger: not TensorRT's
+                       ExportOptions(k=2, max_context=64, prefill_chunk=8,
+                                     weights=WeightFormat("int8", form="intgemm"))).out
+    with pytest.raises(UnsupportedModelError, match=r"MatMulInteger.*--quant-form qdq"):
+        convert_graph(ig / "target.onnx", tmp_path / "y.onnx", "fp16")
+    with pytest.raises(BundleError, match="portable KV mode"):
+        validate(ig)
 
 
 def test_engine_sets_in_the_manifest(fp16_bundle):
