@@ -15,7 +15,7 @@ from pathlib import Path
 
 TESTS = ["tests/runtime/test_sampling.py", "tests/runtime/test_controlled_drafts.py", "tests/runtime/test_decoder.py"]
 
-# name -> (file, original text, planted text)
+# name -> (file, original text, planted text[, tests to run instead of TESTS])
 PLANTS = {
     "sample from p instead of the residual at a rejection": (
         "runtime/sampling.py", "return i, sample(residual(p_target[i], q_row), rng)", "return i, sample(p_target[i], rng)"),
@@ -35,11 +35,22 @@ PLANTS = {
     "a stop string ends the output at once, empty": (
         "runtime/decoder.py", 'stop_at, req.finish, out = min(hits), "stop", out[: j + 1]',
         'stop_at, req.finish, out = 0, "stop", out[: j + 1]'),
+    # plants outside the runtime: (file, original, planted, the tests that must catch it)
+    "integer GEMM: the row and channel scales multiplied first (ONNX Runtime fuses that into one scale for all rows)": (
+        "export/graph.py",
+        'y = self.g.op("Mul", self.g.op("Cast", acc, to=TensorProto.FLOAT), self.w.add(f"{name}.scales", scales))\n'
+        '        return self.g.op("Mul", y, xs)',
+        'y = self.g.op("Mul", xs, self.w.add(f"{name}.scales", scales))\n'
+        '        return self.g.op("Mul", self.g.op("Cast", acc, to=TensorProto.FLOAT), y)',
+        ["tests/export/test_quant.py"]),
+    "integer GEMM int8 with an int4 lm_head drops the even-width rule": (
+        "export/quant.py", 'self.lm_head in ("auto", "int8", "fp32")', 'True',
+        ["tests/export/test_quantized_bundle.py::test_an_odd_prefill_chunk_is_refused_for_a_quantized_target"]),
 }
 
 
 def run_plant(name: str, root: Path) -> bool:
-    file, old, new = PLANTS[name]
+    file, old, new, *tests = PLANTS[name]
     path = root / file
     original = path.read_text()
     if original.count(old) != 1:
@@ -47,7 +58,7 @@ def run_plant(name: str, root: Path) -> bool:
                          f"update tools/mutation_check.py")
     try:
         path.write_text(original.replace(old, new))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *(tests[0] if tests else TESTS)],
                            cwd=root, capture_output=True, text=True)
     finally:
         path.write_text(original)
