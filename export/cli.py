@@ -99,6 +99,9 @@ def presets() -> None:
                    "intgemm: 8-bit matrices (all of --weights int8, the lm_head of int4) as int8 per channel run "
                    "by MatMulInteger on activations quantized per row: exact integer sums, and a multi-token "
                    "step that costs little more than one token on a CPU (ONNX Runtime only; README, Weight formats).")
+@click.option("--intgemm-activations", type=click.Choice(["8", "16"]), default="8", show_default=True,
+              help="--quant-form intgemm: activations per row as one uint8 row (8) or also its rounding residual "
+                   "(16: ~15-bit activations for models with activation outliers, at about 1.2-1.4x the step time).")
 @click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
               help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
                    "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
@@ -109,7 +112,7 @@ def presets() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
 def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weights: str, draft_weights: str | None,
-           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
+           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, intgemm_activations: str, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
@@ -117,7 +120,8 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weig
 
     try:
         fmt = lambda name: WeightFormat(name, quant_block, not asymmetric, accuracy_level, lm_head,  # noqa: E731
-                                        gguf_exact=gguf_exact, form=quant_form)
+                                        gguf_exact=gguf_exact, form=quant_form,
+                                        intgemm_activation_bits=int(intgemm_activations))
         opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights), kv_mode=kv_mode,
                              device_argmax=device_argmax,
                              draft_weights=fmt(draft_weights) if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
@@ -153,8 +157,13 @@ def info(bundle: str, verify: bool) -> None:
         click.echo(f"{'':<11} widths: {widths}; source {e.source.get('kind')} {e.source.get('path')}")
         if e.quant:
             q = e.quant
-            click.echo(f"{'':<11} {q.get('format', 'MatMulNBits')} int{q['bits']} block {q['block']} "
-                       f"{'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level {q['accuracy_level']}, "
+            form = q.get("format", "MatMulNBits")
+            layout = (f"per output channel, activations {q.get('activation_bits', 8)}-bit per row"
+                      if form == "MatMulInteger" else
+                      f"block {q['block']} {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level "
+                      f"{q['accuracy_level']}" + (f", 8-bit matrices as MatMulInteger (activations "
+                                                  f"{q.get('activation_bits', 8)}-bit)" if "+" in form else ""))
+            click.echo(f"{'':<11} {form} int{q['bits']} {layout}, "
                        f"lm_head {q['lm_head']}, embedding {q['embedding']}; {q['repacked_from_gguf']} re-packed from "
                        f"GGUF, {q['requantized']} re-quantized (weight rel. RMS error {q['requant_weight_rel_rms_error']})")
     for raw in m.engines.values():

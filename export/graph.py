@@ -158,22 +158,41 @@ class _Linears:
         xq, xs = self._row_quantized(x)
         acc = self.g.op("MatMulInteger", xq, self.w.add(f"{name}.qweight", np.ascontiguousarray(q.T)),
                         self._zp128())
+        if self.fmt.intgemm_activation_bits == 16:  # [2, .., N]: the rounded rows, then their residuals
+            hi, lo = self.g.op("Split", acc, self.g.const([1, 1]), axis=0, n_out=2)
+            s_hi, s_lo = xs
+            y = self.g.op("Add", self.g.op("Mul", self.g.op("Cast", hi, to=TensorProto.FLOAT), s_hi),
+                          self.g.op("Mul", self.g.op("Cast", lo, to=TensorProto.FLOAT), s_lo))
+            return self.g.op("Squeeze", self.g.op("Mul", y, self.w.add(f"{name}.scales", scales)), self.g.const([0]))
         # channel scales first, then the row's: ONNX Runtime fuses Mul(Cast(MatMulInteger), Mul(a, b)) into
         # MatMulIntegerToFloat, which takes one scale for all of A's rows (per-row scales come out wrong)
         y = self.g.op("Mul", self.g.op("Cast", acc, to=TensorProto.FLOAT), self.w.add(f"{name}.scales", scales))
         return self.g.op("Mul", y, xs)
 
-    def _row_quantized(self, x: str) -> tuple[str, str]:
+    def _row_quantized(self, x: str) -> tuple[str, str | tuple[str, str]]:
         """x [.., K] float -> (uint8 round(x / s) + 128, s [.., 1]) with s = max|row| / 127: symmetric per row, so
         one scalar zero point serves every row (MatMulInteger takes no per-row zero point). Once per input (q|k|v
-        and gate|up share it); a zero row gets s = tiny, not a division by zero."""
+        and gate|up share it); a zero row gets s = tiny, not a division by zero.
+
+        16-bit activations (``intgemm_activation_bits``): the row's residual r = x - s q is quantized the same way
+        (s2 = max|r| / 127 <= s / 254) and stacked as a second row block, [2, .., K], so one MatMulInteger call
+        computes both (the weights are read once) and y = (s acc_q + s2 acc_r) s_w: a row's small values keep
+        ~15 bits next to an outlier. Returns the scales as (s, s2) then."""
         if x not in self._rowq:
-            amax = self.g.op("ReduceMax", self.g.op("Abs", x), axes=[-1], keepdims=1)  # opset 17: axes attribute
-            s = self.g.op("Div", self.g.op("Max", amax, self.g.const(np.float32(1e-30), np.float32)),
-                          self.g.const(np.float32(127.0), np.float32))
-            u = self.g.op("Add", self.g.op("Round", self.g.op("Div", x, s)), self.g.const(np.float32(128.0), np.float32))
+            q, s = self._row_levels(x)
+            if self.fmt.intgemm_activation_bits == 16:
+                q2, s2 = self._row_levels(self.g.op("Sub", x, self.g.op("Mul", q, s)))
+                q, s = self.g.op("Concat", *(self.g.op("Unsqueeze", v, self.g.const([0])) for v in (q, q2)), axis=0), (s, s2)
+            u = self.g.op("Add", q, self.g.const(np.float32(128.0), np.float32))
             self._rowq[x] = (self.g.op("Cast", u, to=TensorProto.UINT8), s)
         return self._rowq[x]
+
+    def _row_levels(self, v: str) -> tuple[str, str]:
+        """v [.., K] -> (round(v / s) in -127..127, float, and s [.., 1] = max|row| / 127, tiny for a zero row)."""
+        amax = self.g.op("ReduceMax", self.g.op("Abs", v), axes=[-1], keepdims=1)  # opset 17: axes attribute
+        s = self.g.op("Div", self.g.op("Max", amax, self.g.const(np.float32(1e-30), np.float32)),
+                      self.g.const(np.float32(127.0), np.float32))
+        return self.g.op("Round", self.g.op("Div", v, s)), s
 
     def _zp128(self) -> str:
         if self._zp is None:
@@ -281,6 +300,7 @@ class _Linears:
                 "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,
                 "lm_head": f"int{lm.bits}" if lm else "fp32", "embedding": self.fmt.embedding,
                 "gguf_exact": self.fmt.gguf_exact,
+                **({"activation_bits": self.fmt.intgemm_activation_bits} if self.fmt.intgemm else {}),
                 "repacked_from_gguf": self.repacked, "requantized": self.requantized,
                 "requant_weight_rel_rms_error": round(err, 5), "requant_weight_rel_rms_error_max": round(self._worst, 5)}
 

@@ -348,6 +348,9 @@ class WeightFormat:
     # GEMM reads the weights once per step whatever the width (a cheap multi-token step); 4-bit matrices stay
     # MatMulNBits. ONNX Runtime only (TensorRT builds Q/DQ, not MatMulInteger).
     form: str = "matmulnbits"
+    # intgemm: 8 = one uint8 row per activation row; 16 = also its rounding residual, a second uint8 row in the same
+    # MatMulInteger call (~15-bit activations, for models with activation outliers; the step runs 2T rows)
+    intgemm_activation_bits: int = 8
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:
@@ -365,6 +368,10 @@ class WeightFormat:
         if self.form == "qdq" and not self.symmetric:
             raise UnsupportedModelError("--quant-form qdq needs symmetric blocks: TensorRT's DequantizeLinear takes "
                                         "only zero zero-points (drop --asymmetric, or use --quant-form matmulnbits)")
+        if self.intgemm_activation_bits not in (8, 16):
+            raise UnsupportedModelError(f"integer-GEMM activations are 8 or 16 bits, got {self.intgemm_activation_bits}")
+        if self.intgemm_activation_bits == 16 and self.form != "intgemm":
+            raise UnsupportedModelError("--intgemm-activations 16 needs --quant-form intgemm")
         if self.quantized:
             QuantSpec(8, self.block, self.symmetric, self.accuracy_level)  # validates block and level
 

@@ -49,6 +49,8 @@ def q_bundles(tiny_llama, tiny_draft, tmp_path_factory):
     out["int8-intgemm"] = export_bundle(tiny_llama, tiny_draft, root / "int8ig", _opts("int8", form="intgemm")).out
     out["int8-intgemm-inplace"] = export_bundle(tiny_llama, "prompt-lookup", root / "int8igi",
                                                 _opts("int8", "ort-inplace", form="intgemm")).out
+    out["int8-intgemm16"] = export_bundle(tiny_llama, "prompt-lookup", root / "int8ig16",
+                                          _opts("int8", "ort-inplace", form="intgemm", intgemm_activation_bits=16)).out
     out["int4-intgemm"] = export_bundle(tiny_llama, "prompt-lookup", root / "int4ig",
                                         _opts("int4", "ort-inplace", block=64, symmetric=False, form="intgemm")).out
     return out
@@ -156,7 +158,7 @@ def test_an_explicit_lm_head_width_is_honoured_for_a_carried_gguf_head(tiny_llam
     assert head_bits(auto) == {8}  # auto: int8, and the Q8_0 blocks carried as they are
 
 
-@pytest.mark.parametrize("fmt", ["int4-inplace", "int4-b64", "int8-intgemm-inplace", "int4-intgemm",
+@pytest.mark.parametrize("fmt", ["int4-inplace", "int4-b64", "int8-intgemm-inplace", "int4-intgemm", "int8-intgemm16",
                                  pytest.param("fp32", marks=pytest.mark.xfail(
                                      strict=True, reason="portable attention sums a position's value into the "
                                      "past or the new part depending on the step it was fed in (~1e-6; README, "
@@ -215,6 +217,10 @@ def test_intgemm_graphs_run_8_bit_matrices_as_integer_gemm(q_bundles):
     assert {w for op, w in int4 if op == "MatMulInteger"} == {"lm_head"}
     assert any(op == "MatMulNBits" for op, _ in int4)
     assert SpecDecoder.load(q_bundles["int4-intgemm"]).manifest.target.quant["format"] == "MatMulNBits+MatMulInteger"
+    assert dec.manifest.target.quant["activation_bits"] == 8
+    assert SpecDecoder.load(q_bundles["int8-intgemm16"]).manifest.target.quant["activation_bits"] == 16
+    with pytest.raises(UnsupportedModelError, match="needs --quant-form intgemm"):
+        WeightFormat("int8", intgemm_activation_bits=16)
 
 
 def test_loading_an_old_block_64_bundle_with_odd_widths_warns(q_bundles, tmp_path):
