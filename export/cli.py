@@ -336,6 +336,7 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
     ex, bu, run = cfg.get("export", {}), cfg.get("build", {}), cfg.get("run", {})
     from .fetch import resolve_model
     from .loaders import load_source
+    from .quant import WeightFormat
 
     k, chunk = int(ex.get("k", 4)), int(ex.get("prefill_chunk", 64))
     verify = tuple(ex.get("verify_widths", ()))
@@ -346,8 +347,8 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
             continue
         dims = load_source(resolve_model(name, progress=_say)).config.dims
         fmt = weights or ex.get("draft_weights" if role == "draft" else "weights") or ex.get("weights", "fp32")
-        form = ex.get("quant_form", "matmulnbits")
-        even = fmt == "int4" or (fmt == "int8" and form != "intgemm")
+        even = fmt in ("int8", "int4") and WeightFormat(fmt, lm_head=ex.get("lm_head", "auto"),
+                                                          form=ex.get("quant_form", "matmulnbits")).even_widths
         ws = model_widths(role, k, chunk, verify, even=role == "target" and even)
         models.append((role, dims, fmt, max(w.T for w in ws), max(w.L for w in ws)))
     backend = backend or run.get("backend", "ort-cpu")

@@ -33,7 +33,7 @@ from .attention import KV_MODES, InplaceGqaAttention, PortableAttention
 from .families import ModelConfig
 from .loaders import WeightSource
 from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows, dequantize,
-                    pack_int4, positive_scales, quantize, quantize_channels, repack_gguf, signed_values)
+                    pack_int4, positive_scales, quantize, quantize_channels, rel_error, repack_gguf, signed_values)
 
 _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
 _ALIGN = 64
@@ -108,7 +108,7 @@ class _Linears:
         self.repacked = self.requantized = 0  # matrices (parts of fused ones counted one by one)
         self._indicators: dict[tuple[int, int], str] = {}
         self._sums: dict[tuple[str, int, int], str] = {}
-        self._rowq: dict[str, tuple[str, str]] = {}
+        self._rowq: dict[str, tuple[str, str | tuple[str, str]]] = {}
         self._zp: str | None = None
         self._err_num = self._err_den = 0.0
         self._worst = 0.0
@@ -117,11 +117,10 @@ class _Linears:
                  weights: np.ndarray | None = None) -> str:
         """x [.., in] @ concat(parts, out axis).T -> [.., out]. ``weights`` overrides reading ``parts``."""
         spec = spec if spec is not None or weights is not None else self.fmt.linear_spec()
-        if spec is not None and spec.bits == 8 and self.fmt.intgemm:  # from the float weights: quantized once
+        if spec is None or (spec.bits == 8 and self.fmt.intgemm):  # from the float weights (intgemm: quantized once)
             w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
-            return self._emit_intgemm(x, name, w_cat)
-        if spec is None:
-            w_cat = weights if weights is not None else np.concatenate([self.src.get(p) for p in parts], axis=0)
+            if spec is not None:
+                return self._emit_intgemm(x, name, w_cat)
             return self.g.op("MatMul", x, self.w.add(f"{name}.weight", w_cat.T))  # [in, out]
         # an explicit --lm-head width is what the head gets (and what the manifest says), even when the GGUF's own
         # blocks could be carried at another width
@@ -282,7 +281,7 @@ class _Linears:
 
     def _record_error(self, w_cat: np.ndarray, approx: np.ndarray) -> None:
         self.requantized += 1
-        d = float(np.sqrt(((approx - w_cat) ** 2).sum() / max((w_cat * w_cat).sum(), 1e-30)))
+        d = rel_error(w_cat, approx)
         n2 = float((w_cat.astype(np.float64) ** 2).sum())
         self._err_num += d * d * n2
         self._err_den += n2
@@ -293,8 +292,9 @@ class _Linears:
             return {}
         err = (self._err_num / self._err_den) ** 0.5 if self._err_den else 0.0
         lm = self.fmt.lm_head_spec()
-        form = (QDQ_FORMAT if self.fmt.qdq else INTGEMM_FORMAT if self.fmt.intgemm and self.fmt.name == "int8"
-                else f"MatMulNBits+{INTGEMM_FORMAT}" if self.fmt.intgemm else "MatMulNBits")
+        # INTGEMM_FORMAT alone: no MatMulNBits left (no even-width rule; the runtime reads it so)
+        form = (QDQ_FORMAT if self.fmt.qdq else "MatMulNBits" if not self.fmt.intgemm
+                else f"MatMulNBits+{INTGEMM_FORMAT}" if self.fmt.even_widths else INTGEMM_FORMAT)
         return {"format": form, "bits": int(self.fmt.name[3:]),
                 "block": self.fmt.block,
                 "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,

@@ -309,10 +309,15 @@ def quantize_channels(w: np.ndarray, search: bool = True) -> tuple[np.ndarray, n
     return q, scales
 
 
-def rel_rms_error(w: np.ndarray, p: Packed) -> float:
-    """||dequant(p) - w|| / ||w||: what quantization moved the weights by."""
-    d = dequantize(p) - w
+def rel_error(w: np.ndarray, approx: np.ndarray) -> float:
+    """||approx - w|| / ||w||: what quantization moved the weights by."""
+    d = approx - w
     return float(np.sqrt((d * d).sum() / max((w * w).sum(), 1e-30)))
+
+
+def rel_rms_error(w: np.ndarray, p: Packed) -> float:
+    """rel_error of a Packed matrix."""
+    return rel_error(w, dequantize(p))
 
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")

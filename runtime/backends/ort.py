@@ -272,7 +272,8 @@ class OrtRunner:
 
 def _physical_cores() -> int:
     try:
-        cores = {line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("core id")}
+        with open("/proc/cpuinfo") as f:
+            cores = {line.split(":")[1].strip() for line in f if line.startswith("core id")}
         return max(1, min(len(cores), os.cpu_count() or 1)) if cores else (os.cpu_count() or 1)
     except OSError:
         return os.cpu_count() or 1

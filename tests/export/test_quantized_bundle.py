@@ -235,6 +235,23 @@ def test_loading_an_old_block_64_bundle_with_odd_widths_warns(q_bundles, tmp_pat
         SpecDecoder.load(old)
 
 
+def test_an_integer_gemm_bundle_with_odd_widths_and_large_blocks_does_not_warn(q_bundles, tmp_path):
+    """int8 intgemm has no MatMulNBits: its odd widths are exact whatever --quant-block says (qwen-ig8d was
+    exported with --quant-block 128 and widths 3, 5, 9)."""
+    import json
+    import shutil
+    import warnings
+    b = tmp_path / "ig"
+    shutil.copytree(q_bundles["int8-intgemm-inplace"], b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["target"]["quant"]["block"] = 128
+    (b / "manifest.json").write_text(json.dumps(m))
+    assert 3 in [w.T for w in SpecDecoder.load(b, verify="none").manifest.target.widths]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        SpecDecoder.load(b, verify="none")
+
+
 def test_an_empty_lookup_ngram_range_names_both_options():
     with pytest.raises(BundleError, match=r"--ngram-min 2 > --ngram-max 1"):
         ExportOptions(lookup_ngram_max=1)
