@@ -96,12 +96,14 @@ def presets() -> None:
               help="How int8/int4 matrices are written: ONNX Runtime's MatMulNBits; standard ONNX (opset 21) "
                    "blocked DequantizeLinear + MatMul with scales > 0 — what TensorRT 10 builds as weight-only "
                    "INT4, and what ONNX Runtime >= 1.25 fuses back into the same MatMulNBits kernel at load; or "
-                   "intgemm: 8-bit matrices (all of --weights int8, the lm_head of int4) as int8 per channel run "
-                   "by MatMulInteger on activations quantized per row: exact integer sums, and a multi-token "
+                   "intgemm: 8-bit matrices (all of --weights int8, the lm_head of int4) as 7-bit integers per "
+                   "channel run by MatMulInteger on activations quantized per row: exact integer sums on every "
+                   "CPU, and a multi-token "
                    "step that costs little more than one token on a CPU (ONNX Runtime only; README, Weight formats).")
 @click.option("--intgemm-activations", type=click.Choice(["8", "16"]), default="8", show_default=True,
-              help="--quant-form intgemm: activations per row as one uint8 row (8) or also its rounding residual "
-                   "(16: ~15-bit activations for models with activation outliers, at about 1.2-1.4x the step time).")
+              help="--quant-form intgemm: activations per row as one uint8 row with 7-bit weights (8), or as two "
+                   "7-bit parts, the row and its rounding residual, with 8-bit weights (16: ~13-bit activations for "
+                   "models with activation outliers, at about 1.2-1.4x the step time).")
 @click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
               help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
                    "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
@@ -158,11 +160,13 @@ def info(bundle: str, verify: bool) -> None:
         if e.quant:
             q = e.quant
             form = q.get("format", "MatMulNBits")
-            layout = (f"per output channel, activations {q.get('activation_bits', 8)}-bit per row"
+            layout = (f"per output channel ({q.get('weight_bits', 8)}-bit), activations {q.get('activation_bits', 8)}"
+                      f"-bit per row"
                       if form == "MatMulInteger" else
                       f"block {q['block']} {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level "
-                      f"{q['accuracy_level']}" + (f", 8-bit matrices as MatMulInteger (activations "
-                                                  f"{q.get('activation_bits', 8)}-bit)" if "+" in form else ""))
+                      f"{q['accuracy_level']}" + (f", 8-bit matrices as MatMulInteger ({q.get('weight_bits', 8)}-bit "
+                                                  f"weights, activations {q.get('activation_bits', 8)}-bit)"
+                                                  if "+" in form else ""))
             click.echo(f"{'':<11} {form} int{q['bits']} {layout}, "
                        f"lm_head {q['lm_head']}, embedding {q['embedding']}; {q['repacked_from_gguf']} re-packed from "
                        f"GGUF, {q['requantized']} re-quantized (weight rel. RMS error {q['requant_weight_rel_rms_error']})")

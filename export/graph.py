@@ -32,8 +32,9 @@ from specedge.runtime.manifest import INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, io
 from .attention import KV_MODES, InplaceGqaAttention, PortableAttention
 from .families import ModelConfig
 from .loaders import WeightSource
-from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows, dequantize,
-                    pack_int4, positive_scales, quantize, quantize_channels, rel_error, repack_gguf, signed_values)
+from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows,
+                    dequantize, pack_int4, positive_scales, quantize, quantize_channels, rel_error, repack_gguf,
+                    signed_values)
 
 _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
 _ALIGN = 64
@@ -149,14 +150,16 @@ class _Linears:
         return self.g.op("Add", y, self.g.op("MatMul", sums, self.w.add(f"{name}.offsets", packed.offsets.T)))
 
     def _emit_intgemm(self, x: str, name: str, w_cat: np.ndarray) -> str:
-        """x [.., K] @ w_cat [N, K].T in integer arithmetic: w_cat as int8 per output channel (quantize_channels),
-        x as uint8 per row (``_row_quantized``), MatMulInteger's int32 sums, then x's row scale times w's channel
-        scale. Every row's sums are exact integers whatever the other rows are: batch-invariant by construction."""
-        q, scales = quantize_channels(w_cat)
+        """x [.., K] @ w_cat [N, K].T in integer arithmetic: w_cat as int8 per output channel (quantize_channels, 7
+        or 8 bits), x as uint8 per row (``_row_quantized``), MatMulInteger's int32 sums, then x's row scale times
+        w's channel scale. Every row's sums are exact integers whatever the other rows are (the ranges keep every
+        CPU kernel's int16 pair sums from saturating: WeightFormat.intgemm_pair_bound), so batch-invariant by
+        construction."""
+        q, scales = quantize_channels(w_cat, self.fmt.intgemm_weight_bits)
         self._record_error(w_cat, q.astype(np.float32) * scales[:, None])
         xq, xs = self._row_quantized(x)
         acc = self.g.op("MatMulInteger", xq, self.w.add(f"{name}.qweight", np.ascontiguousarray(q.T)),
-                        self._zp128())
+                        self._row_zero_point())
         if self.fmt.intgemm_activation_bits == 16:  # [2, .., N]: the rounded rows, then their residuals
             hi, lo = self.g.op("Split", acc, self.g.const([1, 1]), axis=0, n_out=2)
             s_hi, s_lo = xs
@@ -169,33 +172,37 @@ class _Linears:
         return self.g.op("Mul", y, xs)
 
     def _row_quantized(self, x: str) -> tuple[str, str | tuple[str, str]]:
-        """x [.., K] float -> (uint8 round(x / s) + 128, s [.., 1]) with s = max|row| / 127: symmetric per row, so
-        one scalar zero point serves every row (MatMulInteger takes no per-row zero point). Once per input (q|k|v
-        and gate|up share it); a zero row gets s = tiny, not a division by zero.
+        """x [.., K] float -> (uint8 round(x / s) + L + 1, s [.., 1]) with s = max|row| / L
+        (L = WeightFormat.intgemm_activation_levels: 127, stored 1..255): symmetric per row, so one scalar zero
+        point serves every row (MatMulInteger takes no per-row zero point). Once per input (q|k|v and gate|up
+        share it); a zero row gets s = tiny, not a division by zero.
 
-        16-bit activations (``intgemm_activation_bits``): the row's residual r = x - s q is quantized the same way
-        (s2 = max|r| / 127 <= s / 254) and stacked as a second row block, [2, .., K], so one MatMulInteger call
-        computes both (the weights are read once) and y = (s acc_q + s2 acc_r) s_w: a row's small values keep
-        ~15 bits next to an outlier. Returns the scales as (s, s2) then."""
+        16-bit activations (``intgemm_activation_bits``): L = 63 (stored 1..127), and the row's residual
+        r = x - s q is quantized the same way (s2 = max|r| / 63 <= s / 126) and stacked as a second row block,
+        [2, .., K], so one MatMulInteger call computes both (the weights are read once) and
+        y = (s acc_q + s2 acc_r) s_w: a row's small values keep ~13 bits next to an outlier. Returns the scales
+        as (s, s2) then."""
         if x not in self._rowq:
             q, s = self._row_levels(x)
             if self.fmt.intgemm_activation_bits == 16:
                 q2, s2 = self._row_levels(self.g.op("Sub", x, self.g.op("Mul", q, s)))
                 q, s = self.g.op("Concat", *(self.g.op("Unsqueeze", v, self.g.const([0])) for v in (q, q2)), axis=0), (s, s2)
-            u = self.g.op("Add", q, self.g.const(np.float32(128.0), np.float32))
+            zp = float(self.fmt.intgemm_activation_levels + 1)
+            u = self.g.op("Add", q, self.g.const(np.float32(zp), np.float32))
             self._rowq[x] = (self.g.op("Cast", u, to=TensorProto.UINT8), s)
         return self._rowq[x]
 
     def _row_levels(self, v: str) -> tuple[str, str]:
-        """v [.., K] -> (round(v / s) in -127..127, float, and s [.., 1] = max|row| / 127, tiny for a zero row)."""
+        """v [.., K] -> (round(v / s) in -L..L, float, and s [.., 1] = max|row| / L, tiny for a zero row)."""
         amax = self.g.op("ReduceMax", self.g.op("Abs", v), axes=[-1], keepdims=1)  # opset 17: axes attribute
+        levels = np.float32(self.fmt.intgemm_activation_levels)
         s = self.g.op("Div", self.g.op("Max", amax, self.g.const(np.float32(1e-30), np.float32)),
-                      self.g.const(np.float32(127.0), np.float32))
+                      self.g.const(levels, np.float32))
         return self.g.op("Round", self.g.op("Div", v, s)), s
 
-    def _zp128(self) -> str:
+    def _row_zero_point(self) -> str:
         if self._zp is None:
-            self._zp = self.g.const(np.uint8(128), np.uint8)
+            self._zp = self.g.const(np.uint8(self.fmt.intgemm_activation_levels + 1), np.uint8)
         return self._zp
 
     def _block_sums(self, x: str, k: int, block: int) -> str:
@@ -300,7 +307,8 @@ class _Linears:
                 "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,
                 "lm_head": f"int{lm.bits}" if lm else "fp32", "embedding": self.fmt.embedding,
                 "gguf_exact": self.fmt.gguf_exact,
-                **({"activation_bits": self.fmt.intgemm_activation_bits} if self.fmt.intgemm else {}),
+                **({"activation_bits": self.fmt.intgemm_activation_bits, "weight_bits": self.fmt.intgemm_weight_bits,
+                    "pair_sum_bound": self.fmt.intgemm_pair_bound} if self.fmt.intgemm else {}),
                 "repacked_from_gguf": self.repacked, "requantized": self.requantized,
                 "requant_weight_rel_rms_error": round(err, 5), "requant_weight_rel_rms_error_max": round(self._worst, 5)}
 

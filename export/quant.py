@@ -36,7 +36,7 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits: minimum compute precision; 4 =
 
 @dataclass(frozen=True)
 class QuantSpec:
-    bits: int  # 4 | 8
+    bits: int  # 4 | 8 (MatMulNBits); 7: the integer-GEMM form's channels next to 8-bit activations
     block: int = 32
     symmetric: bool = True
     accuracy_level: int = 4
@@ -44,8 +44,8 @@ class QuantSpec:
     search: bool = True  # per block, the scale of least squared error among a grid around round-to-nearest's
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise UnsupportedModelError(f"MatMulNBits weights are 4 or 8 bits here, got {self.bits}")
+        if self.bits not in (4, 7, 8):
+            raise UnsupportedModelError(f"weights are 4 or 8 bits here (7: integer GEMM), got {self.bits}")
         if self.block < 16 or self.block & (self.block - 1):
             raise UnsupportedModelError(f"quantization block size must be a power of two >= 16, got {self.block}")
         if self.accuracy_level not in ACCURACY_LEVELS:
@@ -85,6 +85,7 @@ def _unpack_nibbles(b: np.ndarray) -> np.ndarray:
 # for those levels), and keeps the candidate of least squared error. Smaller factors clip the block's
 # extreme to buy finer steps for the rest: ~9 % less squared error on gaussian int4 (tests/export/test_quant.py),
 # 7-15 % less RMS error on Qwen's Q4_K/Q6_K weights re-quantized at blocks 32-128 (docs/benchmarks.md).
+INT16_MAX = 32767  # the pair sums of x86 uint8 x int8 kernels without VNNI saturate beyond (quantize_channels)
 SEARCH_FACTORS = (1.0, 0.80, 0.84, 0.88, 0.91, 0.94, 0.97, 1.03)
 _SEARCH_ROWS = 256  # rows per chunk: a chunk's candidates stay in cache
 
@@ -294,15 +295,22 @@ def pack_int4(q: np.ndarray) -> bytes:
     return _pack_nibbles(u).tobytes()
 
 
-def quantize_channels(w: np.ndarray, search: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """w [N out, K in] float32 -> (q int8 [N, K], scales float32 [N]): symmetric int8, one scale per output
-    channel, w ~ q * scale — the weight side of the integer-GEMM form (``intgemm``). The value of largest
-    magnitude maps to -128 as in the block form, and the least-squares scale search (SEARCH_FACTORS) runs per
-    channel."""
+def quantize_channels(w: np.ndarray, bits: int = 8, search: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """w [N out, K in] float32 -> (q int8 [N, K] in -2^(bits-1)..2^(bits-1)-1, scales float32 [N]): symmetric,
+    one scale per output channel, w ~ q * scale — the weight side of the integer-GEMM form (``intgemm``). The
+    value of largest magnitude maps to the lowest level as in the block form, and the least-squares scale search
+    (SEARCH_FACTORS) runs per channel.
+
+    bits 7 or 8: x86 CPUs without VNNI (AVX2, AVX-512 before Cascade Lake) run ONNX Runtime's uint8 x int8 GEMM
+    with vpmaddubsw, which adds two products into a saturating int16. The form keeps every pair sum in range
+    (WeightFormat.intgemm_pair_bound): 7-bit weights (-64..63) next to 8-bit activations (uint8 up to 255:
+    255 * 64 * 2 = 32640), or 8-bit weights next to 7-bit activation parts (up to 127: 127 * 128 * 2 = 32512).
+    Then every kernel (AVX2, VNNI, Arm dot products; GEMV or GEMM) returns the same exact sums. Full ranges on
+    both sides would saturate on those CPUs and make a row's logits depend on the kernel, i.e. on the width."""
     N, K = w.shape
     q = np.empty((N, K), dtype=np.int8)
     scales = np.empty(N, dtype=np.float32)
-    spec = QuantSpec(8, search=search)
+    spec = QuantSpec(bits, search=search)
     for r in range(0, N, _SEARCH_ROWS):
         v, s, _ = _quantize_rows(np.asarray(w[r: r + _SEARCH_ROWS], dtype=np.float32)[:, None, :], spec)
         q[r: r + _SEARCH_ROWS], scales[r: r + _SEARCH_ROWS] = v[:, 0], s[:, 0]
@@ -353,8 +361,9 @@ class WeightFormat:
     # GEMM reads the weights once per step whatever the width (a cheap multi-token step); 4-bit matrices stay
     # MatMulNBits. ONNX Runtime only (TensorRT builds Q/DQ, not MatMulInteger).
     form: str = "matmulnbits"
-    # intgemm: 8 = one uint8 row per activation row; 16 = also its rounding residual, a second uint8 row in the same
-    # MatMulInteger call (~15-bit activations, for models with activation outliers; the step runs 2T rows)
+    # intgemm: 8 = one uint8 row per activation row (weights 7-bit); 16 = two 7-bit parts, the row and its rounding
+    # residual, stacked in the same MatMulInteger call (~13-bit activations, weights 8-bit, for models with
+    # activation outliers; the step runs 2T rows). Both keep int16 pair sums exact: quantize_channels
     intgemm_activation_bits: int = 8
 
     def __post_init__(self) -> None:
@@ -391,6 +400,23 @@ class WeightFormat:
     @property
     def intgemm(self) -> bool:
         return self.quantized and self.form == "intgemm"
+
+    @property
+    def intgemm_weight_bits(self) -> int:
+        return 7 if self.intgemm_activation_bits == 8 else 8
+
+    @property
+    def intgemm_activation_levels(self) -> int:
+        """L: an activation part is round(x / s) in -L..L with s = max|x| / L, stored as uint8 + (L + 1)."""
+        return 127 if self.intgemm_activation_bits == 8 else 63
+
+    @property
+    def intgemm_pair_bound(self) -> int:
+        """The largest |a1 w1 + a2 w2| the integer GEMM can meet (a: stored uint8 activations, w: int8 weights):
+        <= INT16_MAX, so no kernel's int16 pair sum saturates (quantize_channels)."""
+        bound = 2 * (2 * self.intgemm_activation_levels + 1) * (1 << (self.intgemm_weight_bits - 1))
+        assert bound <= INT16_MAX
+        return bound
 
     @property
     def even_widths(self) -> bool:

@@ -25,8 +25,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..cpu import int16_pair_saturation, physical_cores
 from ..errors import BackendUnavailableError, BundleError
-from ..manifest import QDQ_FORMAT, EngineSet, Manifest, Width, io_spec
+from ..manifest import INTGEMM_FORMAT, QDQ_FORMAT, EngineSet, Manifest, Width, io_spec
 
 
 @dataclass
@@ -88,6 +89,26 @@ def qdq_runtime_check(version: str) -> None:
             "every weight at every step. Upgrade onnxruntime, or re-export with --quant-form matmulnbits")
 
 
+INT16_MAX = 32767
+
+
+def intgemm_runtime_check(quant: dict, what: str, saturates: bool | None) -> None:
+    """Integer-GEMM bundles record the largest pair sum |a1 w1 + a2 w2| their ranges allow (``pair_sum_bound``,
+    export/quant.py quantize_channels). Bundles from before had none (full-range weights and activations): on x86
+    CPUs without VNNI ONNX Runtime's int16 pair sums can saturate, rows then depend on the kernel, i.e. on the
+    step's width, and speculative output could differ from plain. Refused there, with the way out; they stay
+    exact on VNNI and Arm CPUs, and nothing is refused where the CPU flags cannot be read."""
+    if INTGEMM_FORMAT not in (quant.get("format") or "") or not saturates:
+        return
+    if quant.get("pair_sum_bound", INT16_MAX + 1) <= INT16_MAX:
+        return
+    raise BundleError(
+        f"{what}: its integer-GEMM matrices hold full-range int8 weights and activations, whose products this "
+        "CPU's integer kernel (no VNNI: int16 pair sums) can saturate, so speculative output could differ from "
+        "plain. Re-export the bundle with this specedge (its integer-GEMM ranges are exact on every CPU), or run "
+        "it on a CPU with AVX512-VNNI / AVX-VNNI.")
+
+
 class OrtRunner:
     """One model of a bundle on ONNX Runtime, buffers bound once per width."""
 
@@ -116,10 +137,12 @@ class OrtRunner:
         d = self.entry.dims
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.intra_op_num_threads = threads or _physical_cores()
+        so.intra_op_num_threads = threads or physical_cores()
         so.inter_op_num_threads = 1
         so.add_session_config_entry("session.intra_op.allow_spinning", "1")
         quant = self.entry.quant or {}
+        if device == "cpu":
+            intgemm_runtime_check(quant, f"{bundle_dir} ({role})", int16_pair_saturation())
         if quant.get("format") == QDQ_FORMAT:
             qdq_runtime_check(ort.__version__)
             # the fused MatMulNBits' compute precision: the bundle's, not ONNX Runtime's default (4, int8)
@@ -268,12 +291,3 @@ class OrtRunner:
     def close(self) -> None:
         self._bound.clear()
         self.session = None  # type: ignore[assignment]
-
-
-def _physical_cores() -> int:
-    try:
-        with open("/proc/cpuinfo") as f:
-            cores = {line.split(":")[1].strip() for line in f if line.startswith("core id")}
-        return max(1, min(len(cores), os.cpu_count() or 1)) if cores else (os.cpu_count() or 1)
-    except OSError:
-        return os.cpu_count() or 1

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..cpu import cpu_features
 from ..decoder import SpecDecoder
 from ..errors import SamplingParamsError
 from ..sampling import SamplingParams
@@ -117,14 +118,9 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "av
 
 def cpu_flags() -> str:
     """The SIMD features that decide which ONNX Runtime kernels run (x86 flags / Arm features), as listed."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
+    have = cpu_features()
+    if have is None:
         return "unknown"
-    have = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            have.update(line.split(":", 1)[1].split())
     return " ".join(f for f in SIMD_FLAGS if f in have) or "none of " + ",".join(SIMD_FLAGS[:4])
 
 

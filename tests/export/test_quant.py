@@ -50,40 +50,83 @@ def test_scale_search_never_loses_to_round_to_nearest_and_usually_wins(bits, sym
         assert (e_best < e_rtn * (1 - 1e-4)).mean() > 0.5
 
 
-def test_channel_quantization_is_int8_per_row_and_its_search_never_loses():
+@pytest.mark.parametrize("bits", [7, 8])
+def test_channel_quantization_is_symmetric_per_row_and_its_search_never_loses(bits):
     w = _weights(n=40, k=300)
     w[5] = 0.0
-    (q0, s0), (q, s) = quantize_channels(w, search=False), quantize_channels(w)
+    (q0, s0), (q, s) = quantize_channels(w, bits, search=False), quantize_channels(w, bits)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     assert q.dtype == np.int8 and q.shape == w.shape and s.shape == (40,)
+    assert q.min() >= lo and q.max() <= hi and q0.min() >= lo and q0.max() <= hi
     assert (q[5] == 0).all() and s0[5] == 0
-    assert (np.abs(q0.astype(np.int16)).max(axis=1)[np.arange(40) != 5] == 128).all()  # the extreme maps to -128
+    assert (np.abs(q0.astype(np.int16)).max(axis=1)[np.arange(40) != 5] == -lo).all()  # the extreme maps to lo
     e0 = ((q0 * s0[:, None] - w) ** 2).sum(1)
     e = ((q * s[:, None] - w) ** 2).sum(1)
     assert (e <= e0 * (1 + 1e-5) + 1e-9).all()
-    assert np.sqrt(e.sum() / (w * w).sum()) < 0.01
+    assert np.sqrt(e.sum() / (w * w).sum()) < (0.01 if bits == 8 else 0.02)
 
 
-def test_onnxruntime_integer_gemm_is_exact_and_row_invariant_on_this_cpu():
-    """What --quant-form intgemm rests on: MatMulInteger (uint8 activations, zero point 128, int8 weights over the
-    full range -128..127, the extremes included) returns the exact integer sums, for every number of rows. A CPU
-    kernel that saturated int16 pair sums (AVX2 vpmaddubsw) would fail here; ONNX Runtime's does not."""
+def _pair_sums_saturating(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """What an AVX2 / AVX-512BW uint8 x int8 kernel computes (vpmaddubsw: two adjacent products added into a
+    saturating int16, then vpmaddwd widens the pairs to int32): x uint8 [M, K], w int8 [K, N], K even."""
+    p = x.astype(np.int64)[:, :, None] * w.astype(np.int64)[None]  # [M, K, N]
+    pairs = np.clip(p[:, 0::2] + p[:, 1::2], -32768, 32767)
+    return pairs.sum(axis=1)
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_integer_gemm_ranges_cannot_saturate_a_pair_sum(act_bits):
+    """Full-range uint8 activations times full-range int8 weights saturate the int16 pair sums of x86 kernels
+    without VNNI (CI and users run on such CPUs): those rows would differ from exact sums, and differently in the
+    GEMV (one row) kernel. At the ranges the form exports — 8-bit activations with 7-bit weights, or 7-bit
+    activation parts with 8-bit weights — the worst cases are exact."""
+    from specedge.export.quant import INT16_MAX, WeightFormat
+
+    k = 64
+    x = np.full((2, k), 255, np.uint8)
+    x[1, 1::2] = 0
+    full = np.full((k, 3), 127, np.int8)
+    full[:, 1] = -128
+    assert not np.array_equal(_pair_sums_saturating(x, full), x.astype(np.int64) @ full.astype(np.int64))
+    fmt = WeightFormat("int8", form="intgemm", intgemm_activation_bits=act_bits)
+    a_max = 2 * fmt.intgemm_activation_levels + 1  # stored uint8: 1..a_max
+    w_lo, w_hi = -(1 << (fmt.intgemm_weight_bits - 1)), (1 << (fmt.intgemm_weight_bits - 1)) - 1
+    assert fmt.intgemm_pair_bound == 2 * a_max * -w_lo <= INT16_MAX
+    x = np.full((2, k), a_max, np.uint8)
+    x[1, 1::2] = 1
+    for extreme in (w_lo, w_hi):
+        w = np.full((k, 3), extreme, np.int8)
+        w[1::2, 2] = w_lo if extreme > 0 else w_hi
+        np.testing.assert_array_equal(_pair_sums_saturating(x, w), x.astype(np.int64) @ w.astype(np.int64))
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+def test_onnxruntime_integer_gemm_is_exact_and_row_invariant_on_this_cpu(act_bits):
+    """What --quant-form intgemm rests on: MatMulInteger (uint8 activations over the stored range with the form's
+    zero point, int8 weights over the range exported next to them, the extremes included) returns the exact
+    integer sums, for every number of rows, on whatever kernel this CPU gets (VNNI, AVX2's saturating pairs, Arm
+    dot products)."""
+    from specedge.export.quant import WeightFormat
+
+    fmt = WeightFormat("int8", form="intgemm", intgemm_activation_bits=act_bits)
+    zp, w_lo = fmt.intgemm_activation_levels + 1, -(1 << (fmt.intgemm_weight_bits - 1))
     rng = np.random.default_rng(0)
     k, n = 1536, 96
-    w = rng.integers(-128, 128, (k, n)).astype(np.int8)
-    w[:8] = -128  # the worst case for a pair of products
-    x = rng.integers(0, 256, (10, k)).astype(np.uint8)
-    x[0] = 255
-    x[1] = 0
+    w = rng.integers(w_lo, -w_lo, (k, n)).astype(np.int8)
+    w[:8] = w_lo  # the worst case for a pair of products
+    x = rng.integers(1, 2 * zp, (10, k)).astype(np.uint8)
+    x[0] = 2 * zp - 1
+    x[1] = 1
     g = helper.make_graph([helper.make_node("MatMulInteger", ["x", "w", "zp"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.UINT8, ["T", k])],
                           [helper.make_tensor_value_info("y", TensorProto.INT32, ["T", n])],
                           [helper.make_tensor("w", TensorProto.INT8, [k, n], w.tobytes(), raw=True),
-                           helper.make_tensor("zp", TensorProto.UINT8, [], [128])])
+                           helper.make_tensor("zp", TensorProto.UINT8, [], [zp])])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    ref = (x.astype(np.int64) - 128) @ w.astype(np.int64)
+    ref = (x.astype(np.int64) - zp) @ w.astype(np.int64)
     for t in range(1, 11):
         np.testing.assert_array_equal(sess.run(None, {"x": x[:t]})[0], ref[:t])
 
@@ -184,7 +227,7 @@ def test_q6_k_blocks_are_carried_exactly_as_int8():
     np.testing.assert_array_equal(dequantize(p), gguf_dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(n, -1))
 
 
-@pytest.mark.parametrize("act_bits,bound", [(8, 0.03), (16, 0.01)])
+@pytest.mark.parametrize("act_bits,bound", [(8, 0.04), (16, 0.02)])
 def test_intgemm_linear_scales_every_row_by_its_own_scale(tmp_path, act_bits, bound):
     """The emitted integer-GEMM linear, run by ONNX Runtime at full optimization, against x @ w.T: rows of very
     different magnitudes each keep their own activation scale (ONNX Runtime's MatMulIntegerToFloat fusion
@@ -213,8 +256,10 @@ def test_intgemm_linear_scales_every_row_by_its_own_scale(tmp_path, act_bits, bo
     for row in (0, 1, 2):
         assert np.abs(got[row] - ref[row]).max() < bound * np.abs(ref[row]).max(), row
     assert np.abs(got[3]).max() < 1e-6  # an all-zero row: no division by zero
-    # the outlier row: the residual row keeps its small values (16 bits); 8 bits lose them
+    # the outlier row: the residual row keeps its small values (16 bits); 8 bits lose them. Against the quantized
+    # weights, so that only the activations' rounding is measured (60 x a weight's rounding would hide it)
+    q, s = quantize_channels(w, fmt.intgemm_weight_bits)
     small = x[0, 4].copy()
     small[7] = 0.0
-    err = np.abs(got[4] - ref[4]).max() / np.abs(small @ w.T).max()
+    err = np.abs(got[4] - x[0, 4] @ (q * s[:, None]).T).max() / np.abs(small @ w.T).max()
     assert (err < 0.05) if act_bits == 16 else (err > 0.05), err

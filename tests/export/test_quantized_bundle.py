@@ -223,6 +223,46 @@ def test_intgemm_graphs_run_8_bit_matrices_as_integer_gemm(q_bundles):
         WeightFormat("int8", intgemm_activation_bits=16)
 
 
+def test_integer_gemm_ranges_are_recorded_and_older_full_range_bundles_are_refused_where_they_could_saturate(
+        q_bundles, tmp_path, monkeypatch):
+    """Every MatMulInteger weight and activation lies in the recorded ranges (8-bit activations with 7-bit weights,
+    or 7-bit activation parts with 8-bit weights: no CPU's int16 pair sum can saturate), and the manifest says so;
+    a bundle from before (full ranges, no pair_sum_bound) is refused on a CPU without VNNI, with the way out, and
+    still loads on one with it."""
+    import json
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    import specedge.runtime.backends.ort as ort_backend
+
+    for name, w_bits, zp in (("int8-intgemm", 7, 128), ("int8-intgemm16", 8, 64)):
+        m = onnx.load(str(q_bundles[name] / "target.onnx"))
+        inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+        qw = [v for k, v in inits.items() if k.endswith(".qweight")]
+        assert qw and all(w.dtype == np.int8 and -(1 << (w_bits - 1)) <= w.min() and w.max() < 1 << (w_bits - 1)
+                          for w in qw)
+        assert min(w.min() for w in qw) == -(1 << (w_bits - 1))  # the range is used
+        assert {int(inits[n.input[2]]) for n in m.graph.node if n.op_type == "MatMulInteger"} == {zp}
+        quant = SpecDecoder.load(q_bundles[name]).manifest.target.quant
+        assert (quant["weight_bits"], quant["pair_sum_bound"]) == (w_bits, 2 * (2 * zp - 1) * (1 << (w_bits - 1)))
+        assert quant["pair_sum_bound"] <= 32767
+    b = q_bundles["int8-intgemm"]
+    old = tmp_path / "old"
+    shutil.copytree(b, old)
+    man = json.loads((old / "manifest.json").read_text())
+    for key in ("weight_bits", "pair_sum_bound"):
+        del man["target"]["quant"][key]
+    (old / "manifest.json").write_text(json.dumps(man))
+    monkeypatch.setattr(ort_backend, "int16_pair_saturation", lambda: True)
+    SpecDecoder.load(b)  # bounded ranges: exact on that CPU too
+    with pytest.raises(BundleError, match="full-range int8 weights and activations.*Re-export"):
+        SpecDecoder.load(old)
+    monkeypatch.setattr(ort_backend, "int16_pair_saturation", lambda: False)
+    SpecDecoder.load(old)
+
+
 def test_loading_an_old_block_64_bundle_with_odd_widths_warns(q_bundles, tmp_path):
     import json
     import shutil

@@ -312,3 +312,18 @@ def test_ort_cuda_commit_copies_the_new_rows_into_each_cache_tensor(bundles):
         want = caches[t].copy()
         want[:, past:past + n] = news[t][:, :n]
         np.testing.assert_array_equal(got, want)
+
+
+def test_int16_pair_saturation_is_read_from_the_cpu_flags(monkeypatch):
+    """Which CPUs add uint8 x int8 products in saturating int16 pairs (x86 without VNNI), the condition under which
+    an old full-range integer-GEMM bundle is refused."""
+    import specedge.runtime.cpu as cpu
+
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    for flags, expect in (({"avx2", "fma"}, True), ({"avx2", "avx512f", "avx512bw"}, True),
+                          ({"avx2", "avx_vnni"}, False), ({"avx512f", "avx512_vnni"}, False), (None, None)):
+        monkeypatch.setattr(cpu, "cpu_features", lambda f=flags: f)
+        assert cpu.int16_pair_saturation() is expect, flags
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")  # Jetson: int32 dot products
+    assert cpu.int16_pair_saturation() is False
+    assert cpu.physical_cores() >= 1

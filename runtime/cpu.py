@@ -1,0 +1,44 @@
+"""What the CPU this process runs on offers, read from Linux's /proc/cpuinfo (elsewhere: os.cpu_count, no flags)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def _cpuinfo_lines() -> list[str] | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().splitlines()
+    except OSError:
+        return None
+
+
+def cpu_features() -> set[str] | None:
+    """The x86 flags / Arm features the kernel lists, or None where they cannot be read."""
+    lines = _cpuinfo_lines()
+    if lines is None:
+        return None
+    have: set[str] = set()
+    for line in lines:
+        if line.startswith(("flags", "Features")):
+            have.update(line.split(":", 1)[1].split())
+    return have
+
+
+def physical_cores() -> int:
+    lines = _cpuinfo_lines() or []
+    cores = {line.split(":")[1].strip() for line in lines if line.startswith("core id")}
+    return max(1, min(len(cores), os.cpu_count() or 1)) if cores else (os.cpu_count() or 1)
+
+
+def int16_pair_saturation() -> bool | None:
+    """Whether ONNX Runtime's uint8 x int8 integer GEMM on this CPU adds products in saturating int16 pairs:
+    x86 without VNNI (AVX2, AVX-512 before Cascade Lake) uses vpmaddubsw; VNNI (vpdpbusd) and Arm dot products
+    accumulate in int32. None where the flags cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return False
+    have = cpu_features()
+    if not have:
+        return None
+    return not ({"avx512_vnni", "avx_vnni"} & have)
