@@ -104,6 +104,11 @@ def presets() -> None:
               help="--quant-form intgemm: activations per row as one uint8 row with 7-bit weights (8), or as two "
                    "7-bit parts, the row and its rounding residual, with 8-bit weights (16: ~13-bit activations for "
                    "models with activation outliers, at about 1.2-1.4x the step time).")
+@click.option("--intgemm-full-range", is_flag=True,
+              help="--quant-form intgemm: 8-bit weights and 8-bit activation parts (closer to fp32), exact only on "
+                   "CPUs whose integer dot products accumulate in int32 — x86 with AVX512-VNNI or AVX-VNNI, Arm; "
+                   "x86 CPUs without VNNI add products in saturating int16 pairs, and the runtime refuses the "
+                   "bundle there.")
 @click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
               help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
                    "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
@@ -114,7 +119,8 @@ def presets() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
 def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weights: str, draft_weights: str | None,
-           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, intgemm_activations: str, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
+           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, intgemm_activations: str,
+           intgemm_full_range: bool, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
@@ -123,7 +129,8 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weig
     try:
         fmt = lambda name: WeightFormat(name, quant_block, not asymmetric, accuracy_level, lm_head,  # noqa: E731
                                         gguf_exact=gguf_exact, form=quant_form,
-                                        intgemm_activation_bits=int(intgemm_activations))
+                                        intgemm_activation_bits=int(intgemm_activations),
+                                        intgemm_full_range=intgemm_full_range)
         opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights), kv_mode=kv_mode,
                              device_argmax=device_argmax,
                              draft_weights=fmt(draft_weights) if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
@@ -160,8 +167,9 @@ def info(bundle: str, verify: bool) -> None:
         if e.quant:
             q = e.quant
             form = q.get("format", "MatMulNBits")
+            cpus = ("every CPU" if q.get("pair_sum_bound", 65280) <= 32767 else "CPUs with VNNI or Arm only")
             layout = (f"per output channel ({q.get('weight_bits', 8)}-bit), activations {q.get('activation_bits', 8)}"
-                      f"-bit per row"
+                      f"-bit per row, exact on {cpus}"
                       if form == "MatMulInteger" else
                       f"block {q['block']} {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level "
                       f"{q['accuracy_level']}" + (f", 8-bit matrices as MatMulInteger ({q.get('weight_bits', 8)}-bit "

@@ -177,8 +177,9 @@ class _Linears:
         point serves every row (MatMulInteger takes no per-row zero point). Once per input (q|k|v and gate|up
         share it); a zero row gets s = tiny, not a division by zero.
 
-        16-bit activations (``intgemm_activation_bits``): L = 63 (stored 1..127), and the row's residual
-        r = x - s q is quantized the same way (s2 = max|r| / 63 <= s / 126) and stacked as a second row block,
+        16-bit activations (``intgemm_activation_bits``): L = 63 (stored 1..127; 127 with
+        ``intgemm_full_range``), and the row's residual r = x - s q is quantized the same way
+        (s2 = max|r| / L <= s / 2L) and stacked as a second row block,
         [2, .., K], so one MatMulInteger call computes both (the weights are read once) and
         y = (s acc_q + s2 acc_r) s_w: a row's small values keep ~13 bits next to an outlier. Returns the scales
         as (s, s2) then."""

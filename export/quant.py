@@ -85,7 +85,6 @@ def _unpack_nibbles(b: np.ndarray) -> np.ndarray:
 # for those levels), and keeps the candidate of least squared error. Smaller factors clip the block's
 # extreme to buy finer steps for the rest: ~9 % less squared error on gaussian int4 (tests/export/test_quant.py),
 # 7-15 % less RMS error on Qwen's Q4_K/Q6_K weights re-quantized at blocks 32-128 (docs/benchmarks.md).
-INT16_MAX = 32767  # the pair sums of x86 uint8 x int8 kernels without VNNI saturate beyond (quantize_channels)
 SEARCH_FACTORS = (1.0, 0.80, 0.84, 0.88, 0.91, 0.94, 0.97, 1.03)
 _SEARCH_ROWS = 256  # rows per chunk: a chunk's candidates stay in cache
 
@@ -365,6 +364,9 @@ class WeightFormat:
     # residual, stacked in the same MatMulInteger call (~13-bit activations, weights 8-bit, for models with
     # activation outliers; the step runs 2T rows). Both keep int16 pair sums exact: quantize_channels
     intgemm_activation_bits: int = 8
+    # intgemm: 8-bit weights and 8-bit activation parts, for CPUs whose integer dot products accumulate in int32
+    # (x86 with AVX512-VNNI / AVX-VNNI, Arm): int16 pair sums can saturate elsewhere, and the runtime refuses there
+    intgemm_full_range: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:
@@ -386,6 +388,8 @@ class WeightFormat:
             raise UnsupportedModelError(f"integer-GEMM activations are 8 or 16 bits, got {self.intgemm_activation_bits}")
         if self.intgemm_activation_bits == 16 and self.form != "intgemm":
             raise UnsupportedModelError("--intgemm-activations 16 needs --quant-form intgemm")
+        if self.intgemm_full_range and self.form != "intgemm":
+            raise UnsupportedModelError("--intgemm-full-range needs --quant-form intgemm")
         if self.quantized:
             QuantSpec(8, self.block, self.symmetric, self.accuracy_level)  # validates block and level
 
@@ -403,20 +407,18 @@ class WeightFormat:
 
     @property
     def intgemm_weight_bits(self) -> int:
-        return 7 if self.intgemm_activation_bits == 8 else 8
+        return 7 if self.intgemm_activation_bits == 8 and not self.intgemm_full_range else 8
 
     @property
     def intgemm_activation_levels(self) -> int:
         """L: an activation part is round(x / s) in -L..L with s = max|x| / L, stored as uint8 + (L + 1)."""
-        return 127 if self.intgemm_activation_bits == 8 else 63
+        return 127 if self.intgemm_activation_bits == 8 or self.intgemm_full_range else 63
 
     @property
     def intgemm_pair_bound(self) -> int:
         """The largest |a1 w1 + a2 w2| the integer GEMM can meet (a: stored uint8 activations, w: int8 weights):
-        <= INT16_MAX, so no kernel's int16 pair sum saturates (quantize_channels)."""
-        bound = 2 * (2 * self.intgemm_activation_levels + 1) * (1 << (self.intgemm_weight_bits - 1))
-        assert bound <= INT16_MAX
-        return bound
+        <= 32767 (no kernel's int16 pair sum saturates: quantize_channels) unless ``intgemm_full_range``."""
+        return 2 * (2 * self.intgemm_activation_levels + 1) * (1 << (self.intgemm_weight_bits - 1))
 
     @property
     def even_widths(self) -> bool:

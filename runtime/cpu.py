@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 
+INT16_MAX = 32767  # x86 uint8 x int8 kernels without VNNI add two products into a saturating int16 (vpmaddubsw)
+
 
 def _cpuinfo_lines() -> list[str] | None:
     try:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..cpu import int16_pair_saturation, physical_cores
+from ..cpu import INT16_MAX, int16_pair_saturation, physical_cores
 from ..errors import BackendUnavailableError, BundleError
 from ..manifest import INTGEMM_FORMAT, QDQ_FORMAT, EngineSet, Manifest, Width, io_spec
 
@@ -89,24 +89,24 @@ def qdq_runtime_check(version: str) -> None:
             "every weight at every step. Upgrade onnxruntime, or re-export with --quant-form matmulnbits")
 
 
-INT16_MAX = 32767
-
-
 def intgemm_runtime_check(quant: dict, what: str, saturates: bool | None) -> None:
     """Integer-GEMM bundles record the largest pair sum |a1 w1 + a2 w2| their ranges allow (``pair_sum_bound``,
-    export/quant.py quantize_channels). Bundles from before had none (full-range weights and activations): on x86
-    CPUs without VNNI ONNX Runtime's int16 pair sums can saturate, rows then depend on the kernel, i.e. on the
-    step's width, and speculative output could differ from plain. Refused there, with the way out; they stay
-    exact on VNNI and Arm CPUs, and nothing is refused where the CPU flags cannot be read."""
+    export/quant.py quantize_channels). Above INT16_MAX — ``--intgemm-full-range``, or a bundle from before the
+    bound was recorded (full ranges) — ONNX Runtime's int16 pair sums on x86 CPUs without VNNI can saturate: rows
+    then depend on the kernel, i.e. on the step's width, and speculative output could differ from plain. Refused
+    there, with the way out; exact on VNNI and Arm CPUs, and nothing is refused where the CPU flags cannot be
+    read."""
     if INTGEMM_FORMAT not in (quant.get("format") or "") or not saturates:
         return
-    if quant.get("pair_sum_bound", INT16_MAX + 1) <= INT16_MAX:
+    bound = quant.get("pair_sum_bound")
+    if bound is not None and bound <= INT16_MAX:
         return
     raise BundleError(
-        f"{what}: its integer-GEMM matrices hold full-range int8 weights and activations, whose products this "
-        "CPU's integer kernel (no VNNI: int16 pair sums) can saturate, so speculative output could differ from "
-        "plain. Re-export the bundle with this specedge (its integer-GEMM ranges are exact on every CPU), or run "
-        "it on a CPU with AVX512-VNNI / AVX-VNNI.")
+        f"{what}: its integer-GEMM matrices hold full-range int8 weights and activations (products summed in pairs "
+        f"reach {bound or 65280}), which this CPU's integer kernel (no VNNI: saturating int16 pair sums) can "
+        "saturate, so speculative output could differ from plain. Re-export the bundle with this specedge and "
+        "without --intgemm-full-range (its default ranges are exact on every CPU), or run it on a CPU with "
+        "AVX512-VNNI / AVX-VNNI, or on Arm.")
 
 
 class OrtRunner:

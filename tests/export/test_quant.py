@@ -74,13 +74,26 @@ def _pair_sums_saturating(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return pairs.sum(axis=1)
 
 
+def test_integer_gemm_full_range_is_8_bit_on_both_sides_and_says_its_pair_bound():
+    from specedge.export.quant import WeightFormat
+    from specedge.runtime.cpu import INT16_MAX
+
+    for act_bits in (8, 16):
+        f = WeightFormat("int8", form="intgemm", intgemm_activation_bits=act_bits, intgemm_full_range=True)
+        assert (f.intgemm_weight_bits, f.intgemm_activation_levels, f.intgemm_pair_bound) == (8, 127, 65280)
+        assert f.intgemm_pair_bound > INT16_MAX  # what the runtime refuses on CPUs without VNNI
+    with pytest.raises(UnsupportedModelError, match="--intgemm-full-range needs --quant-form intgemm"):
+        WeightFormat("int8", intgemm_full_range=True)
+
+
 @pytest.mark.parametrize("act_bits", [8, 16])
 def test_integer_gemm_ranges_cannot_saturate_a_pair_sum(act_bits):
     """Full-range uint8 activations times full-range int8 weights saturate the int16 pair sums of x86 kernels
     without VNNI (CI and users run on such CPUs): those rows would differ from exact sums, and differently in the
     GEMV (one row) kernel. At the ranges the form exports — 8-bit activations with 7-bit weights, or 7-bit
     activation parts with 8-bit weights — the worst cases are exact."""
-    from specedge.export.quant import INT16_MAX, WeightFormat
+    from specedge.export.quant import WeightFormat
+    from specedge.runtime.cpu import INT16_MAX
 
     k = 64
     x = np.full((2, k), 255, np.uint8)
@@ -100,15 +113,18 @@ def test_integer_gemm_ranges_cannot_saturate_a_pair_sum(act_bits):
         np.testing.assert_array_equal(_pair_sums_saturating(x, w), x.astype(np.int64) @ w.astype(np.int64))
 
 
-@pytest.mark.parametrize("act_bits", [8, 16])
-def test_onnxruntime_integer_gemm_is_exact_and_row_invariant_on_this_cpu(act_bits):
+@pytest.mark.parametrize("act_bits,full", [(8, False), (16, False), (8, True)])
+def test_onnxruntime_integer_gemm_is_exact_and_row_invariant_on_this_cpu(act_bits, full):
     """What --quant-form intgemm rests on: MatMulInteger (uint8 activations over the stored range with the form's
     zero point, int8 weights over the range exported next to them, the extremes included) returns the exact
     integer sums, for every number of rows, on whatever kernel this CPU gets (VNNI, AVX2's saturating pairs, Arm
-    dot products)."""
+    dot products). Full ranges only where the runtime would load such a bundle."""
     from specedge.export.quant import WeightFormat
+    from specedge.runtime.cpu import int16_pair_saturation
 
-    fmt = WeightFormat("int8", form="intgemm", intgemm_activation_bits=act_bits)
+    if full and int16_pair_saturation() is not False:
+        pytest.skip("full-range integer GEMM is refused on this CPU (no VNNI: int16 pair sums) or flags unknown")
+    fmt = WeightFormat("int8", form="intgemm", intgemm_activation_bits=act_bits, intgemm_full_range=full)
     zp, w_lo = fmt.intgemm_activation_levels + 1, -(1 << (fmt.intgemm_weight_bits - 1))
     rng = np.random.default_rng(0)
     k, n = 1536, 96

@@ -259,8 +259,16 @@ def test_integer_gemm_ranges_are_recorded_and_older_full_range_bundles_are_refus
     SpecDecoder.load(b)  # bounded ranges: exact on that CPU too
     with pytest.raises(BundleError, match="full-range int8 weights and activations.*Re-export"):
         SpecDecoder.load(old)
+    full = tmp_path / "full"  # --intgemm-full-range records a bound above int16: refused there too
+    shutil.copytree(b, full)
+    man = json.loads((full / "manifest.json").read_text())
+    man["target"]["quant"].update(weight_bits=8, pair_sum_bound=65280)
+    (full / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(BundleError, match="reach 65280.*without --intgemm-full-range"):
+        SpecDecoder.load(full)
     monkeypatch.setattr(ort_backend, "int16_pair_saturation", lambda: False)
     SpecDecoder.load(old)
+    SpecDecoder.load(full)
 
 
 def test_loading_an_old_block_64_bundle_with_odd_widths_warns(q_bundles, tmp_path):
