@@ -174,9 +174,14 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
                   say: Callable[[str], None]) -> ModelEntry:
     t0 = time.perf_counter()
     fmt = opts.weights if role == "target" or opts.draft_weights is None else opts.draft_weights
+    smoothing = None
+    if fmt.intgemm_smooth:
+        src, smoothing = _smoothed(role, src, tmp, fmt.intgemm_smooth, say)
     onnx_path, data_path, quant = build_model_graph(src, tmp, role, progress=lambda s: say(f"  {role}: {s}"), fmt=fmt,
                                                     kv_mode=opts.kv_mode, max_positions=opts.max_context,
                                                     argmax=opts.device_argmax)
+    if smoothing:
+        quant["smoothing"] = smoothing
     if quant:
         say(f"  {role}: {fmt.name}: {quant['repacked_from_gguf']} matrices re-packed from GGUF blocks, "
             f"{quant['requantized']} re-quantized (weight rel. RMS error {quant['requant_weight_rel_rms_error']:.4f})")
@@ -187,3 +192,19 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
                                                 even=role == "target" and fmt.even_widths),
         source=src.describe(), quant=quant,
     )
+
+
+def _smoothed(role: str, src: WeightSource, tmp: Path, alpha: float,
+              say: Callable[[str], None]) -> tuple[WeightSource, dict[str, Any]]:
+    """--intgemm-smooth: activation maxima from a float forward pass over the calibration text, folded into the
+    weights (export/smooth.py)."""
+    from tokenizers import Tokenizer
+
+    from .smooth import CALIBRATION_TEXT, MAX_CALIBRATION_TOKENS, activation_maxima, smoothed, smoothing_factors
+
+    t0 = time.perf_counter()
+    ids = Tokenizer.from_file(str(tmp / TOKENIZER_FILE)).encode(CALIBRATION_TEXT).ids[:MAX_CALIBRATION_TOKENS]
+    maxima = activation_maxima(src, ids, progress=lambda s: say(f"  {role}: {s}"))
+    factors = smoothing_factors(src, maxima, alpha)
+    say(f"  {role}: smoothing (alpha {alpha}) from {len(ids)} calibration tokens in {time.perf_counter() - t0:.1f}s")
+    return smoothed(src, factors), {"alpha": alpha, "calibration_tokens": len(ids)}

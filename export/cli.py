@@ -109,6 +109,13 @@ def presets() -> None:
                    "CPUs whose integer dot products accumulate in int32 — x86 with AVX512-VNNI or AVX-VNNI, Arm; "
                    "x86 CPUs without VNNI add products in saturating int16 pairs, and the runtime refuses the "
                    "bundle there.")
+@click.option("--intgemm-smooth", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True,
+              metavar="ALPHA",
+              help="--weights int8 --quant-form intgemm: SmoothQuant's alpha (0: off; 0.5 is the usual choice). "
+                   "Each linear input channel's range is moved into the weights by max|x|^alpha / "
+                   "max|W|^(1-alpha), measured on a built-in calibration text and folded into the norms and the "
+                   "preceding weights (the same fp32 model), so the 8-bit per-row activations lose less to outlier "
+                   "channels.")
 @click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
               help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
                    "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
@@ -120,20 +127,22 @@ def presets() -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
 def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weights: str, draft_weights: str | None,
            quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, intgemm_activations: str,
-           intgemm_full_range: bool, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
+           intgemm_full_range: bool, intgemm_smooth: float, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
     from .quant import WeightFormat
 
     try:
-        fmt = lambda name: WeightFormat(name, quant_block, not asymmetric, accuracy_level, lm_head,  # noqa: E731
-                                        gguf_exact=gguf_exact, form=quant_form,
-                                        intgemm_activation_bits=int(intgemm_activations),
-                                        intgemm_full_range=intgemm_full_range)
+        fmt = lambda name, smooth=intgemm_smooth: WeightFormat(  # noqa: E731
+            name, quant_block, not asymmetric, accuracy_level, lm_head, gguf_exact=gguf_exact, form=quant_form,
+            intgemm_activation_bits=int(intgemm_activations), intgemm_full_range=intgemm_full_range,
+            intgemm_smooth=smooth)
         opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights), kv_mode=kv_mode,
                              device_argmax=device_argmax,
-                             draft_weights=fmt(draft_weights) if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
+                             # the draft is smoothed only where it is an integer-GEMM int8 model too
+                             draft_weights=fmt(draft_weights, intgemm_smooth if draft_weights == "int8" else 0.0)
+                             if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
                              overwrite=overwrite, cache_dir=cache_dir)
         rep = export_bundle(target, draft, out, opts, progress=_say)
     except SpecEdgeError as e:
@@ -170,6 +179,8 @@ def info(bundle: str, verify: bool) -> None:
             cpus = ("every CPU" if q.get("pair_sum_bound", 65280) <= 32767 else "CPUs with VNNI or Arm only")
             layout = (f"per output channel ({q.get('weight_bits', 8)}-bit), activations {q.get('activation_bits', 8)}"
                       f"-bit per row, exact on {cpus}"
+                      + (f", smoothed (alpha {q['smoothing']['alpha']}, {q['smoothing']['calibration_tokens']} "
+                         f"calibration tokens)" if q.get("smoothing") else "")
                       if form == "MatMulInteger" else
                       f"block {q['block']} {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level "
                       f"{q['accuracy_level']}" + (f", 8-bit matrices as MatMulInteger ({q.get('weight_bits', 8)}-bit "

@@ -367,6 +367,9 @@ class WeightFormat:
     # intgemm: 8-bit weights and 8-bit activation parts, for CPUs whose integer dot products accumulate in int32
     # (x86 with AVX512-VNNI / AVX-VNNI, Arm): int16 pair sums can saturate elsewhere, and the runtime refuses there
     intgemm_full_range: bool = False
+    # intgemm, int8 models: SmoothQuant's alpha (0 = off): each linear input channel's range is moved into the
+    # weights by max|x|^alpha / max|W|^(1 - alpha), measured on a calibration text (export/smooth.py)
+    intgemm_smooth: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:
@@ -390,6 +393,11 @@ class WeightFormat:
             raise UnsupportedModelError("--intgemm-activations 16 needs --quant-form intgemm")
         if self.intgemm_full_range and self.form != "intgemm":
             raise UnsupportedModelError("--intgemm-full-range needs --quant-form intgemm")
+        if not 0.0 <= self.intgemm_smooth < 1.0:
+            raise UnsupportedModelError(f"--intgemm-smooth is an alpha in [0, 1) (0: off), got {self.intgemm_smooth}")
+        if self.intgemm_smooth and not (self.form == "intgemm" and self.name == "int8"):
+            raise UnsupportedModelError("--intgemm-smooth needs --weights int8 --quant-form intgemm (every matrix "
+                                        "re-quantized from the smoothed float weights)")
         if self.quantized:
             QuantSpec(8, self.block, self.symmetric, self.accuracy_level)  # validates block and level
 

@@ -51,6 +51,9 @@ PLANTS = {
         "return 8",
         ["tests/export/test_quant.py", "tests/export/test_quantized_bundle.py::"
          "test_integer_gemm_ranges_are_recorded_and_older_full_range_bundles_are_refused_where_they_could_saturate"]),
+    "smoothing: the v bias keeps its scale while the v rows are divided": (
+        "export/smooth.py", 'if part == "v_bias":\n            return w / f("v")',
+        'if part == "v_bias":\n            return w', ["tests/export/test_smooth.py"]),
 }
 
 
