@@ -18,7 +18,6 @@ copied, and a width is usable only where past_len + T <= S_max (:attr:`pads_into
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence

@@ -11,14 +11,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.export.bundle import export_bundle
 from specedge.export.engines import trt_parser_problems
 from specedge.export.quant import Packed, QuantSpec, WeightFormat, positive_scales, quantize, repack_gguf
 from specedge.runtime import SamplingParams, SpecDecoder
 from specedge.runtime.errors import UnsupportedModelError
 
 from .test_gguf import write_tiny_gguf
-from .test_quantized_bundle import ALL_LINEAR, PROMPTS, _logits, _opts
+from .test_quantized_bundle import PROMPTS, _logits, _opts
 
 Q = gguf.GGMLQuantizationType
 MIXED = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q8_0,
