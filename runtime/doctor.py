@@ -107,13 +107,21 @@ def report(root: Path = Path("/")) -> dict[str, Any]:
     cuda = cuda_info() if root == Path("/") else {"ok": False, "why": "not probed (fake root)"}
     trt = _module_version("tensorrt")
     rep = {
-        "machine": platform.machine(), "system": _os_name(root),
+        "machine": platform.machine(), "system": _os_name(root), "cpu": _cpu_info() if root == Path("/") else None,
         "python": platform.python_version(), "jetson": jetson_info(root), "memory_gib": meminfo(root),
         "cuda": cuda, "tensorrt": trt, "polygraphy": _module_version("polygraphy"),
         "onnxruntime": ort_version, "ort_providers": providers,
     }
     rep["backends"] = backend_verdicts(rep)
     return rep
+
+
+def _cpu_info() -> dict[str, Any]:
+    """The SIMD features that pick ONNX Runtime's CPU kernels, and what they mean for integer-GEMM bundles."""
+    from .bench.runner import cpu_flags
+    from .cpu import int16_pair_saturation, physical_cores
+
+    return {"simd": cpu_flags(), "physical_cores": physical_cores(), "int16_pair_sums": int16_pair_saturation()}
 
 
 def _os_name(root: Path) -> str | None:
@@ -163,6 +171,14 @@ def backend_verdicts(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def format_report(rep: dict[str, Any]) -> str:
     lines = [f"machine     {rep['machine']}, {rep['system'] or 'unknown OS'}, Python {rep['python']}"]
+    cpu = rep.get("cpu")
+    if cpu:
+        pairs = cpu["int16_pair_sums"]
+        gemm = ("int16 pair sums (no VNNI): --intgemm-full-range bundles are refused here" if pairs else
+                "int32 dot products: every integer-GEMM bundle is exact here" if pairs is False else
+                "unknown (CPU flags unreadable)")
+        lines.append(f"cpu         {cpu['physical_cores']} physical cores; {cpu['simd']}")
+        lines.append(f"int gemm    {gemm}")
     j = rep["jetson"]
     if j:
         lines.append(f"jetson      {j['model'] or 'unknown board'}: L4T {j['l4t']}, JetPack {j['jetpack']}")

@@ -41,6 +41,10 @@ def test_doctor_on_this_machine():
         assert not rep["backends"]["trt"]["ok"] and "TensorRT is not installed" in rep["backends"]["trt"]["why"]
     if not HAS_GPU:
         assert not rep["cuda"]["ok"] and rep["cuda"]["why"]
+    from specedge.runtime.cpu import int16_pair_saturation
+
+    assert rep["cpu"]["physical_cores"] >= 1 and rep["cpu"]["int16_pair_sums"] is int16_pair_saturation()
+    assert ("int gemm    int16 pair sums" in text) is bool(int16_pair_saturation())
 
 
 def test_doctor_cli_json():
