@@ -6,9 +6,9 @@
 For each bundle's target, every all-logits width T the bundle declares (and T = 1, which the invariant
 decoder never runs but the ratio is quoted against) is stepped ``repeats`` times at ``past_len``, the widths
 and bundles in rotating order so the machine's state is shared fairly, each time as a burst of ``burst`` timed
-steps after one untimed one: the first step after a width change pays ONNX Runtime's re-planning, which decoding
-(mostly the same width, step after step) does not — measured singly, a plain step looked up to 35 % slower than
-in decoding, and every ratio to it too small. Prints the median milliseconds per
+steps after one untimed one. Timed singly in this rotation, the first step after another width ran slow (a plain
+step up to 35 % slower than in a real decode, whose alternation of width 2 and one verify width costs nothing
+extra), and every ratio to it came out too small. Prints the median milliseconds per
 step and the ratio to a plain step: T = 2 (what a plain round runs under the batch-invariance rule, with its
 free guess) and T = 1 — with the CPU flags, since these ratios depend on the kernels the CPU gets.
 """
@@ -46,8 +46,9 @@ def main() -> int:
         for b, T in order[r % len(order):] + order[: r % len(order)]:
             d = decs[a.bundles.index(b)]
             ids = np.full(T, 100, dtype=np.int64)
-            # a burst of steps at one width, as decoding runs them; the first absorbs the switch from the previous
-            # width (ONNX Runtime re-plans its buffers when shapes change: ~10 ms here) and is not timed
+            # a burst of steps at one width, as decoding runs them; the first, right after another width of the
+            # rotation (the widest, or width 1), ran ~10 ms slow and is not timed (decoding's own alternation of
+            # width 2 and a verify width shows no such cost: measured)
             for i in range(a.burst + 1):
                 t0 = time.perf_counter()
                 d.target.step(ids, a.past_len, all_logits=True)
