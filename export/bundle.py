@@ -204,7 +204,8 @@ def _smoothed(role: str, src: WeightSource, tmp: Path, alpha: float,
 
     t0 = time.perf_counter()
     ids = Tokenizer.from_file(str(tmp / TOKENIZER_FILE)).encode(CALIBRATION_TEXT).ids[:MAX_CALIBRATION_TOKENS]
-    maxima = activation_maxima(src, ids, progress=lambda s: say(f"  {role}: {s}"))
-    factors = smoothing_factors(src, maxima, alpha)
+    w_max: dict = {}  # the weights' column maxima, from the same pass (a GGUF's weights dequantized once)
+    maxima = activation_maxima(src, ids, progress=lambda s: say(f"  {role}: {s}"), weight_maxima=w_max)
+    factors = smoothing_factors(src, maxima, alpha, weight_maxima=w_max)
     say(f"  {role}: smoothing (alpha {alpha}) from {len(ids)} calibration tokens in {time.perf_counter() - t0:.1f}s")
     return smoothed(src, factors), {"alpha": alpha, "calibration_tokens": len(ids)}

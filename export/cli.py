@@ -12,6 +12,7 @@ from specedge.runtime.cli import comma_list
 from specedge.runtime.config import config_option
 from specedge.runtime.drafters import DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import SpecEdgeError
+from specedge.runtime.manifest import INTGEMM_FORMAT
 
 if TYPE_CHECKING:
     from specedge.runtime.memplan import Board, Plan
@@ -176,17 +177,7 @@ def info(bundle: str, verify: bool) -> None:
         if e.quant:
             q = e.quant
             form = q.get("format", "MatMulNBits")
-            cpus = ("every CPU" if q.get("pair_sum_bound", 65280) <= 32767 else "CPUs with VNNI or Arm only")
-            layout = (f"per output channel ({q.get('weight_bits', 8)}-bit), activations {q.get('activation_bits', 8)}"
-                      f"-bit per row, exact on {cpus}"
-                      + (f", smoothed (alpha {q['smoothing']['alpha']}, {q['smoothing']['calibration_tokens']} "
-                         f"calibration tokens)" if q.get("smoothing") else "")
-                      if form == "MatMulInteger" else
-                      f"block {q['block']} {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level "
-                      f"{q['accuracy_level']}" + (f", 8-bit matrices as MatMulInteger ({q.get('weight_bits', 8)}-bit "
-                                                  f"weights, activations {q.get('activation_bits', 8)}-bit)"
-                                                  if "+" in form else ""))
-            click.echo(f"{'':<11} {form} int{q['bits']} {layout}, "
+            click.echo(f"{'':<11} {form} int{q['bits']} {_quant_layout(q, form)}, "
                        f"lm_head {q['lm_head']}, embedding {q['embedding']}; {q['repacked_from_gguf']} re-packed from "
                        f"GGUF, {q['requantized']} re-quantized (weight rel. RMS error {q['requant_weight_rel_rms_error']})")
     for raw in m.engines.values():
@@ -339,6 +330,24 @@ def _board(name: str | None) -> Board | None:
     if table is None:
         raise SpecEdgeError(f"config {name!r} has no [board] table (memory_gb, unified, reserved_gb)")
     return Board.from_table(name, table)
+
+
+def _quant_layout(q: dict, form: str) -> str:
+    """How `spec-export info` describes a quantized model's matrices (manifest ``quant``)."""
+    blocks = (f"block {q['block']} {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level "
+              f"{q['accuracy_level']}")
+    if INTGEMM_FORMAT not in form:
+        return blocks
+    # bundles from before the ranges were recorded have full ranges (8-bit weights, pairs up to 65280)
+    cpus = "every CPU" if q.get("pair_sum_bound", 65280) <= 32767 else "CPUs with VNNI or Arm only"
+    gemm = (f"{q.get('weight_bits', 8)}-bit weights, activations {q.get('activation_bits', 8)}-bit per row, exact "
+            f"on {cpus}")
+    sm = q.get("smoothing")
+    if sm:
+        gemm += f", smoothed (alpha {sm['alpha']}, {sm['calibration_tokens']} calibration tokens)"
+    if form == INTGEMM_FORMAT:
+        return f"per output channel: {gemm}"
+    return f"{blocks}, 8-bit matrices as MatMulInteger per output channel: {gemm}"
 
 
 def _plan_of(what: str, board: str | None, backend: str | None, precision: str | None, head: str | None,

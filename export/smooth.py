@@ -56,11 +56,13 @@ SELECT region, COUNT(*) AS orders, AVG(total) FROM sales WHERE year = 2024 GROUP
 MAX_CALIBRATION_TOKENS = 512
 
 
-def activation_maxima(src: WeightSource, ids: list[int],
-                      progress: Callable[[str], None] | None = None) -> dict[str, np.ndarray]:
+def activation_maxima(src: WeightSource, ids: list[int], progress: Callable[[str], None] | None = None,
+                      weight_maxima: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Per layer i, per input channel: max |x| over the calibration tokens at the inputs of the fused linears —
     ``l{i}.qkv_in`` [H], ``l{i}.o_in`` [Hq D], ``l{i}.gate_up_in`` [H], ``l{i}.down_in`` [F] — from a float32
-    numpy forward pass of the model (causal attention over ``ids`` from position 0, RoPE as the graph applies it)."""
+    numpy forward pass of the model (causal attention over ``ids`` from position 0, RoPE as the graph applies it).
+    ``weight_maxima``, if given, is filled with every linear's per-input-column max |W| (``l{i}.q`` …) from the
+    weights the pass reads anyway, so that smoothing_factors need not read (for a GGUF: dequantize) them again."""
     cfg = src.config
     d = cfg.dims
     D, Hq, Hkv = d.head_dim, d.n_heads, d.n_kv_heads
@@ -81,7 +83,10 @@ def activation_maxima(src: WeightSource, ids: list[int],
         return v * cos[:, None] + rot * sin[:, None]
 
     def linear(v: np.ndarray, name: str) -> np.ndarray:
-        y = v @ src.get(f"l{i}.{name}").T
+        w = src.get(f"l{i}.{name}")
+        if weight_maxima is not None:
+            weight_maxima[f"l{i}.{name}"] = np.abs(w).max(0)
+        y = v @ w.T
         return y + src.get(f"l{i}.{name}_bias") if cfg.family.qkv_bias and name in ("q", "k", "v") else y
 
     out: dict[str, np.ndarray] = {}
@@ -97,13 +102,13 @@ def activation_maxima(src: WeightSource, ids: list[int],
         p /= p.sum(-1, keepdims=True)
         attn = np.einsum("gqts,sgd->tgqd", p, v).reshape(T, Hq * D)
         out[f"l{i}.o_in"] = np.abs(attn).max(0)
-        x = x + attn @ src.get(f"l{i}.o").T
+        x = x + linear(attn, "o")
         h = rmsnorm(x, src.get(f"l{i}.mlp_norm"))
         out[f"l{i}.gate_up_in"] = np.abs(h).max(0)
-        gate, up = h @ src.get(f"l{i}.gate").T, h @ src.get(f"l{i}.up").T
+        gate, up = linear(h, "gate"), linear(h, "up")
         act = gate / (1.0 + np.exp(-gate)) * up
         out[f"l{i}.down_in"] = np.abs(act).max(0)
-        x = x + act @ src.get(f"l{i}.down").T
+        x = x + linear(act, "down")
     return out
 
 
@@ -115,22 +120,25 @@ def _factors(a_max: np.ndarray, w_max: np.ndarray, alpha: float) -> np.ndarray:
     return np.clip(s, 1e-4, 1e4).astype(np.float32)
 
 
-def _col_max(src: WeightSource, names: list[str]) -> np.ndarray:
-    return np.max([np.abs(src.get(n)).max(0) for n in names], axis=0)
-
-
-def smoothing_factors(src: WeightSource, maxima: dict[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:
+def smoothing_factors(src: WeightSource, maxima: dict[str, np.ndarray], alpha: float,
+                      weight_maxima: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Per layer: ``l{i}.qkv`` [H], ``l{i}.gate_up`` [H], ``l{i}.down`` [F] and ``l{i}.v`` [Hkv D] (the o input's
-    factor per key/value channel: the largest of its group's query heads on both sides)."""
+    factor per key/value channel: the largest of its group's query heads on both sides). The weights' column
+    maxima come from ``weight_maxima`` (activation_maxima fills it) or are read from ``src``."""
     d = src.config.dims
     G = d.n_heads // d.n_kv_heads
+
+    def col_max(names: list[str]) -> np.ndarray:
+        return np.max([weight_maxima[n] if weight_maxima is not None else np.abs(src.get(n)).max(0) for n in names],
+                      axis=0)
+
     out = {}
     for i in range(d.n_layers):
-        out[f"l{i}.qkv"] = _factors(maxima[f"l{i}.qkv_in"], _col_max(src, [f"l{i}.q", f"l{i}.k", f"l{i}.v"]), alpha)
-        out[f"l{i}.gate_up"] = _factors(maxima[f"l{i}.gate_up_in"], _col_max(src, [f"l{i}.gate", f"l{i}.up"]), alpha)
-        out[f"l{i}.down"] = _factors(maxima[f"l{i}.down_in"], _col_max(src, [f"l{i}.down"]), alpha)
+        out[f"l{i}.qkv"] = _factors(maxima[f"l{i}.qkv_in"], col_max([f"l{i}.q", f"l{i}.k", f"l{i}.v"]), alpha)
+        out[f"l{i}.gate_up"] = _factors(maxima[f"l{i}.gate_up_in"], col_max([f"l{i}.gate", f"l{i}.up"]), alpha)
+        out[f"l{i}.down"] = _factors(maxima[f"l{i}.down_in"], col_max([f"l{i}.down"]), alpha)
         grouped = lambda v: v.reshape(d.n_kv_heads, G, d.head_dim).max(1).reshape(-1)  # noqa: E731
-        out[f"l{i}.v"] = _factors(grouped(maxima[f"l{i}.o_in"]), grouped(_col_max(src, [f"l{i}.o"])), alpha)
+        out[f"l{i}.v"] = _factors(grouped(maxima[f"l{i}.o_in"]), grouped(col_max([f"l{i}.o"])), alpha)
     return out
 
 

@@ -28,6 +28,25 @@ def cpu_features() -> set[str] | None:
     return have
 
 
+def cpu_name() -> str:
+    for line in _cpuinfo_lines() or []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+              "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16", "neon", "asimd", "asimddp", "sve")
+
+
+def cpu_flags() -> str:
+    """The SIMD features that decide which ONNX Runtime kernels run (x86 flags / Arm features), as listed."""
+    have = cpu_features()
+    if have is None:
+        return "unknown"
+    return " ".join(f for f in SIMD_FLAGS if f in have) or "none of " + ",".join(SIMD_FLAGS[:4])
+
+
 def physical_cores() -> int:
     lines = _cpuinfo_lines() or []
     cores = {line.split(":")[1].strip() for line in lines if line.startswith("core id")}

@@ -118,8 +118,7 @@ def report(root: Path = Path("/")) -> dict[str, Any]:
 
 def _cpu_info() -> dict[str, Any]:
     """The SIMD features that pick ONNX Runtime's CPU kernels, and what they mean for integer-GEMM bundles."""
-    from .bench.runner import cpu_flags
-    from .cpu import int16_pair_saturation, physical_cores
+    from .cpu import cpu_flags, int16_pair_saturation, physical_cores
 
     return {"simd": cpu_flags(), "physical_cores": physical_cores(), "int16_pair_sums": int16_pair_saturation()}
 

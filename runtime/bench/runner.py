@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..cpu import cpu_features
+from ..cpu import cpu_flags, cpu_name
 from ..decoder import SpecDecoder
 from ..errors import SamplingParamsError
 from ..sampling import SamplingParams
@@ -61,17 +61,6 @@ class BenchPlan:
             [(d, K) for d in drafters if d in ("auto", "hybrid")]
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def mem_total_gb() -> float:
     try:
         with open("/proc/meminfo") as f:
@@ -110,18 +99,6 @@ def _copy_bandwidth_gbs(mb: int) -> float:
 def peak_rss_mb() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r / 1024 ** 2 if sys.platform == "darwin" else r / 1024
-
-
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
-              "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16", "neon", "asimd", "asimddp", "sve")
-
-
-def cpu_flags() -> str:
-    """The SIMD features that decide which ONNX Runtime kernels run (x86 flags / Arm features), as listed."""
-    have = cpu_features()
-    if have is None:
-        return "unknown"
-    return " ".join(f for f in SIMD_FLAGS if f in have) or "none of " + ",".join(SIMD_FLAGS[:4])
 
 
 def machine_info() -> dict[str, Any]:
