@@ -54,6 +54,9 @@ PLANTS = {
     "smoothing: the v bias keeps its scale while the v rows are divided": (
         "export/smooth.py", 'if part == "v_bias":\n            return w / f("v")',
         'if part == "v_bias":\n            return w', ["tests/export/test_smooth.py"]),
+    "lookup bound assumes every drafted token passes": (
+        "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
+        ["tests/test_lookup_replay.py"]),
 }
 
 
