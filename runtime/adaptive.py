@@ -47,7 +47,11 @@ def expected_tokens_per_round(alpha: float, k: int) -> float:
 
 @dataclass
 class CostModel:
-    """Seconds per target step at each width and per draft step; refreshed from every round.
+    """What auto knows about one decoder, kept across its requests: seconds per target step at each width and
+    per draft step, refreshed from every round, and what the draft model's tokens have passed (per token and
+    per confidence). A request is often too short to learn the draft's acceptance from a 50 % prior (a JSON answer
+    of 48 tokens ended before auto had tried the 0.5B draft once, where it runs 1.16-1.33x plain), so each
+    request starts from the earlier ones' estimate, which its own rounds then move (decay 0.95 a round).
 
     ``observe_*`` fold new timings in with an exponential moving average, so the model follows a
     device that heats up or gets busy.
@@ -56,8 +60,11 @@ class CostModel:
     target: dict[int, float]  # width T -> seconds of one target step
     draft: float | None = None  # seconds of one 1-token draft step
     decay: float = 0.9
-    catchup_per_token: float | None = None  # seconds per token the draft needs to catch up on (prefill chunks)
+    draft_widths: dict[int, float] = field(default_factory=dict)  # width T -> seconds of one draft step (its prefill)
+    catchup_scale: float = 1.0  # catch-ups' measured time over their prediction (running)
     guess_alpha: float = 0.0  # how often a plain round's free one-token guess is confirmed (invariant decoders)
+    model_acceptance: Acceptance = field(default_factory=lambda: Acceptance())
+    gate: ConfidenceGate = field(default_factory=lambda: ConfidenceGate())
 
     def verify_time(self, n: int) -> float:
         """Time of the target step that n tokens run in (the smallest width >= n)."""
@@ -70,17 +77,27 @@ class CostModel:
             w = min(fits)
             self.target[w] = self.decay * self.target[w] + (1 - self.decay) * seconds
 
-    def observe_catchup(self, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            per = seconds / tokens
-            self.catchup_per_token = per if self.catchup_per_token is None else \
-                self.decay * self.catchup_per_token + (1 - self.decay) * per
+    def _catchup_prediction(self, plan: list[int]) -> float:
+        steps = 0.0
+        for take in plan:
+            fits = [t for t in self.draft_widths if t >= take]
+            if take == 1 or not fits:
+                steps += take * (self.draft or 0.0)
+            else:
+                steps += self.draft_widths[min(fits)]
+        return steps
 
-    def catchup_time(self, tokens: int) -> float:
-        """Time for the draft model to catch up on ``tokens`` committed tokens it has not seen (before it has
-        been measured: a quarter of a draft step per token, prefill being cheaper per token than a step)."""
-        per = self.catchup_per_token if self.catchup_per_token is not None else (self.draft or 0.0) / 4
-        return tokens * per
+    def catchup_time(self, plan: list[int]) -> float:
+        """Time for the draft model to catch up on the committed tokens it has not seen, fed in the steps of
+        ``plan`` (tokens per step: ``ModelDrafter.catchup_plan``). Priced per step, not per token: a prompt goes
+        in prefill chunks (~5 ms a token for the 0.5B draft on 2 cores) and the one token a fully accepted round
+        leaves behind in a single step (~15 ms), so a per-token average of the two mispriced both."""
+        return self.catchup_scale * self._catchup_prediction(plan)
+
+    def observe_catchup(self, plan: list[int], seconds: float) -> None:
+        predicted = self._catchup_prediction(plan)
+        if predicted > 0:
+            self.catchup_scale = self.decay * self.catchup_scale + (1 - self.decay) * seconds / predicted
 
     def observe_draft(self, seconds_per_step: float) -> None:
         self.draft = seconds_per_step if self.draft is None else \
@@ -98,10 +115,16 @@ class CostModel:
         return expected_tokens_per_round(alpha, m) / self.verify_time(m + 1)
 
     def rate_model(self, alpha: float, k: int, overhead: float = 0.0) -> float:
-        """overhead: one-off seconds this round pays before drafting (the draft's catch-up)."""
+        """overhead: one-off seconds this round pays before drafting (the draft's catch-up of a prompt).
+
+        A round whose k drafts all pass (chance alpha^k) leaves the draft one token behind (the last draft, which
+        it proposed but never fed), so the next round starts with one more draft step: priced here, or k = 1
+        looks twice as cheap as it runs (auto then chose k = 1-2 on a JSON prompt: 28.6-31.6 tok/s where a fixed
+        k = 4 ran 33.4)."""
         if self.draft is None:
             return 0.0
-        return expected_tokens_per_round(alpha, k) / (k * self.draft + self.verify_time(k + 1) + overhead)
+        draft_steps = k + alpha ** k
+        return expected_tokens_per_round(alpha, k) / (draft_steps * self.draft + self.verify_time(k + 1) + overhead)
 
     def break_even_acceptance(self, k_max: int) -> float:
         """Acceptance a draft token needs to pay for itself: (t_d + marginal verify time) / t_v(1)."""
@@ -132,10 +155,15 @@ class Acceptance:
 @dataclass
 class ConfidenceGate:
     """Acceptance per bin of the draft's top probability, learned online; ``keep(conf)`` says whether a
-    token drafted at that confidence is expected to pay (acceptance above the break-even ratio)."""
+    token drafted at that confidence is expected to pay (acceptance above the break-even ratio).
+
+    Prior: each bin's own confidence (a draft that is 95 % sure is taken to be right 95 % of the time), worth two
+    tokens. A flat 50 % prior sat below the break-even ratio (~0.6 on 2 cores), so every draw after a round's
+    first was dropped and the bins that would have learned better never saw a token: the 0.5B draft ran one token
+    a round for the first ~14 rounds of a request."""
 
     bins: int = 10
-    accepted: np.ndarray = field(default_factory=lambda: np.full(10, 1.0))  # prior: 50 %
+    accepted: np.ndarray = field(default_factory=lambda: 2.0 * (np.arange(10) + 0.5) / 10)  # prior: the bin's centre
     seen: np.ndarray = field(default_factory=lambda: np.full(10, 2.0))
 
     def _bin(self, conf: float) -> int:
@@ -158,6 +186,12 @@ class Decision:
     kind: str  # "none" | "prompt-lookup" | "model"
     k: int
     rate: float  # predicted tokens per second
+
+
+# A draft-model round must be predicted this much faster than the alternatives to be chosen. Its prediction carries
+# more error than the others' (draft step noise, sampling on the host, a cache shared with the target): on the Qwen
+# chat prompt a model round predicted level with plain ran 5 % slower, and auto lost 5 % there by taking it.
+MODEL_MARGIN = 1.04
 
 
 def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: float | None, k_max: int,
@@ -183,7 +217,7 @@ def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: 
         model = [o for o in options if o.kind == "model"]
         pool = lookup or model or options
         return max(pool, key=lambda o: o.rate)
-    return max(options, key=lambda o: o.rate)
+    return max(options, key=lambda o: o.rate / (MODEL_MARGIN if o.kind == "model" else 1.0))
 
 
 class AutoDrafter:
@@ -199,8 +233,8 @@ class AutoDrafter:
         self.name = mode
         self.costs, self.lookup, self.model, self.mode = costs, lookup, model, mode
         self.probe_every = probe_every
-        self.alpha = {"prompt-lookup": Acceptance(), "model": Acceptance()}
-        self.gate = ConfidenceGate()
+        self.alpha = {"prompt-lookup": Acceptance(), "model": costs.model_acceptance}  # the draft's: the decoder's
+        self.gate = costs.gate
         self.rounds: dict[str, int] = {}
         self.reset()
 
@@ -220,8 +254,7 @@ class AutoDrafter:
             self.rounds["none"] = self.rounds.get("none", 0) + 1
             return EMPTY
         look = self.lookup.propose(tokens, k, params, rng)
-        behind = max(0, len(tokens) - 1 - self.model.rows) if self.model is not None else 0
-        catchup = self.costs.catchup_time(behind)
+        catchup = self.costs.catchup_time(self.model.catchup_plan(len(tokens))) if self.model is not None else 0.0
         if self._start is None:
             self._start = len(tokens)  # the prompt and the token its prefill produced
         horizon = min(self.HORIZON_CAP, max(1, params.max_new_tokens - 1 - (len(tokens) - self._start)))
@@ -247,10 +280,10 @@ class AutoDrafter:
         if d.kind == "model":
             assert self.model is not None
             threshold = self.costs.break_even_acceptance(k)
-            behind, t0 = len(tokens) - 1 - self.model.rows, self.model.time_catch_up
+            plan, t0 = self.model.catchup_plan(len(tokens)), self.model.time_catch_up
             prop = self.model.propose(tokens, d.k, params, rng,
                                       keep=lambda conf: self.gate.acceptance(conf) >= threshold)
-            self.costs.observe_catchup(behind, self.model.time_catch_up - t0)
+            self.costs.observe_catchup(plan, self.model.time_catch_up - t0)
             self._confs = self.model.confidences
             self.costs.observe_draft(self.model.step_time)
             self._last = ("model", len(prop.tokens))

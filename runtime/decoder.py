@@ -162,9 +162,11 @@ class SpecDecoder:
         """The measured step costs adaptive speculation decides with (measured once, then refreshed by every
         round's own timings)."""
         if self._costs is None:
-            steps = self.time_steps(repeats=3, all_logits_only=True)
-            target = {T: s for T, s in steps["target"].items() if T >= self.target.min_width}
-            self._costs = CostModel(target, steps.get("draft", {}).get(1))
+            target = self.time_steps(repeats=3, all_logits_only=True, roles=("target",))["target"]
+            target = {T: s for T, s in target.items() if T >= self.target.min_width}
+            # the draft at every width, its prefill chunk too: what catching up on a prompt costs
+            draft = self.time_steps(repeats=3, roles=("draft",)).get("draft", {})
+            self._costs = CostModel(target, draft.get(1), draft_widths=draft)
         return self._costs
 
     # ------------------------------------------------------------------ public
@@ -366,8 +368,8 @@ class SpecDecoder:
         req.stats.new_tokens = req.generated
         return StreamEvent(piece, out, done, req.finish, req.stats if done else None)
 
-    def time_steps(self, repeats: int = 5, past_len: int | None = None,
-                   all_logits_only: bool = False) -> dict[str, dict[int, float]]:
+    def time_steps(self, repeats: int = 5, past_len: int | None = None, all_logits_only: bool = False,
+                   roles: tuple[str, ...] = ("target", "draft")) -> dict[str, dict[int, float]]:
         """Seconds of one forward step per model and declared width, the fastest of ``repeats`` after a warm-up
         (the minimum is what the hardware can do; a median still carries the noise of a shared machine):
         {"target": {T: s}, "draft": {T: s}}.
@@ -375,7 +377,7 @@ class SpecDecoder:
         The cost model's inputs (draft/target cost ratio, verify vs 1-token cost). Runs dummy tokens
         at ``past_len`` (default: a quarter of S_max); the rows it writes are never read, because
         every request starts with its own prefill. ``all_logits_only`` skips the prefill widths
-        (the expensive ones, which no cost decision needs).
+        (the expensive ones); ``roles`` limits it to some of the models.
         """
         S = self.manifest.max_context
         out: dict[str, dict[int, float]] = {}
@@ -384,7 +386,7 @@ class SpecDecoder:
             if self.draft_runner is not None:
                 self.draft_runner.draft_owner = self.draft_runner.draft_rows_for = None
             for role, runner in (("target", self.target), ("draft", self.draft_runner)):
-                if runner is None:
+                if runner is None or role not in roles:
                     continue
                 out[role] = {}
                 for w in runner.entry.widths:

@@ -120,6 +120,11 @@ class ModelDrafter:
         self.rows = 0
         self._k = 0
 
+    def catchup_plan(self, n_tokens: int) -> list[int]:
+        """Tokens per step that catching up with ``n_tokens`` committed tokens will take (empty: none to feed)."""
+        behind = n_tokens - 1 - self.rows
+        return [take for take, _ in feed_plan(self.runner, behind, self.rows, self.prefill_chunk)] if behind > 0 else []
+
     def _logits_for_target(self, logits: np.ndarray) -> np.ndarray:
         """Align the draft's vocabulary [.., V_draft] with the target's V_target (truncate or pad -inf)."""
         v = logits.shape[-1]
@@ -190,8 +195,8 @@ class ModelDrafter:
         self.runner.draft_owner = self
 
 
-def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: int) -> np.ndarray:
-    """Feed many tokens at past_len.. in declared widths; return the last token's logits [V].
+def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int) -> list[tuple[int, bool]]:
+    """The steps ``feed`` runs for n tokens at past_len: (tokens taken, all_logits) per step, in order.
 
     Full chunks of P first; a remainder r uses the smallest width >= r when at most half of it is
     padding (a padded row costs as much as a real one on a compute-bound CPU step), else the widest
@@ -201,7 +206,7 @@ def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: 
     kernels — so the first token does not depend on how the prompt was chunked (a prompt fed
     whole and one whose prefix was already cached give the same logits, bit for bit).
     """
-    i, n = 0, len(tokens)
+    plan, i = [], 0
     all_widths = sorted(w.T for w in runner.entry.widths)
     full = [w.T for w in runner.entry.widths if w.L == w.T and w.T >= getattr(runner, "min_width", 1)]
     while i < n:
@@ -210,7 +215,8 @@ def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: 
         widths = [t for t in all_widths
                   if not getattr(runner, "pads_into_cache", False) or past_len + i + t <= runner.max_context]
         if full and rem <= max(full):  # the rest, last token included, in one all-logits width
-            return runner.step(tokens[i:], past_len + i, all_logits=True)[rem - 1]
+            plan.append((rem, True))
+            return plan
         fit = [t for t in widths if t >= rem]
         if rem >= prefill_chunk:
             take = prefill_chunk
@@ -220,6 +226,16 @@ def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: 
             take = max([t for t in widths if t <= rem], default=1)
         if full and take == rem:  # keep the last token for an all-logits step
             take = rem - 1
-        logits = runner.step(tokens[i: i + take], past_len + i, all_logits=False)
+        plan.append((take, False))
         i += take
-    return logits[0]
+    return plan
+
+
+def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: int) -> np.ndarray:
+    """Feed many tokens at past_len.. in declared widths (``feed_plan``); return the last token's logits [V]."""
+    i, logits, take, all_logits = 0, None, 0, False
+    for take, all_logits in feed_plan(runner, len(tokens), past_len, prefill_chunk):
+        logits = runner.step(tokens[i: i + take], past_len + i, all_logits=all_logits)
+        i += take
+    assert logits is not None, "feed() needs at least one token"
+    return logits[take - 1] if all_logits else logits[0]

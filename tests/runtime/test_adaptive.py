@@ -26,7 +26,8 @@ def test_expected_tokens():
 def test_rates_follow_the_formulas():
     c = costs()
     assert c.rate_plain() == pytest.approx(10.0)
-    assert c.rate_model(0.8, 4) == pytest.approx(expected_tokens_per_round(0.8, 4) / (4 * 0.01 + 0.14))
+    # 4 draft steps, one more after the 0.8^4 of rounds that pass whole (the draft then catches up its last token)
+    assert c.rate_model(0.8, 4) == pytest.approx(expected_tokens_per_round(0.8, 4) / ((4 + 0.8 ** 4) * 0.01 + 0.14))
     assert c.rate_lookup(0.8, 6) == pytest.approx(expected_tokens_per_round(0.8, 6) / 0.2)  # 7 tokens run at width 9
     assert c.break_even_acceptance(8) == pytest.approx((0.01 + 0.1 / 8) / 0.1)
 
@@ -90,6 +91,9 @@ class ScriptedModel:
     def commit(self, n_accepted):
         pass
 
+    def catchup_plan(self, n_tokens):
+        return []  # always caught up
+
 
 def test_auto_drafter_switches_strategy_when_acceptance_changes():
     model = ScriptedModel()
@@ -141,3 +145,38 @@ def test_catch_up_is_amortized_over_the_tokens_left_to_generate():
     r0 = c.rate_model(0.9, long_request.k)
     assert long_request.rate == pytest.approx(400 / (1.0 + 400 / r0))
     assert decide(c, 0.5, 0, alpha_model=0.9, k_max=8, model_overhead=1.0, horizon=3).kind == "none"  # not worth it
+
+
+def test_catch_up_is_priced_per_step_of_its_feed_plan():
+    """A prompt goes to the draft in prefill chunks, the token a fully accepted round leaves behind in one step. A
+    per-token average of the two made a 50-token prompt cost 50 single steps: auto never drafted with the model
+    again after its first request (Qwen 0.5B draft on 2 cores: 11.5 ms a token priced, ~4 ms real)."""
+    c = CostModel({2: 0.040, 6: 0.080}, draft=0.015, draft_widths={1: 0.011, 64: 0.190})
+    assert c.catchup_time([]) == 0.0
+    assert c.catchup_time([1]) == pytest.approx(0.015)  # a single step: the running draft step time
+    assert c.catchup_time([40, 1]) == pytest.approx(0.190 + 0.015)  # 40 tokens ride in one 64-wide chunk
+    assert c.catchup_time([64, 64, 1]) == pytest.approx(0.395)
+    for _ in range(100):
+        c.observe_catchup([64, 1], 2 * 0.205)  # catch-ups run twice as long as predicted: prices follow
+    assert c.catchup_time([40, 1]) == pytest.approx(0.410, rel=1e-3)
+
+
+def test_the_confidence_gate_starts_calibrated():
+    """Its prior is the draft's own confidence: a sure draw passes a break-even of 0.6 before anything is learned,
+    an unsure one does not (a flat 50 % prior dropped every draw after a round's first)."""
+    g = ConfidenceGate()
+    assert g.acceptance(0.97) == pytest.approx(0.95) and g.acceptance(0.03) == pytest.approx(0.05)
+    assert g.acceptance(0.92) >= 0.6 > g.acceptance(0.45)
+
+
+def test_what_the_draft_passed_carries_over_to_the_next_request():
+    """Requests of one decoder share its CostModel: a new AutoDrafter starts from the draft acceptance the earlier
+    requests measured (a short request could not learn it from the prior), the lookup estimate starts afresh."""
+    c = costs()
+    first = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel())
+    for _ in range(40):
+        first.alpha["model"].update(4, 4)
+        first.gate.record([0.95, 0.95], accepted=2)
+    second = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel())
+    assert second.alpha["model"].alpha > 0.95 and second.gate.acceptance(0.95) > 0.95
+    assert second.alpha["prompt-lookup"].alpha == pytest.approx(0.5)

@@ -266,3 +266,30 @@ def test_lookup_drafts_need_a_two_token_match_while_the_free_guess_takes_any(dec
     params = SamplingParams()
     assert len(decoders["lookup"].make_drafter("prompt-lookup").propose(tokens, 4, params, None).tokens) == 0
     assert decoders["lookup"]._guesser.propose(tokens, 1, params, None).tokens.tolist() == [9]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 17, 40])
+def test_feed_runs_its_plan_and_the_draft_prices_its_catch_up_by_it(decoders, n):
+    """feed() steps through feed_plan() exactly, so the catch-up that auto prices (ModelDrafter.catchup_plan) is the
+    one the draft then runs."""
+    from specedge.runtime.drafters import ModelDrafter, feed_plan
+
+    dec = decoders["model"]
+    runner = dec.draft_runner
+    P = dec.manifest.prefill_chunk
+    ran, step = [], runner.step
+
+    def recording(ids, past_len, all_logits=False, **kw):
+        ran.append((len(ids), all_logits))
+        return step(ids, past_len, all_logits=all_logits, **kw)
+
+    runner.step = recording
+    try:
+        ids = np.arange(3, 3 + n, dtype=np.int64)
+        feed(runner, ids, 0, P)
+        assert ran == feed_plan(runner, n, 0, P) and sum(t for t, _ in ran) == n
+        drafter = ModelDrafter(runner, dec.manifest.target.dims.vocab, P)
+        assert drafter.catchup_plan(n + 1) == [t for t, _ in ran]  # rows 0: behind by n committed tokens
+        assert drafter.catchup_plan(1) == []
+    finally:
+        runner.step = step
