@@ -13,8 +13,11 @@ the best. ``hybrid`` takes prompt lookup whenever it has a match and the draft m
 otherwise. When no speculative option beats plain decoding the round is plain ("auto-off");
 after ``probe_every`` plain rounds the best option under an optimistic acceptance is tried
 once (if even that would not pay, nothing is), and the gap to the next probe doubles. The
-draft model's catch-up (the committed tokens it has not seen, fed in prefill chunks) is
-charged to the round that would use it.
+draft model's catch-up (the committed tokens it has not seen, priced per step of the plan
+``feed`` will run: prefill chunks for a prompt, a single step for a round's leftover token) is
+charged to the round that would use it, and a model round must be predicted ``MODEL_MARGIN``
+faster than the alternatives. The step costs and the draft's acceptance live in the decoder's
+:class:`CostModel`, so a request starts from what the earlier ones measured.
 
 Inside a model round drafting stops early when the draft's top probability falls below a
 threshold learned online: acceptance is tracked per confidence bin, and a token is drafted
