@@ -148,6 +148,12 @@ class Acceptance:
     def alpha(self) -> float:
         return self.successes / (self.successes + self.failures)
 
+    def limit(self, weight: float) -> None:
+        """Keep the estimate but at most ``weight`` tokens of evidence behind it (a new request's start)."""
+        total = self.successes + self.failures
+        if total > weight:
+            self.successes, self.failures = self.successes * weight / total, self.failures * weight / total
+
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
@@ -228,6 +234,7 @@ class AutoDrafter:
 
     OPTIMISTIC_ALPHA = 0.9  # what a re-probe assumes: is the option worth trying if its drafts were good?
     HORIZON_CAP = 256  # tokens a request is assumed to still run at most, when spreading the draft's catch-up
+    CARRY_WEIGHT = 8.0  # tokens of evidence a request inherits about the draft's acceptance
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -236,7 +243,11 @@ class AutoDrafter:
         self.name = mode
         self.costs, self.lookup, self.model, self.mode = costs, lookup, model, mode
         self.probe_every = probe_every
-        self.alpha = {"prompt-lookup": Acceptance(), "model": costs.model_acceptance}  # the draft's: the decoder's
+        # The draft's acceptance is the decoder's, carried over from its earlier requests at the weight of a few
+        # tokens: a JSON request then starts drafting at once, and a chat request after it stops within a few
+        # rounds (carried whole, ~70 tokens of code's 0.9 kept auto drafting through a third of a chat answer).
+        costs.model_acceptance.limit(self.CARRY_WEIGHT)
+        self.alpha = {"prompt-lookup": Acceptance(), "model": costs.model_acceptance}
         self.gate = costs.gate
         self.rounds: dict[str, int] = {}
         self.reset()

@@ -180,3 +180,7 @@ def test_what_the_draft_passed_carries_over_to_the_next_request():
     second = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel())
     assert second.alpha["model"].alpha > 0.95 and second.gate.acceptance(0.95) > 0.95
     assert second.alpha["prompt-lookup"].alpha == pytest.approx(0.5)
+    # ... at the weight of a few tokens: a request whose drafts fail stops believing it within a few rounds
+    for _ in range(5):
+        second.alpha["model"].update(4, 0)
+    assert second.alpha["model"].alpha < 0.6
