@@ -54,7 +54,8 @@ class CostModel:
     per draft step, refreshed from every round, and what the draft model's tokens have passed (per token and
     per confidence). A request is often too short to learn the draft's acceptance from a 50 % prior (a JSON answer
     of 48 tokens ended before auto had tried the 0.5B draft once, where it runs 1.16-1.33x plain), so each
-    request starts from the earlier ones' estimate, which its own rounds then move (decay 0.95 a round).
+    request starts from the earlier ones' estimate (at the weight of ``AutoDrafter.CARRY_WEIGHT`` tokens), which
+    its own rounds then move.
 
     ``observe_*`` fold new timings in with an exponential moving average, so the model follows a
     device that heats up or gets busy.
