@@ -269,7 +269,8 @@ class AutoDrafter:
             self.rounds["none"] = self.rounds.get("none", 0) + 1
             return EMPTY
         look = self.lookup.propose(tokens, k, params, rng)
-        catchup = self.costs.catchup_time(self.model.catchup_plan(len(tokens))) if self.model is not None else 0.0
+        plan = self.model.catchup_plan(len(tokens)) if self.model is not None else []  # what the draft must feed first
+        catchup = self.costs.catchup_time(plan)
         if self._start is None:
             self._start = len(tokens)  # the prompt and the token its prefill produced
         horizon = min(self.HORIZON_CAP, max(1, params.max_new_tokens - 1 - (len(tokens) - self._start)))
@@ -295,7 +296,7 @@ class AutoDrafter:
         if d.kind == "model":
             assert self.model is not None
             threshold = self.costs.break_even_acceptance(k)
-            plan, t0 = self.model.catchup_plan(len(tokens)), self.model.time_catch_up
+            t0 = self.model.time_catch_up
             prop = self.model.propose(tokens, d.k, params, rng,
                                       keep=lambda conf: self.gate.acceptance(conf) >= threshold)
             self.costs.observe_catchup(plan, self.model.time_catch_up - t0)

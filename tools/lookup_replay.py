@@ -24,6 +24,7 @@ says what the rest costs. Draft-model rounds are not replayed (they need the dra
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import Callable
@@ -143,15 +144,15 @@ def main() -> int:
         print("\n| prompt | tokens | plain tok/s | " + " | ".join(c for c in cols[1:]) + " |")
         print("|---" * (len(cols) + 2) + "|")
         ratios: dict[str, list[float]] = {c: [] for c in cols[1:]}
+        makers: dict[str, Callable[[CostModel], Drafter]] = {"plain": lambda c: NoDrafter()}
+        for k in ks_here:
+            makers[f"lookup:{k}"] = functools.partial(lambda c, k: _Fixed(PromptLookupDrafter(nmax, nmin), k), k=k)
+        makers["auto"] = lambda c: AutoDrafter(c, PromptLookupDrafter(nmax, nmin), None)
         for row in run["rows"]:
             seq, P = row["prompt"] + row["output"], len(row["prompt"])
             gen = len(seq) - P - 1
             if gen < 2:
                 continue
-            makers: dict[str, Callable[[CostModel], Drafter]] = {"plain": lambda c: NoDrafter()}
-            for k in ks_here:
-                makers[f"lookup:{k}"] = (lambda k: lambda c: _Fixed(PromptLookupDrafter(nmax, nmin), k))(k)
-            makers["auto"] = lambda c: AutoDrafter(c, PromptLookupDrafter(nmax, nmin), None)
             t = {name: replay(mk, seq, P, steps, K, nmax)[0] for name, mk in makers.items()}
             t["bound"] = bound(seq, P, steps, K, nmax, nmin)
             for c in cols[1:]:
