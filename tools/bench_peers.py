@@ -367,7 +367,7 @@ def main() -> None:
     ap.add_argument("bundle")
     ap.add_argument("--peers", default="hf", help="comma list of hf, llamacpp (llama-cpp-python), llamacpp-native "
                                                   "(llama.cpp's own binaries, tools/build_llama_cpp.sh), ortgenai "
-                                                  "(onnxruntime-genai, tools/build_ortgenai.py)")
+                                                  "(onnxruntime-genai, tools/build_ortgenai.py); '' for ours only")
     ap.add_argument("--ortgenai-ngram-size", type=int, default=3,
                     help="onnxruntime-genai n-gram decoding's ngram_size N (2-16: match the last N-1 tokens)")
     ap.add_argument("--ortgenai-genai-defaults", action="store_true",
@@ -394,6 +394,10 @@ def main() -> None:
     machine = machine_info()
     from tokenizers import Tokenizer
 
+    peers = [p for p in a.peers.split(",") if p]  # --peers '': ours only (several bundles with --also)
+    unknown = sorted(set(peers) - {"hf", "llamacpp", "llamacpp-native", "ortgenai"})
+    if unknown:
+        raise SystemExit(f"--peers {','.join(unknown)}: unknown; choose from hf, llamacpp, llamacpp-native, ortgenai")
     rounds: list[list[dict]] = []
     versions = {}
     for r in range(a.rounds):
@@ -407,7 +411,7 @@ def main() -> None:
                                  f"{a.bundle}'s; compare bundles of the same model")
         tok = Tokenizer.from_file(str(Path(a.bundle) / manifest.tokenizer.file))
         texts = [tok.decode(ids, skip_special_tokens=False) for ids in ids_list]  # the same prompt, as text
-        for peer in a.peers.split(","):
+        for peer in peers:
             if peer == "llamacpp-native":
                 versions.update(run_llamacpp_native(manifest, ids_list, peer_specs, a.max_new_tokens, rows, texts))
                 continue
