@@ -7,6 +7,8 @@ half-written bundle and never loses the previous one.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import resource
 import shutil
 import tempfile
@@ -20,7 +22,7 @@ from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
     KV_MODES,
     ONNX_OPSET,
-    Manifest, ModelEntry, model_widths, sha256_file, write_manifest,
+    HeadRows, Manifest, ModelEntry, model_widths, sha256_file, write_manifest,
 )
 
 from .fetch import resolve_model
@@ -46,6 +48,7 @@ class ExportOptions:
     draft_weights: WeightFormat | None = None  # None: same as the target
     kv_mode: str = "portable"  # portable (every backend) | ort-inplace (ONNX Runtime GroupQueryAttention)
     device_argmax: bool = False  # graphs also output next_ids = ArgMax(logits) (see Manifest.device_argmax)
+    draft_vocab: int = 0  # > 0: the draft's lm_head keeps token ids < draft_vocab + the special tokens (HeadRows)
     overwrite: bool = False
     cache_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -67,6 +70,9 @@ class ExportOptions:
             raise BundleError(f"--prefill-chunk {self.prefill_chunk}: an int8/int4 MatMulNBits target needs an even "
                               f"prefill chunk (ONNX Runtime's kernel takes rows in pairs; see manifest.model_widths; "
                               f"--weights int8 --quant-form intgemm has no such rule)")
+        if self.draft_vocab < 0 or isinstance(self.draft_vocab, bool):
+            raise BundleError(f"--draft-vocab must be 0 (the whole vocabulary) or a number of token ids, got "
+                              f"{self.draft_vocab}")
         bad = [t for t in self.verify_widths if not 2 <= t <= self.k + 1]
         if bad:
             raise BundleError(f"--verify-widths {bad} out of range: each must be in 2..K+1={self.k + 1}")
@@ -128,7 +134,8 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
         draft_entry = None
         if dsrc is not None:
             say(f"draft: {dsrc.config.family.name} {_dims_str(dsrc)} from {dsrc.path}")
-            draft_entry = _export_model("draft", dsrc, tmp, opts, say)
+            head = _draft_head(dsrc, tmp / TOKENIZER_FILE, tok.eos_ids, opts.draft_vocab, say)
+            draft_entry = _export_model("draft", dsrc, tmp, opts, say, head)
         files = {}
         for f in sorted(tmp.iterdir()):
             say(f"hashing {f.name}")
@@ -170,16 +177,43 @@ def _check_supported(role: str, src: WeightSource, opts: ExportOptions) -> None:
             f"attention only: export with --max-context {sw} or less")
 
 
+def draft_format(opts: ExportOptions) -> WeightFormat:
+    """The draft's weight format: ``draft_weights`` (None: the target's), and an int4 draft's lm_head at int4 where
+    the format leaves the head to its default (``lm_head`` "auto", which means int8 for a target): the draft only
+    proposes, so its head's rounding changes which tokens it proposes, never the output. Measured on the 0.5B
+    Qwen draft: a draft step 16.2 -> 13.5 ms, acceptance 75.2 -> 75.7 % (README, Draft head)."""
+    fmt = opts.draft_weights or opts.weights
+    if fmt.name == "int4" and fmt.lm_head == "auto" and not fmt.intgemm:
+        return dataclasses.replace(fmt, lm_head="int4")
+    return fmt
+
+
+def _draft_head(src: WeightSource, tokenizer: Path, eos_ids: tuple[int, ...], draft_vocab: int,
+                say: Callable[[str], None]) -> HeadRows | None:
+    """--draft-vocab N: the draft's head over ids 0..N-1 (byte-level BPE ids are in merge order: the most frequent
+    tokens first) plus every added token above them (end-of-turn, end-of-text, tool and FIM markers), so the draft
+    can still propose the end of an answer. None: the whole vocabulary."""
+    V = src.config.dims.vocab
+    if not draft_vocab or draft_vocab >= V:
+        return None
+    added = json.loads(tokenizer.read_text(encoding="utf-8")).get("added_tokens", [])
+    extra = tuple(sorted({i for i in [*(int(t["id"]) for t in added), *eos_ids] if draft_vocab <= i < V}))
+    head = HeadRows(draft_vocab, extra)
+    say(f"draft: lm_head over {head.width} of {V} token ids (0..{draft_vocab - 1} and {len(extra)} added tokens)")
+    return head
+
+
 def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
-                  say: Callable[[str], None]) -> ModelEntry:
+                  say: Callable[[str], None], head: HeadRows | None = None) -> ModelEntry:
     t0 = time.perf_counter()
-    fmt = opts.weights if role == "target" or opts.draft_weights is None else opts.draft_weights
+    fmt = opts.weights if role == "target" else draft_format(opts)
     smoothing = None
     if fmt.intgemm_smooth:
         src, smoothing = _smoothed(role, src, tmp, fmt.intgemm_smooth, say)
     onnx_path, data_path, quant = build_model_graph(src, tmp, role, progress=lambda s: say(f"  {role}: {s}"), fmt=fmt,
                                                     kv_mode=opts.kv_mode, max_positions=opts.max_context,
-                                                    argmax=opts.device_argmax)
+                                                    argmax=opts.device_argmax,
+                                                    head_ids=None if head is None else head.ids())
     if smoothing:
         quant["smoothing"] = smoothing
     if quant:
@@ -190,7 +224,7 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
         family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,
         precision=fmt.name, widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths,
                                                 even=role == "target" and fmt.even_widths),
-        source=src.describe(), quant=quant,
+        source=src.describe(), quant=quant, head=head,
     )
 
 

@@ -88,6 +88,10 @@ def presets() -> None:
               help="MatMulNBits accuracy_level: 4 = int8 compute (the fast CPU path), 0 = fp32 compute.")
 @click.option("--lm-head", type=click.Choice(["auto", "fp32", "int8", "int4"]), default="auto", show_default=True,
               help="lm_head format for int8/int4 bundles (auto: int8).")
+@click.option("--draft-lm-head", type=click.Choice(["auto", "fp32", "int8", "int4"]), default="auto",
+              show_default=True,
+              help="The draft's lm_head format (auto: int4 for an int4 draft, else as --lm-head). The draft only "
+                   "proposes: a coarser head changes which tokens it proposes, never the output (README, Draft head).")
 @click.option("--gguf-exact/--no-gguf-exact", default=True, show_default=True,
               help="int8/int4 from a GGUF: carry its blocks exactly wherever MatMulNBits can hold them (Q4_0, and "
                    "Q4_1/Q4_K as int4 + a per-block float offset; Q8_0 and Q6_K as int8, even in an int4 bundle) "
@@ -120,6 +124,11 @@ def presets() -> None:
 @click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
               help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
                    "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
+@click.option("--draft-vocab", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Draft model only: its lm_head keeps token ids 0..N-1 (a byte-level BPE vocabulary is in merge "
+                   "order, most frequent first) and the special tokens above them, so each draft step reads a "
+                   "fraction of the head. The output is unchanged (the target verifies every token); the draft "
+                   "cannot propose a token outside these. 0: the whole vocabulary (README, Draft head).")
 @click.option("--device-argmax/--no-device-argmax", default=False, show_default=True,
               help="Graphs also output next_ids = ArgMax(logits): greedy rounds copy K+1 ids back instead of "
                    "(K+1) x V logits (GPU backends; on a CPU the logits are in host memory anyway).")
@@ -127,23 +136,24 @@ def presets() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
 def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weights: str, draft_weights: str | None,
-           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, gguf_exact: bool, quant_form: str, intgemm_activations: str,
-           intgemm_full_range: bool, intgemm_smooth: float, kv_mode: str, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
+           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, draft_lm_head: str, gguf_exact: bool, quant_form: str, intgemm_activations: str,
+           intgemm_full_range: bool, intgemm_smooth: float, kv_mode: str, draft_vocab: int, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
     from .bundle import ExportOptions, export_bundle
     from .quant import WeightFormat
 
     try:
-        fmt = lambda name, smooth=intgemm_smooth: WeightFormat(  # noqa: E731
-            name, quant_block, not asymmetric, accuracy_level, lm_head, gguf_exact=gguf_exact, form=quant_form,
+        fmt = lambda name, smooth=intgemm_smooth, head=lm_head: WeightFormat(  # noqa: E731
+            name, quant_block, not asymmetric, accuracy_level, head, gguf_exact=gguf_exact, form=quant_form,
             intgemm_activation_bits=int(intgemm_activations), intgemm_full_range=intgemm_full_range,
             intgemm_smooth=smooth)
         opts = ExportOptions(k=k, verify_widths=verify_widths, weights=fmt(weights), kv_mode=kv_mode,
-                             device_argmax=device_argmax,
+                             device_argmax=device_argmax, draft_vocab=draft_vocab,
                              # the draft is smoothed only where it is an integer-GEMM int8 model too
-                             draft_weights=fmt(draft_weights, intgemm_smooth if draft_weights == "int8" else 0.0)
-                             if draft_weights else None, max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
+                             draft_weights=fmt(draft_weights or weights,
+                                               intgemm_smooth if (draft_weights or weights) == "int8" else 0.0,
+                                               lm_head if draft_lm_head == "auto" else draft_lm_head), max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
                              overwrite=overwrite, cache_dir=cache_dir)
         rep = export_bundle(target, draft, out, opts, progress=_say)
     except SpecEdgeError as e:
@@ -172,7 +182,9 @@ def info(bundle: str, verify: bool) -> None:
         d = e.dims
         widths = ", ".join(f"{w.role} T={w.T} L={w.L}" for w in e.widths)
         click.echo(f"{role:<11} {e.family} {e.precision}: layers {d.n_layers}, hidden {d.hidden}, heads {d.n_heads}"
-                   f"/{d.n_kv_heads}, head_dim {d.head_dim}, ffn {d.ffn}, vocab {d.vocab}")
+                   f"/{d.n_kv_heads}, head_dim {d.head_dim}, ffn {d.ffn}, vocab {d.vocab}"
+                   + (f" (lm_head: {e.head.width} ids, 0..{e.head.first - 1} + {len(e.head.extra)} added)"
+                      if e.head else ""))
         click.echo(f"{'':<11} widths: {widths}; source {e.source.get('kind')} {e.source.get('path')}")
         if e.quant:
             q = e.quant

@@ -323,9 +323,13 @@ def build_model_graph(
     kv_mode: str = "portable",
     max_positions: int = 2048,
     argmax: bool = False,
+    head_ids: np.ndarray | None = None,
 ) -> tuple[Path, Path, dict]:
     """Write ``<graph_name>.onnx`` + ``<graph_name>.onnx.data`` into out_dir; returns their paths and the
-    quantization report (empty for fp32)."""
+    quantization report (empty for fp32).
+
+    head_ids (a draft's ``HeadRows.ids()``): the lm_head keeps only these rows, in this order, so logits column j
+    is token head_ids[j]. Its rows are taken from the float weights (a GGUF's blocks are not carried for it)."""
     cfg: ModelConfig = src.config
     d = cfg.dims
     H = d.hidden
@@ -361,7 +365,7 @@ def build_model_graph(
     else:
         embed = w.add("embed.weight", embed_f32)
         x = g.op("Gather", embed, "input_ids", axis=0)  # [B, T, H]
-    if not cfg.tie_embeddings or not fmt.quantized:
+    if (not cfg.tie_embeddings or not fmt.quantized) and head_ids is None:
         del embed_f32
     gu_split = g.const([d.ffn, d.ffn])
 
@@ -387,13 +391,20 @@ def build_model_graph(
     picked = g.op("GatherND", x, g.op("Unsqueeze", "logits_at", g.const([2])), batch_dims=1)  # [B, L, H]
     flat = g.op("Reshape", picked, g.const([-1, H]))
     head_spec = fmt.lm_head_spec()
-    if head_spec is None and (not cfg.tie_embeddings or not fmt.quantized):  # fp32, tied: one shared initializer
+    n_logits = d.vocab
+    if head_ids is not None:  # a draft's partial head: its own rows, whatever the tying
+        rows = (embed_f32 if cfg.tie_embeddings else src.get("lm_head"))[head_ids]
+        del embed_f32
+        n_logits = len(head_ids)
+        logits = (g.op("Gemm", flat, w.add("lm_head.weight", rows), transB=1) if head_spec is None
+                  else linear(flat, "lm_head", ["lm_head"], spec=head_spec, weights=rows))  # [B*L, len(head_ids)]
+    elif head_spec is None and (not cfg.tie_embeddings or not fmt.quantized):  # fp32, tied: one shared initializer
         lm_head = embed if cfg.tie_embeddings else w.add("lm_head.weight", src.get("lm_head"))  # [V, H]
         logits = g.op("Gemm", flat, lm_head, transB=1)  # [B*L, V]
     else:
         tied = embed_f32 if cfg.tie_embeddings else None
         logits = linear(flat, "lm_head", ["lm_head"], spec=head_spec, weights=tied)  # [B*L, V]
-    out_shape = g.op("Concat", g.op("Shape", "logits_at"), g.const([d.vocab]), axis=0)
+    out_shape = g.op("Concat", g.op("Shape", "logits_at"), g.const([n_logits]), axis=0)
     g.nodes.append(helper.make_node("Reshape", [logits, out_shape], ["logits"]))
     if argmax:  # device-side greedy: [B, L] ids, so a greedy round copies L ids instead of L x V logits.
         # axis 2, not -1: onnx-tensorrt builds ArgMax as a TopK whose axis mask is 1 << axis (it casts the indices to
@@ -403,7 +414,7 @@ def build_model_graph(
                                         select_last_index=0))
     w.close()
 
-    inputs, outputs = io_spec(d, kv_mode, argmax=argmax)
+    inputs, outputs = io_spec(d, kv_mode, argmax=argmax, logits_width=n_logits)
     vi = lambda s: helper.make_tensor_value_info(s.name, _NP_TO_ONNX[s.dtype], list(s.shape))  # noqa: E731
     graph = helper.make_graph(
         g.nodes, graph_name, [vi(s) for s in inputs], [vi(s) for s in outputs],

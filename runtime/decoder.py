@@ -147,7 +147,9 @@ class SpecDecoder:
         if kind == "model":
             if self.draft_runner is None:
                 raise SamplingParamsError("this bundle has no draft model; use drafter 'prompt-lookup' or 'none'")
-            return ModelDrafter(self.draft_runner, self.manifest.target.dims.vocab, self.manifest.prefill_chunk)
+            head = self.manifest.draft.head if self.manifest.draft is not None else None
+            return ModelDrafter(self.draft_runner, self.manifest.target.dims.vocab, self.manifest.prefill_chunk,
+                                None if head is None else head.ids())
         if kind == "prompt-lookup":
             return PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", DEFAULT_NGRAM_MIN))
         if kind == "none":

@@ -107,10 +107,18 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, runner: GraphRunner, target_vocab: int, prefill_chunk: int):
+    def __init__(self, runner: GraphRunner, target_vocab: int, prefill_chunk: int,
+                 head_ids: np.ndarray | None = None):
         self.runner = runner
         self.target_vocab = target_vocab
         self.prefill_chunk = prefill_chunk
+        # a partial draft head (HeadRows.ids(): logits column j is token head_ids[j]); ids the target lacks dropped
+        self.head_ids = None if head_ids is None else np.asarray(head_ids, dtype=np.int64)
+        self._keep = None if head_ids is None else self.head_ids < target_vocab
+        if self._keep is not None and self._keep.all():
+            self._keep = None
+        if self._keep is not None:
+            self.head_ids = self.head_ids[self._keep]
         self.rows = 0
         self._base = 0  # committed tokens when the last proposal was made
         self._k = 0
@@ -126,7 +134,10 @@ class ModelDrafter:
         return [take for take, _ in feed_plan(self.runner, behind, self.rows, self.prefill_chunk)] if behind > 0 else []
 
     def _logits_for_target(self, logits: np.ndarray) -> np.ndarray:
-        """Align the draft's vocabulary [.., V_draft] with the target's V_target (truncate or pad -inf)."""
+        """Align the draft's vocabulary [.., V_draft] with the target's V_target (truncate or pad -inf). A partial
+        head's logits stay in head order (``_token``, ``_spread`` map them to token ids)."""
+        if self.head_ids is not None:
+            return logits if self._keep is None else logits[..., self._keep]
         v = logits.shape[-1]
         if v == self.target_vocab:
             return logits
@@ -159,10 +170,15 @@ class ModelDrafter:
         for i in range(k):
             logits = self._logits_for_target(self.runner.step([last], pos, all_logits=False)[0])
             if params.greedy:
-                last = int(np.argmax(logits))
-                conf = float(1.0 / np.exp(logits - logits[last]).sum()) if keep is not None else 1.0
+                j = int(np.argmax(logits))
+                last = j if self.head_ids is None else int(self.head_ids[j])
+                conf = float(1.0 / np.exp(logits - logits[j]).sum()) if keep is not None else 1.0
             else:
-                q[i] = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]
+                probs = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]
+                if self.head_ids is None:
+                    q[i] = probs
+                else:  # the draft's distribution over the whole vocabulary: zero outside its head
+                    q[i, self.head_ids] = probs
                 # keyed: the same noise the target's token at this position will be drawn with (n + i)
                 last = keyed_sample(q[i], params.seed, n + i) if params.sampler == "keyed" else sample(q[i], rng)
                 conf = float(q[i].max())

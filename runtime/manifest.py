@@ -16,9 +16,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import BundleError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SCHEMA = "specedge.bundle/1"
 MANIFEST_NAME = "manifest.json"
@@ -81,6 +84,33 @@ class Width:
 
 
 @dataclass(frozen=True)
+class HeadRows:
+    """A draft's lm_head over part of the vocabulary: logits column j is token ``ids()[j]`` — the ids
+    0..first-1 (a byte-level BPE vocabulary is in merge order, most frequent first), then ``extra`` (the
+    tokenizer's special tokens above them), ascending. The draft proposes only these tokens; acceptance
+    is unchanged (a draft's distribution may put zero mass anywhere), so the output stays exact."""
+
+    first: int
+    extra: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.first, bool) or not isinstance(self.first, int) or not 1 <= self.first <= MAX_DIM:
+            raise BundleError(f"head.first must be an int in 1..{MAX_DIM}, got {self.first!r}")
+        if list(self.extra) != sorted(set(self.extra)) or (self.extra and self.extra[0] < self.first):
+            raise BundleError(f"head.extra must be ascending, distinct ids >= head.first={self.first}, "
+                              f"got {list(self.extra)[:8]}")
+
+    @property
+    def width(self) -> int:
+        return self.first + len(self.extra)
+
+    def ids(self) -> np.ndarray:
+        import numpy as np
+
+        return np.concatenate([np.arange(self.first, dtype=np.int64), np.asarray(self.extra, dtype=np.int64)])
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     """One model of the bundle (target or draft) and its single ONNX graph."""
 
@@ -92,6 +122,18 @@ class ModelEntry:
     widths: tuple[Width, ...]
     source: dict[str, Any] = field(default_factory=dict)
     quant: dict[str, Any] = field(default_factory=dict)  # int8/int4: MatMulNBits settings and weight error
+    head: HeadRows | None = None  # draft only: its lm_head covers these ids (None: the whole vocabulary)
+
+    def __post_init__(self) -> None:
+        if self.head is not None and self.head.extra and self.head.extra[-1] >= self.dims.vocab:
+            raise BundleError(f"head.extra id {self.head.extra[-1]} is outside the vocabulary 0..{self.dims.vocab - 1}")
+        if self.head is not None and self.head.first > self.dims.vocab:
+            raise BundleError(f"head.first={self.head.first} exceeds the vocabulary {self.dims.vocab}")
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of the graph's logits: the vocabulary, or the draft head's rows (``head``)."""
+        return self.dims.vocab if self.head is None else self.head.width
 
     def width_for(self, n_tokens: int) -> Width:
         """Smallest declared width with T >= n_tokens (prefill widths included)."""
@@ -157,6 +199,9 @@ class Manifest:
             raise BundleError(f"unknown drafter {self.drafter!r}; allowed: {', '.join(DRAFTER_KINDS)}")
         if (self.drafter == "model") != (self.draft is not None):
             raise BundleError("drafter 'model' needs a draft model entry, and only it has one")
+        if self.target.head is not None:
+            raise BundleError("target.head: the target's lm_head must cover the whole vocabulary (its distribution "
+                              "is the output); only a draft may have a partial head")
         _check_files(self)
         from . import schema
 
@@ -316,7 +361,7 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
 
 
 def io_spec(dims: ModelDims, kv_mode: str = "portable", kv_dtype: str = "float32",
-            argmax: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+            argmax: bool = False, logits_width: int | None = None) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Inputs and outputs of one model graph.
 
     portable: ``present`` holds the T new rows, copied into the cache by the runtime.
@@ -324,6 +369,7 @@ def io_spec(dims: ModelDims, kv_mode: str = "portable", kv_dtype: str = "float32
     kv_dtype: the cache's element type (float32; float16 / bfloat16 in reduced-precision graphs).
     Logits are float32 in every graph. argmax (``Manifest.device_argmax``): also ``next_ids`` [B, L] int64, the
     first index of each logits row's maximum (ONNX ArgMax, select_last_index 0: numpy's argmax).
+    logits_width: the logits' last dimension (``ModelEntry.logits_width``; default the vocabulary V).
     """
     kv_in = [
         TensorSpec(f"past_key_values.{i}.{kind}", kv_dtype, ("B", dims.n_kv_heads, "S_max", dims.head_dim))
@@ -342,7 +388,7 @@ def io_spec(dims: ModelDims, kv_mode: str = "portable", kv_dtype: str = "float32
         TensorSpec("logits_at", "int64", ("B", "L")),
         *kv_in,
     ]
-    outputs = [TensorSpec("logits", "float32", ("B", "L", dims.vocab)), *kv_out]
+    outputs = [TensorSpec("logits", "float32", ("B", "L", logits_width or dims.vocab)), *kv_out]
     if argmax:
         outputs.append(TensorSpec("next_ids", "int64", ("B", "L")))
     return inputs, outputs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ CORPUS = [
     "héllo wörld — ünïcödé ✓ 数据 データ",
 ] * 20
 VOCAB = 320
+DRAFT_HEAD = 160  # the "model-head" bundle's draft head: ids 0..159
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -79,6 +81,9 @@ def bundles(tmp_path_factory, tiny_llama, tiny_draft) -> dict[str, Path]:
     out = {}
     for name, draft in {"lookup": "prompt-lookup", "model": tiny_draft, "self": tiny_llama}.items():
         out[name] = export_bundle(tiny_llama, draft, root / name, opts).out
+    # the same draft with half a head (--draft-vocab): it can never propose ids 160..319, half the target's tokens
+    out["model-head"] = export_bundle(tiny_llama, tiny_draft, root / "model-head",
+                                      dataclasses.replace(opts, draft_vocab=DRAFT_HEAD)).out
     return out
 
 

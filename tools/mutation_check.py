@@ -54,6 +54,12 @@ PLANTS = {
     "smoothing: the v bias keeps its scale while the v rows are divided": (
         "export/smooth.py", 'if part == "v_bias":\n            return w / f("v")',
         'if part == "v_bias":\n            return w', ["tests/export/test_smooth.py"]),
+    "a partial draft head's column taken for the token id": (
+        "runtime/drafters.py", "last = j if self.head_ids is None else int(self.head_ids[j])", "last = j",
+        ["tests/runtime/test_controlled_drafts.py"]),
+    "a partial draft head's q put in the first columns": (
+        "runtime/drafters.py", "q[i, self.head_ids] = probs", "q[i, : len(probs)] = probs",
+        ["tests/runtime/test_controlled_drafts.py"]),
     "lookup bound assumes every drafted token passes": (
         "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),

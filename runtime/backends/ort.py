@@ -166,7 +166,8 @@ class OrtRunner:
         except Exception as e:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...)
             raise BundleError(f"ONNX Runtime cannot load the {role} graph {graph}: {str(e).splitlines()[0][:300]}") \
                 from None
-        check_graph_io(self.session, io_spec(self.entry.dims, manifest.kv_mode, self.kv_dtype.name, self.has_argmax),
+        check_graph_io(self.session, io_spec(self.entry.dims, manifest.kv_mode, self.kv_dtype.name, self.has_argmax,
+                                                 self.entry.logits_width),
                        f"{role} {graph}")
         self._ort = ort
         kv_shape = (d.n_layers, 2, 1, d.n_kv_heads, self.max_context, d.head_dim)
@@ -197,12 +198,12 @@ class OrtRunner:
         for name, val in zip(names, self._kv_values):
             io.bind_ortvalue_input(f"past_key_values.{name}", val)
         if self.device == "cpu":
-            logits = np.zeros((1, w.L, d.vocab), dtype=np.float32)
+            logits = np.zeros((1, w.L, self.entry.logits_width), dtype=np.float32)
             io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
             logits_dev = None
         else:
             logits = None
-            logits_dev = ort.OrtValue.ortvalue_from_shape_and_type((1, w.L, d.vocab), np.float32, "cuda", 0)
+            logits_dev = ort.OrtValue.ortvalue_from_shape_and_type((1, w.L, self.entry.logits_width), np.float32, "cuda", 0)
             io.bind_ortvalue_output("logits", logits_dev)
         pshape = (1, d.n_kv_heads, w.T, d.head_dim)
         if self.pads_into_cache:  # present IS the cache: the same OrtValues as the past inputs

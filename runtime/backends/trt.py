@@ -84,14 +84,14 @@ def compat_problems(es: EngineSet, trt_version: str, compute_capability: str, gp
 
 
 def io_problems(desc: dict[str, Any], dims: ModelDims, widths: Sequence[Width], max_context: int,
-                kv_dtype: str, argmax: bool = False) -> list[str]:
+                kv_dtype: str, argmax: bool = False, logits_width: int | None = None) -> list[str]:
     """Differences between an engine's tensors/profiles (:func:`describe_engine`) and the bundle's contract.
 
     desc: {"tensors": {name: {"mode": "input"|"output", "dtype": str, "shape": [..., -1 dynamic]}},
            "profiles": [{input name: [min, opt, max]}, ...]}.
     """
     out = []
-    inputs, outputs = io_spec(dims, "portable", kv_dtype, argmax)
+    inputs, outputs = io_spec(dims, "portable", kv_dtype, argmax, logits_width)
     want = {s.name: ("input", s.dtype) for s in inputs} | {s.name: ("output", s.dtype) for s in outputs}
     tensors = desc["tensors"]
     missing = sorted(set(want) - set(tensors))
@@ -304,7 +304,7 @@ class TrtRunner:
         d, widths = self.entry.dims, self.entry.widths
         self.has_argmax = manifest.device_argmax
         problems = io_problems(describe_engine(self.engine, trt), d, widths, self.max_context, engines.kv_dtype,
-                               self.has_argmax)
+                               self.has_argmax, self.entry.logits_width)
         if problems:
             raise BundleError(f"{path} does not match the bundle's manifest: {'; '.join(problems)}. "
                               f"Rebuild it: {rebuild_hint(bundle_dir, engines.precision)}")
@@ -318,7 +318,7 @@ class TrtRunner:
         self.kv = self._alloc(self.layout.cache_bytes())
         c.memset(self.kv, 0, self.layout.cache_bytes(), self.stream)
         self.present = self._alloc(self.layout.new_bytes(t_max))
-        self.logits_dev = self._alloc(self._l_max * d.vocab * 4)
+        self.logits_dev = self._alloc(self._l_max * self.entry.logits_width * 4)
         self.ids_dev = self._alloc(self._l_max * 8) if self.has_argmax else 0  # next_ids [l_max] int64
         # int64 inputs in one block, each on a 256-byte boundary: ids [t_max] | past_len [1] | logits_at [l_max]
         self._io_off = (0, _align(t_max * 8), _align(t_max * 8) + ALIGN)
@@ -326,10 +326,10 @@ class TrtRunner:
         self._io_idx = tuple(o // 8 for o in self._io_off)  # the same offsets in int64 elements
         self._arange = np.arange(self._l_max, dtype=np.int64)  # logits_at of the all-rows widths
         self.io_dev = self._alloc(self._io_n * 8)
-        self._host_ptrs = [c.malloc_host(self._io_n * 8), c.malloc_host(self._l_max * d.vocab * 4),
+        self._host_ptrs = [c.malloc_host(self._io_n * 8), c.malloc_host(self._l_max * self.entry.logits_width * 4),
                            c.malloc_host(self._l_max * 8)]
         self.io_host = host_array(self._host_ptrs[0], (self._io_n,), np.int64)
-        self.logits_host = host_array(self._host_ptrs[1], (self._l_max, d.vocab), np.float32)
+        self.logits_host = host_array(self._host_ptrs[1], (self._l_max, self.entry.logits_width), np.float32)
         self.ids_host = host_array(self._host_ptrs[2], (self._l_max,), np.int64)
         self.io_host[:] = 0
         self.graph_status: dict[int, str] = {} if cuda_graphs else {
@@ -449,7 +449,7 @@ class TrtRunner:
             c.memcpy(self._host_ptrs[2], self.ids_dev + first * 8, rows * 8, D2H, s)
             c.synchronize(s)
             return self.ids_host[:rows]
-        V = self.entry.dims.vocab
+        V = self.entry.logits_width
         c.memcpy(self._host_ptrs[1], self.logits_dev + first * V * 4, rows * V * 4, D2H, s)
         c.synchronize(s)
         return self.logits_host[:rows]

@@ -99,3 +99,51 @@ def test_cli_errors_are_one_line(tmp_path):
     r = CliRunner().invoke(export_cli, ["export", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert r.exit_code == 2
     assert r.output.strip().startswith("error:") and "Traceback" not in r.output
+
+
+def test_a_partial_draft_head_is_the_full_heads_columns(bundles):
+    """--draft-vocab: the draft graph's logits are the full head's logits at HeadRows.ids() (same weights, same
+    draft model), the manifest round-trips it, `info` shows it, and only the draft may have one."""
+    import dataclasses
+
+    import numpy as np
+
+    from specedge.runtime.backends.ort import OrtRunner
+    from specedge.runtime.manifest import HeadRows
+
+    from ..conftest import DRAFT_HEAD
+
+    part, full = read_manifest(bundles["model-head"]), read_manifest(bundles["model"])
+    assert part.draft.head == HeadRows(DRAFT_HEAD) and part.draft.logits_width == DRAFT_HEAD
+    assert full.draft.head is None and full.draft.logits_width == full.draft.dims.vocab
+    assert Manifest.from_json(json.loads(json.dumps(part.to_json()))) == part
+    r = CliRunner().invoke(export_cli, ["info", str(bundles["model-head"])])
+    assert f"lm_head: {DRAFT_HEAD} ids" in r.output, r.output
+    a, b = OrtRunner(bundles["model-head"], part, "draft"), OrtRunner(bundles["model"], full, "draft")
+    ids = [5, 40, 7, 200, 3]
+    la, lb = a.step(ids, 0, all_logits=False).copy(), b.step(ids, 0, all_logits=False).copy()
+    assert la.shape == (1, DRAFT_HEAD) and lb.shape == (1, full.draft.dims.vocab)
+    np.testing.assert_allclose(la, lb[:, part.draft.head.ids()], rtol=1e-5, atol=1e-5)
+    with pytest.raises(BundleError, match="only a draft may have a partial head"):
+        dataclasses.replace(part, target=dataclasses.replace(part.target, head=HeadRows(8)))
+    with pytest.raises(BundleError, match="outside the vocabulary"):
+        dataclasses.replace(part.draft, head=HeadRows(8, (9, part.draft.dims.vocab)))
+    with pytest.raises(BundleError, match="ascending, distinct"):
+        HeadRows(8, (12, 9))
+    with pytest.raises(BundleError, match="ascending, distinct"):
+        HeadRows(8, (3,))
+
+
+def test_the_draft_head_keeps_the_special_tokens_above_it(tiny_llama, tmp_path):
+    """Added tokens (and eos) with ids >= N join the head, so the draft can still propose the end of a turn."""
+    from specedge.export.bundle import _draft_head
+    from specedge.export.loaders import load_source
+
+    tj = json.loads((tiny_llama / "tokenizer.json").read_text())
+    added = sorted(t["id"] for t in tj["added_tokens"])
+    assert added == [0, 1, 2]  # the tiny tokenizer's specials come first, so N = 2 leaves one above it
+    head = _draft_head(load_source(tiny_llama), tiny_llama / "tokenizer.json", (2, 300), 2, lambda s: None)
+    assert head.first == 2 and head.extra == (2, 300)
+    assert list(head.ids()) == [0, 1, 2, 300]
+    assert _draft_head(load_source(tiny_llama), tiny_llama / "tokenizer.json", (2,), 0, lambda s: None) is None
+    assert _draft_head(load_source(tiny_llama), tiny_llama / "tokenizer.json", (2,), 10_000, lambda s: None) is None

@@ -326,3 +326,25 @@ def test_an_empty_lookup_ngram_range_names_both_options():
     with pytest.raises(BundleError, match=r"--ngram-min 2 > --ngram-max 1"):
         ExportOptions(lookup_ngram_max=1)
     assert ExportOptions(lookup_ngram_max=1, lookup_ngram_min=1).lookup_ngram_min == 1
+
+
+def test_an_int4_draft_gets_an_int4_head_and_the_target_keeps_its_int8_one(q_bundles):
+    """The draft only proposes, so an int4 draft's lm_head defaults to int4 (half the bytes of its largest matrix);
+    the target's stays int8, an explicit head width is kept, and int8 or integer-GEMM drafts are left alone."""
+    import dataclasses
+
+    from specedge.export.bundle import draft_format
+    from specedge.runtime.manifest import read_manifest
+
+    m = read_manifest(q_bundles["int4-fast"])
+    assert m.target.quant["lm_head"] == "int8" and m.draft.quant["lm_head"] == "int4"
+    base = _opts("int4")
+    assert draft_format(base).lm_head == "int4" and base.weights.lm_head == "auto"
+    assert draft_format(dataclasses.replace(base, draft_weights=WeightFormat("int4", lm_head="int8"))).lm_head == "int8"
+    assert draft_format(_opts("int8")).lm_head == "auto"
+    assert draft_format(_opts("int8", form="intgemm")).lm_head == "auto"
+    dec = SpecDecoder.load(q_bundles["int4-fast"])
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for prompt in PROMPTS:
+        assert dec.generate(prompt, params, drafter="model", k=4).token_ids == \
+            dec.generate(prompt, params, drafter="none").token_ids

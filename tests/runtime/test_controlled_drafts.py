@@ -150,3 +150,36 @@ def test_a_new_model_drafter_keeps_the_draft_rows_that_agree():
     c[4] = (c[4] + 1) % V  # differs at position 4
     third._adopt(c)
     assert third.rows == 4
+
+
+def test_a_partial_draft_head_proposes_token_ids_and_keeps_the_target_distribution():
+    """A draft head over some ids (HeadRows): logits column j is token head_ids[j] (columns past the target's
+    vocabulary dropped); greedy proposes that id, sampling's q is zero outside the head; and drafts from such a
+    q, zero on half the vocabulary, still emit the target's distribution at every position."""
+    head_ids = np.array([1, 3, 5, 7])  # 7 is past the target's V = 6
+
+    class FakeRunner:
+        entry = type("E", (), {"widths": ()})()
+        max_context, pads_into_cache, min_width = 64, False, 1
+
+        def step(self, tokens, past_len, all_logits):  # noqa: ANN001
+            return np.tile(np.array([0.0, 1.0, 3.0, 9.0]), (len(tokens) if all_logits else 1, 1))
+
+    d = ModelDrafter(FakeRunner(), V, prefill_chunk=8, head_ids=head_ids)
+    tokens = np.arange(10) % V
+    assert d.propose(tokens, 2, SamplingParams(), np.random.default_rng(0)).tokens.tolist() == [5, 5]
+    d.reset()
+    prop = d.propose(tokens, 2, SamplingParams(temperature=1.0, seed=3), np.random.default_rng(0))
+    want = np.zeros(V)
+    want[[1, 3, 5]] = np.exp([0.0, 1.0, 3.0]) / np.exp([0.0, 1.0, 3.0]).sum()
+    np.testing.assert_allclose(prop.q_draft, np.tile(want, (2, 1)))
+    assert set(prop.tokens.tolist()) <= {1, 3, 5}
+
+    p, _ = setup(0.0)
+    q = np.zeros_like(p)
+    q[:, [1, 3, 5]] = p[:, [1, 3, 5]] / p[:, [1, 3, 5]].sum(-1, keepdims=True)  # the draft knows half the ids
+    seqs, first = run_sequences(verify_sampled, p, q)
+    assert 0.2 < (first * np.arange(K + 1)).sum() / (K * N) < 0.8
+    pv = position_pvalues(seqs, p)
+    assert min(pv) > 1e-3 / len(pv), pv
+    assert np.bincount(np.array(seqs)[:, 0], minlength=V)[[0, 2, 4]].min() > 0.5 * N * p[0, [0, 2, 4]].min()

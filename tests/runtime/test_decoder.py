@@ -33,7 +33,7 @@ def greedy_mismatch(dec: SpecDecoder, prompt: str, spec: list[int], plain: list[
 
 @pytest.mark.parametrize("bundle, drafter", [("lookup", "prompt-lookup"), ("model", "model"), ("self", "model"),
                                              ("model", "auto"), ("model", "hybrid"), ("lookup", "auto"),
-                                             ("self", "auto")])
+                                             ("self", "auto"), ("model-head", "model"), ("model-head", "auto")])
 def test_speculative_greedy_equals_plain(decoders, bundle, drafter):
     """Strict: ONNX Runtime CPU steps are batch-invariant (no width-1 target step), so token for token."""
     dec = decoders[bundle]
@@ -71,7 +71,7 @@ def test_max_new_and_eos_at_round_boundaries(decoders, bundle, drafter):
         dec.manifest = manifest
 
 
-@pytest.mark.parametrize("bundle", ["model", "self", "lookup"])
+@pytest.mark.parametrize("bundle", ["model", "self", "lookup", "model-head"])
 def test_a_seed_fixes_the_text_whatever_the_drafter(decoders, bundle):
     """Position-keyed sampling: plain, every drafter, every k and repeated auto requests give one text."""
     dec = decoders[bundle]
@@ -91,12 +91,14 @@ def test_a_seed_fixes_the_text_whatever_the_drafter(decoders, bundle):
         assert res.stats.acceptance_rate > 0.95
 
 
-@pytest.mark.parametrize("drafter, sampler", [("model", "classic"), ("hybrid", "classic"), ("model", "keyed")])
-def test_sampled_tokens_follow_the_target_distribution(decoders, drafter, sampler):
+@pytest.mark.parametrize("bundle, drafter, sampler", [("model", "model", "classic"), ("model", "hybrid", "classic"),
+                                                      ("model", "model", "keyed"), ("model-head", "model", "classic")])
+def test_sampled_tokens_follow_the_target_distribution(decoders, bundle, drafter, sampler):
     """First three generated tokens over many seeds: speculative (random draft, so many rejections)
     vs plain sampling, two-sample chi-square per position at alpha = 0.001. hybrid mixes prompt lookup,
-    the draft model and early-stopped drafts round by round."""
-    dec = decoders["model"]
+    the draft model and early-stopped drafts round by round. model-head: a draft whose distribution is zero on
+    half the vocabulary (its partial head), where the target puts about half its mass."""
+    dec = decoders[bundle]
     params = dict(max_new_tokens=3, temperature=1.0, top_k=6, ignore_eos=True, sampler=sampler)
     n = 400
     spec = np.array([dec.generate("The", SamplingParams(seed=s, **params), drafter=drafter, k=2).token_ids
