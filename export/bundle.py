@@ -116,6 +116,9 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
     check_destination(out, opts.overwrite)  # before any work: never replace what is not ours
     draft = str(draft)
     tsrc = load_source(resolve_model(str(target), opts.cache_dir, say))
+    if opts.draft_vocab and draft in DRAFT_NO_MODEL:
+        raise BundleError(f"--draft-vocab {opts.draft_vocab} sets a draft model's lm_head, and --draft {draft} has no "
+                          f"model: drop --draft-vocab or name a draft model")
     dsrc = None if draft in DRAFT_NO_MODEL else load_source(resolve_model(draft, opts.cache_dir, say))
     for role, src in (("target", tsrc), ("draft", dsrc)):
         if src is not None:

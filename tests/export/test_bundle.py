@@ -147,3 +147,9 @@ def test_the_draft_head_keeps_the_special_tokens_above_it(tiny_llama, tmp_path):
     assert list(head.ids()) == [0, 1, 2, 300]
     assert _draft_head(load_source(tiny_llama), tiny_llama / "tokenizer.json", (2,), 0, lambda s: None) is None
     assert _draft_head(load_source(tiny_llama), tiny_llama / "tokenizer.json", (2,), 10_000, lambda s: None) is None
+    with pytest.raises(BundleError, match="--draft prompt-lookup has no model"):
+        export_bundle(tiny_llama, "prompt-lookup", tmp_path / "out", ExportOptions(max_context=64, prefill_chunk=8,
+                                                                                  draft_vocab=100))
+    with pytest.raises(BundleError, match="--draft-vocab must be 0"):
+        ExportOptions(draft_vocab=-1)
+    assert not (tmp_path / "out").exists()
