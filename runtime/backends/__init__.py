@@ -37,7 +37,8 @@ class GraphRunner(Protocol):
     def step(self, tokens: Sequence[int], past_len: int, all_logits: bool, ids_only: bool = False) -> np.ndarray:
         """Run len(tokens) new tokens at positions past_len.. and write their KV rows there.
 
-        Returns logits [len(tokens), V] if all_logits else [1, V] for the last token: a view
+        Returns logits [len(tokens), V] if all_logits else [1, V] for the last token (V: the entry's
+        ``logits_width``, a draft's partial head narrower than the vocabulary): a view
         into a buffer the runner owns, valid until the next step. ids_only (runners with has_argmax): the
         int64 argmax of those rows instead, [len(tokens)] or [1] — only the ids leave the device.
         """
