@@ -12,7 +12,7 @@ from specedge.runtime.cli import comma_list
 from specedge.runtime.config import config_option
 from specedge.runtime.drafters import DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import SpecEdgeError
-from specedge.runtime.manifest import INTGEMM_FORMAT
+from specedge.runtime.manifest import INTGEMM_FORMAT, SEK_FORMAT
 
 if TYPE_CHECKING:
     from specedge.runtime.memplan import Board, Plan
@@ -96,7 +96,7 @@ def presets() -> None:
               help="int8/int4 from a GGUF: carry its blocks exactly wherever MatMulNBits can hold them (Q4_0, and "
                    "Q4_1/Q4_K as int4 + a per-block float offset; Q8_0 and Q6_K as int8, even in an int4 bundle) "
                    "instead of re-quantizing them to the requested width.")
-@click.option("--quant-form", type=click.Choice(["matmulnbits", "qdq", "intgemm"]), default="matmulnbits",
+@click.option("--quant-form", type=click.Choice(["matmulnbits", "qdq", "intgemm", "specedge"]), default="matmulnbits",
               show_default=True,
               help="How int8/int4 matrices are written: ONNX Runtime's MatMulNBits; standard ONNX (opset 21) "
                    "blocked DequantizeLinear + MatMul with scales > 0 — what TensorRT 10 builds as weight-only "
@@ -104,7 +104,10 @@ def presets() -> None:
                    "intgemm: 8-bit matrices (all of --weights int8, the lm_head of int4) as 7-bit integers per "
                    "channel run by MatMulInteger on activations quantized per row: exact integer sums on every "
                    "CPU, and a multi-token "
-                   "step that costs little more than one token on a CPU (ONNX Runtime only; README, Weight formats).")
+                   "step that costs little more than one token on a CPU (ONNX Runtime only; README, Weight formats); "
+                   "or specedge: every matrix through specedge's own CPU kernel (compiled with the machine's C "
+                   "compiler on first use): rows the same at every step width, odd ones included, and multi-token "
+                   "steps that read each weight once (GGUF Q4_1/Q4_K blocks are re-quantized; CPU only).")
 @click.option("--intgemm-activations", type=click.Choice(["8", "16"]), default="8", show_default=True,
               help="--quant-form intgemm: activations per row as one uint8 row with 7-bit weights (8), or as two "
                    "7-bit parts, the row and its rounding residual, with 8-bit weights (16: ~13-bit activations for "
@@ -346,6 +349,9 @@ def _board(name: str | None) -> Board | None:
 
 def _quant_layout(q: dict, form: str) -> str:
     """How `spec-export info` describes a quantized model's matrices (manifest ``quant``)."""
+    if form == SEK_FORMAT:
+        return (f"block {q['block']} {'symmetric' if q['symmetric'] else 'asymmetric'}, specedge's kernel (int8 "
+                "activations per block, rows invariant at every width)")
     blocks = (f"block {q['block']} {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy_level "
               f"{q['accuracy_level']}")
     if INTGEMM_FORMAT not in form:

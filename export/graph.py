@@ -27,14 +27,14 @@ import onnx
 from onnx import TensorProto, helper
 
 from specedge.runtime.errors import UnsupportedModelError
-from specedge.runtime.manifest import INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, io_spec
+from specedge.runtime.manifest import INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, SEK_DOMAIN, SEK_FORMAT, io_spec
 
 from .attention import KV_MODES, InplaceGqaAttention, PortableAttention
 from .families import ModelConfig
 from .loaders import WeightSource
-from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows,
+from .quant import (GGUF_OFFSET_TYPES, GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows,
                     dequantize, pack_int4, positive_scales, quantize, quantize_channels, rel_error, repack_gguf,
-                    signed_values)
+                    sek_pack, signed_values)
 
 _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
 _ALIGN = 64
@@ -134,6 +134,8 @@ class _Linears:
     def _emit(self, x: str, name: str, packed: Packed, spec: QuantSpec) -> str:
         if self.fmt.intgemm and packed.bits == 8:  # a GGUF Q6_K/Q8_0 part carried at 8 bits in an int4 model
             return self._emit_intgemm(x, name, dequantize(packed))
+        if self.fmt.specedge:
+            return self._emit_sek(x, name, packed)
         if self.fmt.qdq:
             y, packed = self._emit_qdq(x, name, packed)
         else:
@@ -148,6 +150,17 @@ class _Linears:
         # and block size: q|k|v and gate|up share theirs), then one small fp32 MatMul with offsets.T [K/32, N]
         sums = self._block_sums(x, packed.k, packed.block)
         return self.g.op("Add", y, self.g.op("MatMul", sums, self.w.add(f"{name}.offsets", packed.offsets.T)))
+
+    def _emit_sek(self, x: str, name: str, packed: Packed) -> str:
+        """x [.., K] @ the matrix through specedge's kernel, ai.specedge::SekMatMul (runtime/kernels.py): the
+        weights in its tile layout (quant.sek_pack), output columns padded to whole tiles sliced off."""
+        b, scales, zp, n_pad = sek_pack(packed)
+        y = self.g.op("SekMatMul", x, self.w.add(f"{name}.qweight", b), self.w.add(f"{name}.scales", scales),
+                      self.w.add(f"{name}.zero_points", zp), domain=SEK_DOMAIN, K=packed.k, N=n_pad,
+                      bits=packed.bits, block_size=packed.block)
+        if n_pad == packed.n:
+            return y
+        return self.g.op("Slice", y, self.g.const([0]), self.g.const([packed.n]), self.g.const([-1]))
 
     def _emit_intgemm(self, x: str, name: str, w_cat: np.ndarray) -> str:
         """x [.., K] @ w_cat [N, K].T in integer arithmetic: w_cat as int8 per output channel (quantize_channels, 7
@@ -250,6 +263,8 @@ class _Linears:
         only a type whose exact form has the requested width; any other is re-quantized to it."""
         if raw is None or raw[0] not in GGUF_REPACKABLE or not spec.symmetric or spec.block != 32:
             return False
+        if self.fmt.specedge and raw[0] in GGUF_OFFSET_TYPES:  # the specedge kernel has no float offsets
+            return False
         if self.fmt.gguf_exact:
             return not exact_width or GGUF_REPACKABLE[raw[0]][2] == spec.bits
         return raw[0] in ("Q4_0", "Q8_0") and GGUF_REPACKABLE[raw[0]][2] == spec.bits
@@ -301,7 +316,8 @@ class _Linears:
         err = (self._err_num / self._err_den) ** 0.5 if self._err_den else 0.0
         lm = self.fmt.lm_head_spec()
         # INTGEMM_FORMAT alone: no MatMulNBits left (no even-width rule; the runtime reads it so)
-        form = (QDQ_FORMAT if self.fmt.qdq else "MatMulNBits" if not self.fmt.intgemm
+        form = (QDQ_FORMAT if self.fmt.qdq else SEK_FORMAT if self.fmt.specedge
+                else "MatMulNBits" if not self.fmt.intgemm
                 else f"MatMulNBits+{INTGEMM_FORMAT}" if self.fmt.even_widths else INTGEMM_FORMAT)
         return {"format": form, "bits": int(self.fmt.name[3:]),
                 "block": self.fmt.block,
@@ -423,6 +439,8 @@ def build_model_graph(
     opsets = [helper.make_opsetid("", opset)]
     if (fmt.quantized and not fmt.qdq) or kv_mode != "portable":
         opsets.append(helper.make_opsetid("com.microsoft", 1))  # MatMulNBits, GroupQueryAttention
+    if fmt.specedge:
+        opsets.append(helper.make_opsetid(SEK_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specedge")
     model.ir_version = 10 if fmt.qdq else 8  # 8: ONNX Runtime >= 1.14, TensorRT 10.x; 10: INT4 tensors
     onnx.save_model(model, str(onnx_path))

@@ -316,6 +316,42 @@ def quantize_channels(w: np.ndarray, bits: int = 8, search: bool = True) -> tupl
     return q, scales
 
 
+SEK_TILE = 16  # columns per tile of the specedge kernel's layout (runtime/csrc/sek_gemm.c)
+
+
+def sek_pack(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """A MatMulNBits-form matrix in the layout of specedge's kernel (runtime/csrc/sek_gemm.c): tiles of 16
+    output columns; per tile and block, 64-byte chunks — 4-bit: chunk j, byte 4c+t holds column c's level at
+    k = 8j+t (low nibble) and 8j+4+t (high); 8-bit: chunk g, byte 4c+t holds k = 4g+t. Scales fp32 and zero
+    points uint8, both [N/16, k_blocks, 16] (a symmetric matrix gets its implicit 2^(bits-1)). N is padded to
+    whole tiles with zero columns (scale 0); the graph slices them off. Returns (b, scales, zero points, padded N).
+    Float offsets (GGUF Q4_1/Q4_K) have no place in this form: the caller re-quantizes those."""
+    if p.offsets is not None:
+        raise UnsupportedModelError("the specedge kernel takes no float offsets (GGUF Q4_1/Q4_K): re-quantize")
+    if p.block % 16 or not 16 <= p.block <= 256:
+        raise UnsupportedModelError(f"the specedge kernel takes blocks of 16..256 values (multiples of 16), got {p.block}")
+    q = _unpack_nibbles(p.b) if p.bits == 4 else p.b  # [N, kb, block]
+    n, kb, blk = q.shape
+    if p.zero_points is None:
+        zp = np.full((n, kb), 1 << (p.bits - 1), dtype=np.uint8)
+    else:
+        zp = (_unpack_nibbles(p.zero_points)[:, :kb] if p.bits == 4 else p.zero_points).astype(np.uint8)
+    scales = p.scales
+    n_pad = -(-n // SEK_TILE) * SEK_TILE
+    if n_pad != n:
+        q = np.concatenate([q, np.zeros((n_pad - n, kb, blk), np.uint8)])
+        zp = np.concatenate([zp, np.zeros((n_pad - n, kb), np.uint8)])
+        scales = np.concatenate([scales, np.zeros((n_pad - n, kb), np.float32)])
+    tiles = n_pad // SEK_TILE
+    if p.bits == 4:  # [tile, c, kb, j, half, t] -> [tile, kb, j, c, t, half]
+        x = q.reshape(tiles, SEK_TILE, kb, blk // 8, 2, 4).transpose(0, 2, 3, 1, 5, 4)
+        b = (x[..., 0] | (x[..., 1] << 4)).astype(np.uint8)
+    else:  # [tile, c, kb, g, t] -> [tile, kb, g, c, t]
+        b = q.reshape(tiles, SEK_TILE, kb, blk // 4, 4).transpose(0, 2, 3, 1, 4)
+    per_tile = lambda v: np.ascontiguousarray(v.reshape(tiles, SEK_TILE, kb).transpose(0, 2, 1))  # noqa: E731
+    return (np.ascontiguousarray(b).reshape(-1), per_tile(scales.astype(np.float32)), per_tile(zp), n_pad)
+
+
 def rel_error(w: np.ndarray, approx: np.ndarray) -> float:
     """||approx - w|| / ||w||: what quantization moved the weights by."""
     d = approx - w
@@ -328,7 +364,7 @@ def rel_rms_error(w: np.ndarray, p: Packed) -> float:
 
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
-QUANT_FORMS = ("matmulnbits", "qdq", "intgemm")
+QUANT_FORMS = ("matmulnbits", "qdq", "intgemm", "specedge")
 QDQ_OPSET = 21  # DequantizeLinear with int4 and block_size
 
 
@@ -370,6 +406,10 @@ class WeightFormat:
     # intgemm, int8 models: SmoothQuant's alpha (0 = off): each linear input channel's range is moved into the
     # weights by max|x|^alpha / max|W|^(1 - alpha), measured on a calibration text (export/smooth.py)
     intgemm_smooth: float = 0.0
+    # specedge: every quantized matrix (4- and 8-bit blocks, the lm_head included) runs specedge's own kernel,
+    # ai.specedge::SekMatMul (runtime/csrc/sek_gemm.c, built on first use): rows batch-invariant at every width,
+    # odd ones and width 1 included, and a multi-token step that reads each weight once. GGUF Q4_1/Q4_K blocks
+    # (which need float offsets) are re-quantized; ONNX Runtime on CPU only.
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:
@@ -398,6 +438,13 @@ class WeightFormat:
         if self.intgemm_smooth and not (self.form == "intgemm" and self.name == "int8"):
             raise UnsupportedModelError("--intgemm-smooth needs --weights int8 --quant-form intgemm (every matrix "
                                         "re-quantized from the smoothed float weights)")
+        if self.form == "specedge" and self.quantized:
+            if self.lm_head == "fp32":
+                raise UnsupportedModelError(
+                    "--quant-form specedge runs every matrix through its own row-invariant kernel; an fp32 lm_head "
+                    "would be a MatMul whose width-1 rows round differently: use --lm-head int8 (or int4)")
+            if not 16 <= self.block <= 256:
+                raise UnsupportedModelError(f"--quant-form specedge takes blocks of 16..256 values, got {self.block}")
         if self.quantized:
             QuantSpec(8, self.block, self.symmetric, self.accuracy_level)  # validates block and level
 
@@ -412,6 +459,10 @@ class WeightFormat:
     @property
     def intgemm(self) -> bool:
         return self.quantized and self.form == "intgemm"
+
+    @property
+    def specedge(self) -> bool:
+        return self.quantized and self.form == "specedge"
 
     @property
     def intgemm_weight_bits(self) -> int:
@@ -434,7 +485,7 @@ class WeightFormat:
         and an odd last row through a kernel that rounds differently (README, Exactness). An int8 model in the
         integer-GEMM form has no MatMulNBits left (unless its lm_head is int4)."""
         all_integer = self.intgemm and self.name == "int8" and self.lm_head in ("auto", "int8", "fp32")
-        return self.quantized and not all_integer
+        return self.quantized and not all_integer and not self.specedge
 
     def _spec(self, bits: int) -> QuantSpec:
         return QuantSpec(bits, self.block, self.symmetric, self.accuracy_level, positive_scales=self.qdq)

@@ -24,7 +24,7 @@ from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
 from .drafters import DEFAULT_NGRAM_MIN, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError
-from .manifest import INTGEMM_FORMAT, VERIFY_MODES, Manifest, read_manifest
+from .manifest import INTGEMM_FORMAT, SEK_FORMAT, VERIFY_MODES, Manifest, read_manifest
 from .sampling import (SamplingParams, accept_argmax, choose_next, process_logits, verify_greedy, verify_keyed,
                        verify_sampled)
 from .stats import Stats
@@ -90,7 +90,8 @@ class SpecDecoder:
         target.min_width = 2 if invariant else 1
         t = manifest.target
         odd = [w.T for w in t.widths if w.L == w.T and w.T > 1 and w.T % 2]
-        pairs = t.quant and t.quant.get("format") != INTGEMM_FORMAT  # integer GEMM alone: exact at any width
+        # integer GEMM alone, or specedge's kernel: exact at any width
+        pairs = t.quant and t.quant.get("format") not in (INTGEMM_FORMAT, SEK_FORMAT)
         if invariant and pairs and odd and t.quant.get("block", 32) >= 64:  # block 32: the same rounding (measured)
             warnings.warn(f"{bundle_dir}: this int8/int4 target declares odd verify widths {odd}; with blocks >= 64 "
                           f"ONNX Runtime computes an odd last row by other rounding, so speculative output may differ "

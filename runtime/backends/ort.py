@@ -26,7 +26,7 @@ import numpy as np
 
 from ..cpu import INT16_MAX, int16_pair_saturation, physical_cores
 from ..errors import BackendUnavailableError, BundleError
-from ..manifest import INTGEMM_FORMAT, QDQ_FORMAT, EngineSet, Manifest, Width, io_spec
+from ..manifest import INTGEMM_FORMAT, QDQ_FORMAT, SEK_FORMAT, EngineSet, Manifest, Width, io_spec
 
 
 @dataclass
@@ -147,6 +147,14 @@ class OrtRunner:
         quant = self.entry.quant or {}
         if device == "cpu":
             intgemm_runtime_check(quant, f"{bundle_dir} ({role})", int16_pair_saturation())
+        if quant.get("format") == SEK_FORMAT:  # specedge's own kernel: a CPU custom op, built on first use
+            if device != "cpu":
+                raise BackendUnavailableError(
+                    f"{bundle_dir} ({role}) runs specedge's CPU kernels (--quant-form specedge); on a GPU re-export "
+                    "it with --quant-form qdq (TensorRT) or matmulnbits")
+            from ..kernels import register
+
+            register(so)
         if quant.get("format") == QDQ_FORMAT:
             qdq_runtime_check(ort.__version__)
             # the fused MatMulNBits' compute precision: the bundle's, not ONNX Runtime's default (4, int8)

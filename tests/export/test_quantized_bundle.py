@@ -55,10 +55,18 @@ def q_bundles(tiny_llama, tiny_draft, tmp_path_factory):
                                           _opts("int8", "ort-inplace", form="intgemm", intgemm_activation_bits=16)).out
     out["int4-intgemm"] = export_bundle(tiny_llama, "prompt-lookup", root / "int4ig",
                                         _opts("int4", "ort-inplace", block=64, symmetric=False, form="intgemm")).out
+    # specedge's own kernel (every matrix, the lm_head included): odd widths declared as asked
+    out["int4-sek"] = export_bundle(tiny_llama, tiny_draft, root / "int4sek", _opts("int4", form="specedge")).out
+    out["int4-sek-inplace"] = export_bundle(tiny_llama, "prompt-lookup", root / "int4seki",
+                                            _opts("int4", "ort-inplace", block=64, symmetric=False,
+                                                  form="specedge")).out
+    out["int8-sek-inplace"] = export_bundle(tiny_llama, "prompt-lookup", root / "int8seki",
+                                            _opts("int8", "ort-inplace", form="specedge")).out
     return out
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-asym", "int4-fast", "int8-intgemm", "int8-intgemm-smooth"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-asym", "int4-fast", "int8-intgemm", "int8-intgemm-smooth",
+                                 "int4-sek"])
 def test_quantized_bundle_generates_and_speculation_is_exact(q_bundles, fmt):
     dec = SpecDecoder.load(q_bundles[fmt])
     assert dec.manifest.target.precision == fmt.split("-")[0]
@@ -161,6 +169,7 @@ def test_an_explicit_lm_head_width_is_honoured_for_a_carried_gguf_head(tiny_llam
 
 
 @pytest.mark.parametrize("fmt", ["int4-inplace", "int4-b64", "int8-intgemm-inplace", "int4-intgemm", "int8-intgemm16",
+                                 "int4-sek-inplace", "int8-sek-inplace",
                                  pytest.param("fp32", marks=pytest.mark.xfail(
                                      strict=True, reason="portable attention sums a position's value into the "
                                      "past or the new part depending on the step it was fed in (~1e-6; README, "
@@ -196,6 +205,7 @@ def test_an_odd_prefill_chunk_is_refused_for_a_quantized_target():
         ExportOptions(prefill_chunk=15, weights=WeightFormat("int4", form="intgemm"))
     ExportOptions(prefill_chunk=15)  # fp32: any width
     ExportOptions(prefill_chunk=15, weights=WeightFormat("int8", form="intgemm"))  # integer sums: any width
+    ExportOptions(prefill_chunk=15, weights=WeightFormat("int4", form="specedge"))  # specedge's kernel: any width
     with pytest.raises(BundleError, match="even prefill chunk"):  # an int4 lm_head is a MatMulNBits again
         ExportOptions(prefill_chunk=15, weights=WeightFormat("int8", form="intgemm", lm_head="int4"))
 
@@ -348,3 +358,22 @@ def test_an_int4_draft_gets_an_int4_head_and_the_target_keeps_its_int8_one(q_bun
     for prompt in PROMPTS:
         assert dec.generate(prompt, params, drafter="model", k=4).token_ids == \
             dec.generate(prompt, params, drafter="none").token_ids
+
+
+def test_the_specedge_form_runs_every_matrix_through_its_kernel_at_the_widths_asked(q_bundles):
+    import onnx
+
+    dec = SpecDecoder.load(q_bundles["int4-sek-inplace"])
+    t = dec.manifest.target
+    assert t.quant["format"] == "SekMatMul" and t.quant["lm_head"] == "int8"
+    assert [w.T for w in t.widths if w.role == "verify"] == [2, 3, 5]  # odd widths kept: rows are invariant
+    ops = {n.op_type for n in onnx.load(str(q_bundles["int4-sek-inplace"] / t.graph), load_external_data=False)
+           .graph.node}
+    assert "SekMatMul" in ops and not ops & {"MatMulNBits", "MatMul", "MatMulInteger"}, ops
+
+
+def test_the_specedge_form_refuses_what_its_kernel_cannot_run():
+    with pytest.raises(UnsupportedModelError, match="fp32 lm_head"):
+        WeightFormat("int4", form="specedge", lm_head="fp32")
+    with pytest.raises(UnsupportedModelError, match="16..256"):
+        WeightFormat("int4", block=512, form="specedge")

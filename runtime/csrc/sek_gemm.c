@@ -1,0 +1,394 @@
+/* specedge's row-invariant quantized GEMM for CPU decode and verify steps.
+ *
+ * Y[M, N] = A[M, K] @ W[N, K]^T, for the few rows of a decode or verify step (M = 1..16; more works).
+ *
+ * Weights: b-bit unsigned levels q (b = 4 or 8) in blocks of `blk` along K, with a per-(column, block) fp32
+ * scale s and uint8 zero point z: w = s * (q - z).
+ * Activations: quantized per (row, block) to int8, symmetric: sa = max|a| / 127, qa = round-half-even(a / sa)
+ * (computed as a * (127 / max|a|)).
+ * Per (row, column, block): acc = sum_k qa * q, an exact int32. Then, block after block in order, in fp32:
+ *     y = fma((float)acc, s * sa, y);   y = fma(-(z * s), sa * sum(qa), y)
+ *
+ * So a row's result depends on nothing but that row: the same whatever M is, whichever rows share a call,
+ * and however columns are split among threads (batch-invariant by construction). The scalar, AVX2 and
+ * AVX512-VNNI paths compute the same integers and the same fp32 operations in the same order: their results
+ * are bitwise equal (tests/runtime/test_sek_kernel.py).
+ *
+ * Packed weights, one layout for every ISA: tiles of 16 columns; per tile, per block, 64-byte chunks:
+ *   4-bit: blk/8 chunks; chunk j, byte 4c+t: low nibble q[c][8j+t], high nibble q[c][8j+4+t]
+ *   8-bit: blk/4 chunks; chunk g, byte 4c+t: q[c][4g+t]
+ * so one 64-byte chunk feeds a 512-bit dot-product instruction (16 columns x 4 k) against 4 activation bytes
+ * broadcast. Scales: fp32 [N/16][K/blk][16]; zero points: uint8 [N/16][K/blk][16].
+ * Requires N % 16 == 0, blk % 16 == 0, blk <= 256; K is padded to whole blocks (zero weights, zero activations).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
+#include <immintrin.h>
+#endif
+
+#define SEK_TILE 16
+#define SEK_RMAX 8 /* rows per pass: more rows re-read the strip from cache */
+#define SEK_BLK_MAX 256
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SEK_HAVE_VNNI512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define SEK_HAVE_AVX2 1
+#endif
+
+enum { SEK_ISA_BEST = 0, SEK_ISA_SCALAR = 1, SEK_ISA_AVX2 = 2, SEK_ISA_VNNI512 = 3 };
+
+typedef struct {
+    const int8_t *qa;   /* [M][K] */
+    const float *sa;    /* [M][K/blk] */
+    const float *sasum; /* [M][K/blk]: sa * sum(qa) over the block */
+    int64_t m, k, blk;
+} sek_rows;
+
+typedef struct {
+    const uint8_t *b; /* packed levels, layout above */
+    const float *s;   /* [N/16][K/blk][16] */
+    const uint8_t *z; /* [N/16][K/blk][16] */
+    int64_t n, k, blk;
+    int bits;
+} sek_weights;
+
+/* Which ISA paths this build has, as a bit mask of 1 << SEK_ISA_*. */
+int sek_isa_mask(void) {
+    int m = 1 << SEK_ISA_SCALAR;
+#ifdef SEK_HAVE_AVX2
+    m |= 1 << SEK_ISA_AVX2;
+#endif
+#ifdef SEK_HAVE_VNNI512
+    m |= 1 << SEK_ISA_VNNI512;
+#endif
+    return m;
+}
+
+size_t sek_scratch_bytes(int64_t m, int64_t k, int64_t blk) {
+    return (size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * (k / blk)) + 64;
+}
+
+/* ---------------------------------------------------------------- activations */
+
+static void quantize_block(const float *a, int64_t blk, int8_t *q, float *sa, float *sasum, int isa) {
+    float mx = 0.f;
+    int64_t i = 0;
+    int32_t sum = 0;
+#ifdef SEK_HAVE_VNNI512
+    if (isa == SEK_ISA_VNNI512) {
+        __m512 vm = _mm512_setzero_ps();
+        for (; i < blk; i += 16) vm = _mm512_max_ps(vm, _mm512_abs_ps(_mm512_loadu_ps(a + i)));
+        mx = _mm512_reduce_max_ps(vm);
+        const float inv = mx > 0.f ? 127.f / mx : 0.f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        __m512i vs = _mm512_setzero_si512();
+        for (i = 0; i < blk; i += 16) {
+            __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(a + i), vinv)); /* nearest even */
+            vs = _mm512_add_epi32(vs, qi);
+            _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(qi));
+        }
+        sum = _mm512_reduce_add_epi32(vs);
+        *sa = mx / 127.f;
+        *sasum = *sa * (float)sum;
+        return;
+    }
+#endif
+    (void)isa;
+    for (i = 0; i < blk; i++) {
+        float v = fabsf(a[i]);
+        mx = v > mx ? v : mx;
+    }
+    const float inv = mx > 0.f ? 127.f / mx : 0.f;
+    for (i = 0; i < blk; i++) {
+        int32_t qi = (int32_t)nearbyintf(a[i] * inv);
+        q[i] = (int8_t)qi;
+        sum += qi;
+    }
+    *sa = mx / 127.f;
+    *sasum = *sa * (float)sum;
+}
+
+/* A [m][k] fp32 (row stride lda) -> rows (qa, sa, sasum) laid out in scratch (sek_scratch_bytes(m, kpad, blk)),
+ * kpad = k rounded up to whole blocks: a partial last block is quantized as if zero-padded (the weights' padding
+ * is zero too). */
+void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpad, int64_t blk, void *scratch,
+                  sek_rows *out, int isa) {
+    const int64_t nb = kpad / blk;
+    float *sa = (float *)scratch, *sasum = sa + m * nb;
+    int8_t *qa = (int8_t *)(sasum + m * nb);
+    float tail[SEK_BLK_MAX];
+    if (isa == SEK_ISA_BEST) isa = (sek_isa_mask() & (1 << SEK_ISA_VNNI512)) ? SEK_ISA_VNNI512 : SEK_ISA_SCALAR;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *src = a + r * lda + b * blk;
+            if ((b + 1) * blk > k) { /* the partial last block */
+                const int64_t have = k - b * blk > 0 ? k - b * blk : 0;
+                memset(tail, 0, sizeof tail);
+                memcpy(tail, src, (size_t)have * sizeof(float));
+                src = tail;
+            }
+            quantize_block(src, blk, qa + r * kpad + b * blk, sa + r * nb + b, sasum + r * nb + b, isa);
+        }
+    out->qa = qa;
+    out->sa = sa;
+    out->sasum = sasum;
+    out->m = m;
+    out->k = kpad;
+    out->blk = blk;
+}
+
+/* ---------------------------------------------------------------- scalar (the reference) */
+
+static void tile_scalar(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t tile) {
+    const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
+    for (int64_t r = 0; r < x->m; r++) {
+        float acc_f[SEK_TILE] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *bp = w->b + (tile * nb + b) * bstride;
+            const int8_t *a = x->qa + r * x->k + b * blk;
+            int32_t acc[SEK_TILE] = {0};
+            if (w->bits == 4) {
+                for (int64_t j = 0; j < blk / 8; j++)
+                    for (int c = 0; c < SEK_TILE; c++)
+                        for (int t = 0; t < 4; t++) {
+                            uint8_t v = bp[j * 64 + 4 * c + t];
+                            acc[c] += (int32_t)(v & 15) * a[8 * j + t] + (int32_t)(v >> 4) * a[8 * j + 4 + t];
+                        }
+            } else {
+                for (int64_t g = 0; g < blk / 4; g++)
+                    for (int c = 0; c < SEK_TILE; c++)
+                        for (int t = 0; t < 4; t++) acc[c] += (int32_t)bp[g * 64 + 4 * c + t] * a[4 * g + t];
+            }
+            const float *s = w->s + (tile * nb + b) * SEK_TILE;
+            const uint8_t *z = w->z + (tile * nb + b) * SEK_TILE;
+            const float sa = x->sa[r * nb + b], sasum = x->sasum[r * nb + b];
+            for (int c = 0; c < SEK_TILE; c++) {
+                acc_f[c] = fmaf((float)acc[c], s[c] * sa, acc_f[c]);
+                acc_f[c] = fmaf(-((float)z[c] * s[c]), sasum, acc_f[c]);
+            }
+        }
+        memcpy(y + r * ldy + tile * SEK_TILE, acc_f, sizeof acc_f);
+    }
+}
+
+/* ---------------------------------------------------------------- AVX512-VNNI */
+
+#ifdef SEK_HAVE_VNNI512
+/* R rows x NT tiles (1 or 2) of 16 columns; R and NT are constants at every call site (inlined per value). */
+static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *x, const sek_weights *w, float *y,
+                                                               int64_t ldy, int64_t r0, const int R, int64_t tile,
+                                                               const int NT) {
+    const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8, K = x->k;
+    const __m512i mask = _mm512_set1_epi8(15);
+    const int8_t *qa = x->qa + r0 * K;
+    const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
+    __m512 yv[SEK_RMAX][2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) yv[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i acc[SEK_RMAX][2];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_si512();
+        const uint8_t *bp[2] = {w->b + (tile * nb + b) * bstride, w->b + ((tile + 1) * nb + b) * bstride};
+        if (w->bits == 4) {
+            for (int64_t j = 0; j < blk / 8; j++) {
+                __m512i lo[2], hi[2];
+                for (int t = 0; t < NT; t++) {
+                    __m512i v = _mm512_loadu_si512(bp[t] + j * 64);
+                    lo[t] = _mm512_and_si512(v, mask);
+                    hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                }
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = qa + r * K + b * blk + 8 * j;
+                    int32_t a0, a1;
+                    memcpy(&a0, a, 4);
+                    memcpy(&a1, a + 4, 4);
+                    const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
+                    for (int t = 0; t < NT; t++) {
+                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], va0);
+                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], va1);
+                    }
+                }
+            }
+        } else {
+            for (int64_t g = 0; g < blk / 4; g++) {
+                __m512i v[2];
+                for (int t = 0; t < NT; t++) v[t] = _mm512_loadu_si512(bp[t] + g * 64);
+                for (int r = 0; r < R; r++) {
+                    int32_t a0;
+                    memcpy(&a0, qa + r * K + b * blk + 4 * g, 4);
+                    const __m512i va = _mm512_set1_epi32(a0);
+                    for (int t = 0; t < NT; t++) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], v[t], va);
+                }
+            }
+        }
+        for (int t = 0; t < NT; t++) {
+            const int64_t o = ((tile + t) * nb + b) * SEK_TILE;
+            const __m512 s = _mm512_loadu_ps(w->s + o);
+            const __m512 zs =
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->z + o)))), s);
+            for (int r = 0; r < R; r++) {
+                const __m512 ss = _mm512_mul_ps(s, _mm512_set1_ps(sa[r * nb + b]));
+                yv[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), ss, yv[r][t]);
+                yv[r][t] = _mm512_fnmadd_ps(zs, _mm512_set1_ps(sasum[r * nb + b]), yv[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + (r0 + r) * ldy + (tile + t) * SEK_TILE, yv[r][t]);
+}
+
+static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t += 2) {
+        const int two = t1 - t >= 2;
+        for (int64_t r0 = 0; r0 < x->m; r0 += SEK_RMAX) {
+            const int R = x->m - r0 < SEK_RMAX ? (int)(x->m - r0) : SEK_RMAX;
+#define SEK_CASE(RR)                                        \
+    case RR:                                                \
+        if (two)                                            \
+            strip_vnni512(x, w, y, ldy, r0, RR, t, 2);      \
+        else                                                \
+            strip_vnni512(x, w, y, ldy, r0, RR, t, 1);      \
+        break;
+            switch (R) { SEK_CASE(1) SEK_CASE(2) SEK_CASE(3) SEK_CASE(4) SEK_CASE(5) SEK_CASE(6) SEK_CASE(7) SEK_CASE(8) }
+#undef SEK_CASE
+        }
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- AVX2 (+FMA), no VNNI needed */
+
+#ifdef SEK_HAVE_AVX2
+#define SEK_R2 4 /* rows per pass: 16 ymm registers */
+/* R rows x one tile (two 8-column halves). maddubs (u8 x s8 pairs -> s16) cannot saturate here: 4-bit
+ * levels give pairs <= 2 * 15 * 127, and 8-bit levels are split into their two nibbles. */
+static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, const sek_weights *w, float *y,
+                                                           int64_t ldy, int64_t r0, const int R, int64_t tile) {
+    const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8, K = x->k;
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int8_t *qa = x->qa + r0 * K;
+    const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
+    __m256 yv[SEK_R2][2];
+    for (int r = 0; r < R; r++) yv[r][0] = yv[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i acc[SEK_R2][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        const uint8_t *bp = w->b + (tile * nb + b) * bstride;
+        if (w->bits == 4) {
+            for (int64_t j = 0; j < blk / 8; j++) {
+                __m256i lo[2], hi[2];
+                for (int h = 0; h < 2; h++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(bp + j * 64 + 32 * h));
+                    lo[h] = _mm256_and_si256(v, mask);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                }
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = qa + r * K + b * blk + 8 * j;
+                    int32_t a0, a1;
+                    memcpy(&a0, a, 4);
+                    memcpy(&a1, a + 4, 4);
+                    const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
+                    for (int h = 0; h < 2; h++) {
+                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va0), _mm256_maddubs_epi16(hi[h], va1));
+                        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            }
+        } else {
+            for (int64_t g = 0; g < blk / 4; g++) {
+                __m256i lo[2], hi[2];
+                for (int h = 0; h < 2; h++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(bp + g * 64 + 32 * h));
+                    lo[h] = _mm256_and_si256(v, mask);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                }
+                for (int r = 0; r < R; r++) {
+                    int32_t a0;
+                    memcpy(&a0, qa + r * K + b * blk + 4 * g, 4);
+                    const __m256i va = _mm256_set1_epi32(a0);
+                    for (int h = 0; h < 2; h++) {
+                        __m256i dlo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], va), ones);
+                        __m256i dhi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], va), ones);
+                        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_add_epi32(dlo, _mm256_slli_epi32(dhi, 4)));
+                    }
+                }
+            }
+        }
+        const int64_t o = (tile * nb + b) * SEK_TILE;
+        for (int h = 0; h < 2; h++) {
+            const __m256 s = _mm256_loadu_ps(w->s + o + 8 * h);
+            const __m256 zs = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->z + o + 8 * h)))), s);
+            for (int r = 0; r < R; r++) {
+                const __m256 ss = _mm256_mul_ps(s, _mm256_set1_ps(sa[r * nb + b]));
+                yv[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), ss, yv[r][h]);
+                yv[r][h] = _mm256_fnmadd_ps(zs, _mm256_set1_ps(sasum[r * nb + b]), yv[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (r0 + r) * ldy + tile * SEK_TILE + 8 * h, yv[r][h]);
+}
+
+static void tiles_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t r0 = 0; r0 < x->m; r0 += SEK_R2) {
+            const int R = x->m - r0 < SEK_R2 ? (int)(x->m - r0) : SEK_R2;
+            switch (R) {
+            case 1: tile_avx2(x, w, y, ldy, r0, 1, t); break;
+            case 2: tile_avx2(x, w, y, ldy, r0, 2, t); break;
+            case 3: tile_avx2(x, w, y, ldy, r0, 3, t); break;
+            default: tile_avx2(x, w, y, ldy, r0, 4, t); break;
+            }
+        }
+}
+#endif
+
+/* Columns [16 * t0, 16 * t1) of Y (row stride ldy) for every row of x. isa: SEK_ISA_*; BEST picks the widest
+ * path this build has. Returns 0, or -1 for an ISA this build does not have. */
+int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1, int isa) {
+    if (isa == SEK_ISA_BEST) {
+        const int m = sek_isa_mask();
+        isa = (m & (1 << SEK_ISA_VNNI512)) ? SEK_ISA_VNNI512 : (m & (1 << SEK_ISA_AVX2)) ? SEK_ISA_AVX2 : SEK_ISA_SCALAR;
+    }
+    switch (isa) {
+#ifdef SEK_HAVE_VNNI512
+    case SEK_ISA_VNNI512: tiles_vnni512(x, w, y, ldy, t0, t1); return 0;
+#endif
+#ifdef SEK_HAVE_AVX2
+    case SEK_ISA_AVX2: tiles_avx2(x, w, y, ldy, t0, t1); return 0;
+#endif
+    case SEK_ISA_SCALAR:
+        for (int64_t t = t0; t < t1; t++) tile_scalar(x, w, y, ldy, t);
+        return 0;
+    default: return -1;
+    }
+}
+
+/* Shapes this kernel takes: 0, or -2. */
+int sek_check(const sek_weights *w) {
+    if (w->n <= 0 || w->n % SEK_TILE || w->blk < 16 || w->blk > SEK_BLK_MAX || w->blk % 16 || w->k <= 0 ||
+        w->k % w->blk || (w->bits != 4 && w->bits != 8))
+        return -2;
+    return 0;
+}
+
+/* The whole product in the calling thread (tests and tools): A [m][k] (k <= w->k, the rest zero-padded).
+ * Returns 0, -1 (ISA), -2 (shapes), -3 (out of memory). */
+__attribute__((visibility("default"))) int sek_gemm(const float *a, int64_t m, int64_t k, const sek_weights *w,
+                                                     float *y, int isa) {
+    if (sek_check(w) || k > w->k || w->k - k >= w->blk) return -2;
+    void *scratch = malloc(sek_scratch_bytes(m, w->k, w->blk));
+    if (!scratch) return -3;
+    sek_rows x;
+    sek_quantize(a, m, k, k, w->k, w->blk, scratch, &x, isa == SEK_ISA_SCALAR || isa == SEK_ISA_AVX2 ? SEK_ISA_SCALAR : isa);
+    int rc = sek_gemm_tiles(&x, w, y, w->n, 0, w->n / SEK_TILE, isa);
+    free(scratch);
+    return rc;
+}

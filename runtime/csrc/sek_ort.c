@@ -1,0 +1,291 @@
+/* ONNX Runtime custom-op glue for sek_gemm.c: the op ai.specedge::SekMatMul on the CPU execution provider.
+ *
+ *   Y[..., N] = SekMatMul(A[..., K] fp32, B uint8 (packed levels), S fp32 (scales), Z uint8 (zero points))
+ *   attributes: K (A's last dimension), N (a multiple of 16), bits (4 | 8), block_size (16..256, a multiple of 16)
+ *
+ * A's rows are quantized once in the calling thread; column tiles are spread over the session's intra-op
+ * thread pool (KernelContext_ParallelFor). The column split never changes a row's numbers (sek_gemm.c).
+ *
+ * ONNX Runtime's C API is used through its ABI, which is stable and append-only: OrtApi is a table of function
+ * pointers, and the slots below are the positions of the functions we call in onnxruntime_c_api.h (the same
+ * from API version 17, ONNX Runtime 1.17, to the newest). The header itself is not needed to build this file,
+ * so a plain `cc` builds it on any machine that has the onnxruntime wheel (runtime/kernels.py).
+ *
+ * Environment: SPECEDGE_SEK_ISA=scalar|avx2|vnni512 forces one code path (tests compare them bitwise).
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* from sek_gemm.c */
+typedef struct {
+    const int8_t *qa;
+    const float *sa, *sasum;
+    int64_t m, k, blk;
+} sek_rows;
+typedef struct {
+    const uint8_t *b;
+    const float *s;
+    const uint8_t *z;
+    int64_t n, k, blk;
+    int bits;
+} sek_weights;
+int sek_isa_mask(void);
+int sek_check(const sek_weights *w);
+size_t sek_scratch_bytes(int64_t m, int64_t k, int64_t blk);
+void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpad, int64_t blk, void *scratch,
+                  sek_rows *out, int isa);
+int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1, int isa);
+
+/* ---- the parts of the C API used here (opaque handles; OrtApi slots by position) ---- */
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtValue OrtValue;
+typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef void *const *OrtApiTable;
+typedef struct {
+    OrtApiTable (*GetApi)(uint32_t version);
+    const char *(*GetVersionString)(void);
+} OrtApiBase;
+
+enum { API_VERSION = 17 }; /* the table we ask for; every slot below exists from 17 on */
+enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
+enum { T_FLOAT = 1, T_UINT8 = 2 };
+
+#define SLOT(api, i, T) ((T)((api)[i]))
+#define CreateStatus(api) SLOT(api, 0, OrtStatus * (*)(int, const char *))
+#define CreateCustomOpDomain(api) SLOT(api, 26, OrtStatus * (*)(const char *, OrtCustomOpDomain **))
+#define CustomOpDomain_Add(api) SLOT(api, 27, OrtStatus * (*)(OrtCustomOpDomain *, const void *))
+#define AddCustomOpDomain(api) SLOT(api, 28, OrtStatus * (*)(OrtSessionOptions *, OrtCustomOpDomain *))
+#define GetTensorMutableData(api) SLOT(api, 51, OrtStatus * (*)(OrtValue *, void **))
+#define GetTensorElementType(api) SLOT(api, 60, OrtStatus * (*)(const OrtTensorTypeAndShapeInfo *, int *))
+#define GetDimensionsCount(api) SLOT(api, 61, OrtStatus * (*)(const OrtTensorTypeAndShapeInfo *, size_t *))
+#define GetDimensions(api) SLOT(api, 62, OrtStatus * (*)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t))
+#define GetTensorTypeAndShape(api) SLOT(api, 65, OrtStatus * (*)(const OrtValue *, OrtTensorTypeAndShapeInfo **))
+#define KernelInfoGetAttribute_int64(api) SLOT(api, 86, OrtStatus * (*)(const OrtKernelInfo *, const char *, int64_t *))
+#define KernelContext_GetInput(api) SLOT(api, 90, OrtStatus * (*)(const OrtKernelContext *, size_t, const OrtValue **))
+#define KernelContext_GetOutput(api) \
+    SLOT(api, 91, OrtStatus * (*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))
+#define ReleaseStatus(api) SLOT(api, 93, void (*)(OrtStatus *))
+#define ReleaseTensorTypeAndShapeInfo(api) SLOT(api, 99, void (*)(OrtTensorTypeAndShapeInfo *))
+#define KernelContext_ParallelFor(api) \
+    SLOT(api, 274, OrtStatus * (*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *))
+
+/* OrtCustomOp, version 17: every member up to GetEndVersion (ONNX Runtime reads no further for 17). */
+typedef struct {
+    uint32_t version;
+    void *(*CreateKernel)(const void *op, OrtApiTable api, const OrtKernelInfo *info);
+    const char *(*GetName)(const void *op);
+    const char *(*GetExecutionProviderType)(const void *op);
+    int (*GetInputType)(const void *op, size_t index);
+    size_t (*GetInputTypeCount)(const void *op);
+    int (*GetOutputType)(const void *op, size_t index);
+    size_t (*GetOutputTypeCount)(const void *op);
+    void (*KernelCompute)(void *kernel, OrtKernelContext *ctx);
+    void (*KernelDestroy)(void *kernel);
+    int (*GetInputCharacteristic)(const void *op, size_t index);
+    int (*GetOutputCharacteristic)(const void *op, size_t index);
+    int (*GetInputMemoryType)(const void *op, size_t index);
+    int (*GetVariadicInputMinArity)(const void *op);
+    int (*GetVariadicInputHomogeneity)(const void *op);
+    int (*GetVariadicOutputMinArity)(const void *op);
+    int (*GetVariadicOutputHomogeneity)(const void *op);
+    OrtStatus *(*CreateKernelV2)(const void *op, OrtApiTable api, const OrtKernelInfo *info, void **kernel);
+    OrtStatus *(*KernelComputeV2)(void *kernel, OrtKernelContext *ctx);
+    void *InferOutputShapeFn;
+    int (*GetStartVersion)(const void *op);
+    int (*GetEndVersion)(const void *op);
+} SekCustomOp;
+
+typedef struct {
+    OrtApiTable api;
+    int64_t k, n, bits, blk;
+    int isa;
+} SekKernel;
+
+static OrtStatus *fail(OrtApiTable api, int code, const char *fmt, int64_t a, int64_t b) {
+    char msg[256];
+    snprintf(msg, sizeof msg, fmt, (long long)a, (long long)b);
+    return CreateStatus(api)(code, msg);
+}
+
+#define TRY(expr)                         \
+    do {                                  \
+        OrtStatus *st_ = (expr);          \
+        if (st_) return st_;              \
+    } while (0)
+
+static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
+    (void)op;
+    SekKernel *k = calloc(1, sizeof *k);
+    if (!k) return CreateStatus(api)(ORT_FAIL, "SekMatMul: out of memory");
+    k->api = api;
+    OrtStatus *st = NULL;
+    if ((st = KernelInfoGetAttribute_int64(api)(info, "K", &k->k)) ||
+        (st = KernelInfoGetAttribute_int64(api)(info, "N", &k->n)) ||
+        (st = KernelInfoGetAttribute_int64(api)(info, "bits", &k->bits)) ||
+        (st = KernelInfoGetAttribute_int64(api)(info, "block_size", &k->blk))) {
+        free(k);
+        return st;
+    }
+    const int64_t kpad = (k->k + k->blk - 1) / (k->blk > 0 ? k->blk : 1) * k->blk;
+    sek_weights w = {NULL, NULL, NULL, k->n, kpad, k->blk, (int)k->bits};
+    if (k->k <= 0 || sek_check(&w)) {
+        OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
+                            "SekMatMul: unsupported shape (N %lld must be a multiple of 16, K %lld > 0; bits 4 or 8; "
+                            "block_size a multiple of 16 up to 256)",
+                            k->n, k->k);
+        free(k);
+        return e;
+    }
+    const char *isa = getenv("SPECEDGE_SEK_ISA");
+    k->isa = !isa || !*isa ? 0 : !strcmp(isa, "scalar") ? 1 : !strcmp(isa, "avx2") ? 2 : !strcmp(isa, "vnni512") ? 3 : -1;
+    if (k->isa < 0 || (k->isa > 0 && !(sek_isa_mask() & (1 << k->isa)))) {
+        OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
+                            "SekMatMul: SPECEDGE_SEK_ISA names a path this build lacks (mask %lld; 2 scalar, 4 avx2, "
+                            "8 vnni512)%.0lld",
+                            sek_isa_mask(), 0);
+        free(k);
+        return e;
+    }
+    *out = k;
+    return NULL;
+}
+
+typedef struct {
+    const sek_rows *x;
+    const sek_weights *w;
+    float *y;
+    int isa;
+    int64_t ntiles;
+} Job;
+
+enum { TILES_PER_ITEM = 2 };
+
+static void run_item(void *p, size_t i) {
+    const Job *j = (const Job *)p;
+    const int64_t t0 = (int64_t)i * TILES_PER_ITEM;
+    const int64_t t1 = t0 + TILES_PER_ITEM < j->ntiles ? t0 + TILES_PER_ITEM : j->ntiles;
+    sek_gemm_tiles(j->x, j->w, j->y, j->w->n, t0, t1, j->isa);
+}
+
+static OrtStatus *tensor_info(OrtApiTable api, const OrtValue *v, int want_type, int64_t *dims, size_t *nd,
+                              int64_t *count, int index) {
+    OrtTensorTypeAndShapeInfo *info;
+    TRY(GetTensorTypeAndShape(api)(v, &info));
+    int type = 0;
+    OrtStatus *st = GetTensorElementType(api)(info, &type);
+    if (!st) st = GetDimensionsCount(api)(info, nd);
+    if (!st && *nd > 8) st = fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: input %lld has %lld dimensions (at most 8)", index, (int64_t)*nd);
+    if (!st) st = GetDimensions(api)(info, dims, *nd);
+    ReleaseTensorTypeAndShapeInfo(api)(info);
+    if (st) return st;
+    if (type != want_type)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: input %lld has element type %lld", index, type);
+    *count = 1;
+    for (size_t i = 0; i < *nd; i++) *count *= dims[i];
+    return NULL;
+}
+
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+    const SekKernel *k = (const SekKernel *)kernel;
+    OrtApiTable api = k->api;
+    const OrtValue *in[4];
+    int64_t dims[4][8], count[4];
+    size_t nd[4];
+    static const int types[4] = {T_FLOAT, T_UINT8, T_FLOAT, T_UINT8};
+    for (int i = 0; i < 4; i++) {
+        TRY(KernelContext_GetInput(api)(ctx, (size_t)i, &in[i]));
+        if (!in[i]) return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: input %lld is missing%.0lld", i, 0);
+        TRY(tensor_info(api, in[i], types[i], dims[i], &nd[i], &count[i], i));
+    }
+    const int64_t kpad = (k->k + k->blk - 1) / k->blk * k->blk, nb = kpad / k->blk;
+    if (nd[0] < 1 || dims[0][nd[0] - 1] != k->k)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: A's last dimension is %lld, the weights take K = %lld",
+                    nd[0] ? dims[0][nd[0] - 1] : -1, k->k);
+    if (count[1] != k->n * kpad * k->bits / 8 || count[2] != k->n * nb || count[3] != k->n * nb)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: packed weights hold %lld bytes, N x K at these bits needs %lld",
+                    count[1], k->n * kpad * k->bits / 8);
+    const int64_t m = count[0] / k->k;
+    int64_t odims[8];
+    memcpy(odims, dims[0], nd[0] * sizeof(int64_t));
+    odims[nd[0] - 1] = k->n;
+    OrtValue *out;
+    TRY(KernelContext_GetOutput(api)(ctx, 0, odims, nd[0], &out));
+    if (!out) return CreateStatus(api)(ORT_RUNTIME_EXCEPTION, "SekMatMul: no output tensor");
+    void *a, *b, *s, *z, *y;
+    TRY(GetTensorMutableData(api)((OrtValue *)in[0], &a));
+    TRY(GetTensorMutableData(api)((OrtValue *)in[1], &b));
+    TRY(GetTensorMutableData(api)((OrtValue *)in[2], &s));
+    TRY(GetTensorMutableData(api)((OrtValue *)in[3], &z));
+    TRY(GetTensorMutableData(api)(out, &y));
+    if (m == 0) return NULL;
+    void *scratch = malloc(sek_scratch_bytes(m, kpad, k->blk));
+    if (!scratch) return CreateStatus(api)(ORT_FAIL, "SekMatMul: out of memory");
+    sek_rows x;
+    sek_quantize((const float *)a, m, k->k, k->k, kpad, k->blk, scratch, &x,
+                 k->isa == 1 || k->isa == 2 ? 1 : k->isa);
+    const sek_weights w = {(const uint8_t *)b, (const float *)s, (const uint8_t *)z, k->n, kpad, k->blk, (int)k->bits};
+    Job job = {&x, &w, (float *)y, k->isa, k->n / 16};
+    const size_t items = (size_t)((job.ntiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM);
+    OrtStatus *st = KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job);
+    free(scratch);
+    return st;
+}
+
+static void destroy(void *kernel) { free(kernel); }
+static const char *op_name(const void *op) { (void)op; return "SekMatMul"; }
+static const char *op_ep(const void *op) { (void)op; return NULL; } /* NULL: the CPU execution provider */
+static int in_type(const void *op, size_t i) { (void)op; return i == 1 || i == 3 ? T_UINT8 : T_FLOAT; }
+static size_t in_count(const void *op) { (void)op; return 4; }
+static int out_type(const void *op, size_t i) { (void)op; (void)i; return T_FLOAT; }
+static size_t out_count(const void *op) { (void)op; return 1; }
+static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }
+static int mem_default(const void *op, size_t i) { (void)op; (void)i; return 0; }
+static int one(const void *op) { (void)op; return 1; }
+
+static const SekCustomOp sek_matmul_op = {
+    .version = API_VERSION,
+    .CreateKernel = NULL,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_ep,
+    .GetInputType = in_type,
+    .GetInputTypeCount = in_count,
+    .GetOutputType = out_type,
+    .GetOutputTypeCount = out_count,
+    .KernelCompute = NULL,
+    .KernelDestroy = destroy,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = mem_default,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+    .InferOutputShapeFn = NULL,
+    .GetStartVersion = one,
+    .GetEndVersion = NULL,
+};
+
+/* Called by ONNX Runtime (SessionOptions.register_custom_ops_library). The op and its domain live as long as
+ * the process: ONNX Runtime keeps the pointers. */
+__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+    OrtApiTable api = base->GetApi(API_VERSION);
+    if (!api) {
+        OrtApiTable v1 = base->GetApi(1);
+        return v1 ? CreateStatus(v1)(ORT_FAIL, "specedge kernels need ONNX Runtime >= 1.17 (C API version 17)") : NULL;
+    }
+    OrtCustomOpDomain *domain = NULL;
+    TRY(CreateCustomOpDomain(api)("ai.specedge", &domain));
+    TRY(CustomOpDomain_Add(api)(domain, &sek_matmul_op));
+    return AddCustomOpDomain(api)(options, domain);
+}
+
+/* ctypes entry for tools and tests: which ISA paths this build has (bit 1 scalar, 2 avx2, 3 vnni512). */
+__attribute__((visibility("default"))) int specedge_kernels_isa_mask(void) { return sek_isa_mask(); }

@@ -1,0 +1,127 @@
+"""specedge's own CPU kernels (``--quant-form specedge``): built from C on first use, loaded into ONNX Runtime.
+
+``csrc/sek_gemm.c`` is a quantized GEMM for the few rows of a decode or verify step whose rows are
+batch-invariant by construction (exact integer block sums, then the same fp32 operations in the same order for
+every row, whatever the step's width) and whose cost grows slowly with the width: each 64-byte chunk of weights
+is unpacked once and used for up to 8 rows. ``csrc/sek_ort.c`` exposes it to ONNX Runtime as the custom op
+``ai.specedge::SekMatMul`` through the C API's stable ABI, so no ONNX Runtime header or SDK is needed.
+
+Nothing is compiled at ``pip install``: the first session that needs the op runs the C compiler (``cc``, or
+``$CC``) once, with ``-O3 -march=native`` (the kernels are tuned to this CPU: AVX512-VNNI, AVX2 + FMA, or
+portable C elsewhere), into ``~/.cache/specedge/kernels/<hash>/`` (``SPECEDGE_CACHE`` moves it). The hash
+covers the sources, the compiler's version, the flags and the CPU's flags, so a home directory shared by two
+machines never loads a build made for the other. A bundle in this form on a machine without a C compiler is
+refused with the way out (re-export with ``--quant-form matmulnbits``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .cpu import cpu_features
+from .errors import BackendUnavailableError
+
+DOMAIN = "ai.specedge"
+OP = "SekMatMul"
+SOURCES = ("sek_gemm.c", "sek_ort.c")
+CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fvisibility=hidden", "-std=c11", "-D_GNU_SOURCE")
+ISA_NAMES = {1: "scalar", 2: "avx2", 3: "vnni512"}  # SPECEDGE_SEK_ISA values, bit positions of the ISA mask
+
+_built: Path | None = None
+
+
+def _src_dir() -> Path:
+    return Path(__file__).resolve().parent / "csrc"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SPECEDGE_CACHE", "~/.cache/specedge")).expanduser() / "kernels"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise BackendUnavailableError(
+            "this bundle runs specedge's own CPU kernels (--quant-form specedge), which are compiled on first use, "
+            "and no C compiler was found (cc, gcc, clang or $CC). Install one (Debian/Ubuntu: apt install gcc), or "
+            "re-export the bundle with --quant-form matmulnbits (ONNX Runtime's own kernels)")
+    return cc
+
+
+def library_path() -> Path:
+    """The built kernel library for this machine, compiling it first if needed (once per sources/CPU)."""
+    global _built
+    if _built is not None and _built.is_file():
+        return _built
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BackendUnavailableError(f"the C compiler {cc} does not run ({e}); set CC to a working one") from None
+    srcs = [_src_dir() / s for s in SOURCES]
+    h = hashlib.sha256()
+    for part in [*(p.read_bytes() for p in srcs), version.encode(), " ".join(CFLAGS).encode(),
+                 " ".join(sorted(cpu_features() or ())).encode()]:
+        h.update(part)
+        h.update(b"\0")
+    out = _cache_dir() / h.hexdigest()[:16] / "libspecedge_kernels.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_lib = Path(tmp) / out.name
+            cmd = [cc, *CFLAGS, "-o", str(tmp_lib), *map(str, srcs), "-lm"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise BackendUnavailableError(
+                    f"building specedge's CPU kernels failed ({' '.join(cmd)}):\n{(r.stderr or r.stdout)[-2000:]}\n"
+                    "Re-export the bundle with --quant-form matmulnbits to run without them")
+            os.replace(tmp_lib, out)  # atomic: a concurrent first use sees the old state or the whole library
+    _built = out
+    return out
+
+
+def register(session_options) -> None:
+    """Make ``ai.specedge::SekMatMul`` available to sessions created with these ONNX Runtime options."""
+    try:
+        session_options.register_custom_ops_library(str(library_path()))
+    except BackendUnavailableError:
+        raise
+    except Exception as e:  # onnxruntime's own exception types
+        raise BackendUnavailableError(f"ONNX Runtime refused specedge's kernel library: {e}") from None
+
+
+class Kernel:
+    """The same C code through ctypes, for tests and tools: ``gemm(a, packed, isa)`` without ONNX Runtime."""
+
+    class _Weights(ctypes.Structure):
+        _fields_ = [("b", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p), ("n", ctypes.c_int64),
+                    ("k", ctypes.c_int64), ("blk", ctypes.c_int64), ("bits", ctypes.c_int)]
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL(str(library_path()))
+        self.lib.sek_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(self._Weights),
+                                      ctypes.c_void_p, ctypes.c_int]
+        self.lib.sek_gemm.restype = ctypes.c_int
+
+    def isas(self) -> list[str]:
+        mask = self.lib.specedge_kernels_isa_mask()
+        return [name for bit, name in ISA_NAMES.items() if mask & (1 << bit)]
+
+    def gemm(self, a, b, s, z, n: int, k_pad: int, block: int, bits: int, isa: str = "best"):
+        """a [M, K] float32 (K <= k_pad) @ the packed weights -> [M, n] float32."""
+        import numpy as np
+
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        y = np.empty((a.shape[0], n), dtype=np.float32)
+        w = self._Weights(b.ctypes.data, s.ctypes.data, z.ctypes.data, n, k_pad, block, bits)
+        code = {"best": 0, **{v: k for k, v in ISA_NAMES.items()}}[isa]
+        rc = self.lib.sek_gemm(a.ctypes.data, a.shape[0], a.shape[1], ctypes.byref(w), y.ctypes.data, code)
+        if rc:
+            raise ValueError(f"sek_gemm failed ({rc}: -1 no such ISA in this build, -2 bad shapes, -3 out of memory)")
+        return y

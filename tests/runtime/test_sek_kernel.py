@@ -1,0 +1,208 @@
+"""specedge's own CPU kernel (runtime/csrc/sek_gemm.c, --quant-form specedge): it computes exactly the documented
+arithmetic, every ISA path gives the same bits, a row never depends on the other rows of its step, and ONNX
+Runtime runs it as ai.specedge::SekMatMul with clear errors for bad shapes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from fractions import Fraction
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from specedge.export.quant import QuantSpec, quantize, sek_pack
+from specedge.runtime.errors import UnsupportedModelError
+from specedge.runtime.kernels import Kernel, library_path, register
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the kernels are built with a POSIX C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Kernel:
+    return Kernel()
+
+
+def _matrix(rng, n: int, k: int, bits: int, block: int, symmetric: bool):
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    p = quantize(w, QuantSpec(bits, block, symmetric))
+    b, s, z, n_pad = sek_pack(p)
+    return p, (b, s, z, n_pad, p.b.shape[1] * block)
+
+
+def _f32(x: Fraction) -> np.float32:
+    """x rounded once to float32 (nearest, ties to even): the result of one fused operation."""
+    f = np.float32(float(x))
+    best = min((f, np.nextafter(f, np.float32(np.inf)), np.nextafter(f, np.float32(-np.inf))),
+               key=lambda c: (abs(Fraction(float(c)) - x), int(np.float32(c).view(np.int32)) & 1))
+    return np.float32(best)
+
+
+def _reference(a: np.ndarray, p, block: int) -> np.ndarray:
+    """The kernel's documented arithmetic, in exact rationals rounded where the C code rounds: activations to int8
+    per (row, block) at sa = max|a| / 127, exact integer block sums, then per block
+    y = fma(acc, s * sa, y); y = fma(-(z * s), sa * sum(qa), y)."""
+    from specedge.export.quant import _unpack_nibbles
+
+    q = (_unpack_nibbles(p.b) if p.bits == 4 else p.b).astype(np.int64)  # [N, kb, block]
+    n, kb, _ = q.shape
+    zp = (np.full((n, kb), 1 << (p.bits - 1)) if p.zero_points is None else
+          (_unpack_nibbles(p.zero_points)[:, :kb] if p.bits == 4 else p.zero_points)).astype(np.int64)
+    a_pad = np.zeros((a.shape[0], kb * block), np.float32)
+    a_pad[:, : a.shape[1]] = a
+    y = np.zeros((a.shape[0], n), np.float32)
+    for r in range(a.shape[0]):
+        for b in range(kb):
+            blk = a_pad[r, b * block:(b + 1) * block]
+            mx = np.float32(np.abs(blk).max())
+            inv = np.float32(np.float32(127) / mx) if mx > 0 else np.float32(0)
+            qa = np.rint(blk * inv).astype(np.int64)  # float32 product, then nearest-even
+            sa = np.float32(mx / np.float32(127))
+            sasum = np.float32(sa * np.float32(qa.sum()))
+            for c in range(n):
+                acc = int((qa * q[c, b]).sum())
+                s = p.scales[c, b]
+                y[r, c] = _f32(Fraction(float(np.float32(acc))) * Fraction(float(np.float32(s * sa)))
+                               + Fraction(float(y[r, c])))
+                zs = np.float32(np.float32(zp[c, b]) * s)
+                y[r, c] = _f32(-Fraction(float(zs)) * Fraction(float(sasum)) + Fraction(float(y[r, c])))
+    return y
+
+
+@pytest.mark.parametrize("bits,block,symmetric", [(4, 32, True), (4, 64, False), (8, 16, True), (8, 32, False)])
+def test_the_kernel_computes_exactly_the_documented_arithmetic_on_every_isa(kernel, bits, block, symmetric):
+    rng = np.random.default_rng(bits * 1000 + block)
+    n, k = 20, 3 * block - 8  # N not a whole tile, K not whole blocks: both padded
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, n, k, bits, block, symmetric)
+    a = rng.standard_normal((3, k)).astype(np.float32)
+    a[1] *= 300.0  # an outlier row, and a zero row
+    a[2] = 0.0
+    ref = _reference(a, p, block)
+    for isa in kernel.isas():
+        y = kernel.gemm(a, b, s, z, n_pad, k_pad, block, bits, isa)[:, :n]
+        assert np.array_equal(y, ref), (isa, np.abs(y - ref).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_never_depend_on_the_other_rows_or_the_isa(kernel, bits):
+    rng = np.random.default_rng(bits)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 96, 384, bits, 128, False)
+    a = rng.standard_normal((19, 384)).astype(np.float32)  # more rows than one pass of the widest path (8)
+    full = {isa: kernel.gemm(a, b, s, z, n_pad, k_pad, 128, bits, isa) for isa in kernel.isas()}
+    first = next(iter(full.values()))
+    assert all(np.array_equal(first, y) for y in full.values()), "ISA paths differ"
+    for isa in kernel.isas():
+        for m in (1, 2, 3, 5, 8, 9, 17):
+            part = kernel.gemm(a[:m], b, s, z, n_pad, k_pad, 128, bits, isa)
+            assert np.array_equal(part, full[isa][:m]), (isa, m)
+        alone = kernel.gemm(a[7:8], b, s, z, n_pad, k_pad, 128, bits, isa)
+        assert np.array_equal(alone[0], full[isa][7])
+
+
+def test_the_kernel_is_close_to_the_dequantized_product(kernel):
+    rng = np.random.default_rng(5)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 64, 512, 4, 128, False)
+    from specedge.export.quant import dequantize
+
+    a = rng.standard_normal((4, 512)).astype(np.float32)
+    ref = a @ dequantize(p).T
+    y = kernel.gemm(a, b, s, z, n_pad, k_pad, 128, 4)
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 0.02  # 8-bit activations per 128-block
+
+
+def test_packing_refuses_what_the_kernel_cannot_hold():
+    w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    p = quantize(w, QuantSpec(4, 32))
+    p.offsets = np.zeros((16, 2), np.float32)
+    with pytest.raises(UnsupportedModelError, match="offsets"):
+        sek_pack(p)
+    with pytest.raises(UnsupportedModelError, match="16..256"):
+        sek_pack(quantize(w[:, :64], QuantSpec(4, 512)))
+
+
+def _model(b, s, z, k: int, n: int, bits: int, block: int, **attrs) -> bytes:
+    node = helper.make_node("SekMatMul", ["x", "b", "s", "z"], ["y"], domain="ai.specedge",
+                            **{"K": k, "N": n, "bits": bits, "block_size": block, **attrs})
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", n])],
+                          [numpy_helper.from_array(v, name) for v, name in ((b, "b"), (s, "s"), (z, "z"))])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                               helper.make_opsetid("ai.specedge", 1)]).SerializeToString()
+
+
+def _session(model: bytes, threads: int = 2) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    register(so)
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def test_onnx_runtime_runs_the_op_row_invariantly_on_its_thread_pool(kernel):
+    rng = np.random.default_rng(7)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 200, 300, 4, 64, False)
+    sess = _session(_model(b, s, z, 300, n_pad, 4, 64))
+    x = rng.standard_normal((1, 9, 300)).astype(np.float32)
+    y = sess.run(None, {"x": x})[0]
+    assert y.shape == (1, 9, n_pad)
+    assert np.array_equal(y[0], kernel.gemm(x[0], b, s, z, n_pad, k_pad, 64, 4))  # threads split columns only
+    for t in range(1, 9):
+        assert np.array_equal(sess.run(None, {"x": x[:, :t]})[0], y[:, :t]), t
+    assert np.array_equal(_session(_model(b, s, z, 300, n_pad, 4, 64), threads=1).run(None, {"x": x})[0], y)
+
+
+def test_onnx_runtime_reports_bad_shapes_clearly():
+    rng = np.random.default_rng(8)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 32, 128, 4, 64, True)
+    with pytest.raises(Exception, match="multiple of 16"):
+        _session(_model(b, s, z, 128, 40, 4, 64))
+    with pytest.raises(Exception, match="packed weights hold"):  # the attributes promise more than the tensors hold
+        _session(_model(b, s, z, 128, 64, 4, 64)).run(None, {"x": np.zeros((1, 2, 128), np.float32)})
+    good = _model(b, s, z, 128, n_pad, 4, 64)
+    bad_k = helper.make_model(helper.make_graph(
+        [helper.make_node("SekMatMul", ["x", "b", "s", "z"], ["y"], domain="ai.specedge", K=128, N=n_pad, bits=4,
+                          block_size=64)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", "K"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", n_pad])],
+        [numpy_helper.from_array(v, name) for v, name in ((b, "b"), (s, "s"), (z, "z"))]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.specedge", 1)])
+    with pytest.raises(Exception, match="last dimension is 100, the weights take K = 128"):
+        _session(bad_k.SerializeToString()).run(None, {"x": np.zeros((1, 2, 100), np.float32)})
+    assert _session(good).run(None, {"x": np.zeros((1, 2, 128), np.float32)})[0].shape == (1, 2, n_pad)
+
+
+def test_every_isa_path_gives_onnx_runtime_the_same_bits(kernel, tmp_path):
+    """SPECEDGE_SEK_ISA forces one path in the op (read when a session is created): run each in a fresh process."""
+    rng = np.random.default_rng(9)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 48, 256, 8, 128, False)
+    (tmp_path / "m.onnx").write_bytes(_model(b, s, z, 256, n_pad, 8, 128))
+    np.save(tmp_path / "x.npy", rng.standard_normal((1, 5, 256)).astype(np.float32))
+    script = (f"import numpy as np, onnxruntime as ort\nfrom specedge.runtime.kernels import register\n"
+              f"so = ort.SessionOptions(); register(so)\n"
+              f"s = ort.InferenceSession(r'{tmp_path / 'm.onnx'}', so, providers=['CPUExecutionProvider'])\n"
+              f"np.save(r'{tmp_path}/y_' + __import__('os').environ['SPECEDGE_SEK_ISA'] + '.npy', "
+              f"s.run(None, {{'x': np.load(r'{tmp_path / 'x.npy'}')}})[0])\n")
+    for isa in kernel.isas():
+        subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "SPECEDGE_SEK_ISA": isa})
+    ys = [np.load(tmp_path / f"y_{isa}.npy") for isa in kernel.isas()]
+    assert all(np.array_equal(ys[0], y) for y in ys[1:])
+    bad = subprocess.run([sys.executable, "-c", script], env={**os.environ, "SPECEDGE_SEK_ISA": "sse9"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "SPECEDGE_SEK_ISA names a path this build lacks" in bad.stderr
+
+
+def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path):
+    first = library_path()
+    assert first.is_file() and first.parent.parent.name == "kernels"
+    import specedge.runtime.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_built", None)
+    assert library_path() == first  # found in the cache, not rebuilt
+    monkeypatch.setattr(kernels, "_built", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    from specedge.runtime.errors import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match="does not run"):
+        library_path()
