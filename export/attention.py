@@ -13,6 +13,9 @@ return the attention output [B, T, Hq D]; both write ``present.{i}.key|value``.
   D]). The op writes the T new rows at past_len itself, applies RoPE from cos/sin tables, and
   reads only the valid past_len + T rows. ``seqlens_k`` = past_len + T - 1 and
   ``total_sequence_length`` = past_len + T are computed in the graph from ``past_len``.
+  In the specedge weight form the same contract is served by specedge's own op,
+  ``ai.specedge.SekAttention`` (runtime/csrc/sek_attn.c), whose rows are the same at width 1
+  as inside a wider step — GroupQueryAttention computes a lone row by other kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from specedge.runtime.manifest import KV_MODES  # noqa: F401  (re-exported: the modes defined here)
+from specedge.runtime.manifest import SEK_DOMAIN
 
 
 class PortableAttention:
@@ -106,4 +110,21 @@ class InplaceGqaAttention:
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"GroupQueryAttention_{g._n}",
             domain="com.microsoft", num_heads=self.Hq, kv_num_heads=self.Hkv, do_rotary=1, rotary_interleaved=0,
             scale=float(1.0 / np.sqrt(self.D))))
+        return out  # [B, T, Hq D]
+
+
+class SekInplaceAttention(InplaceGqaAttention):
+    """The ort-inplace contract (cache bound as past and present, new rows written at past_len, RoPE from the
+    tables) through specedge's own attention op: every row's arithmetic is the same whatever the step's width,
+    width 1 included (runtime/csrc/sek_attn.c), so with specedge's matmul the whole step is batch-invariant."""
+
+    def __call__(self, i: int, qkv: str) -> str:
+        g = self.g
+        g._n += 1
+        out = f"sek_attn_{g._n}"
+        g.nodes.append(helper.make_node(
+            "SekAttention",
+            [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "past_len", self.cos, self.sin],
+            [out, f"present.{i}.key", f"present.{i}.value"], name=f"SekAttention_{g._n}",
+            domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=float(1.0 / np.sqrt(self.D))))
         return out  # [B, T, Hq D]

@@ -27,9 +27,10 @@ import onnx
 from onnx import TensorProto, helper
 
 from specedge.runtime.errors import UnsupportedModelError
-from specedge.runtime.manifest import INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, SEK_DOMAIN, SEK_FORMAT, io_spec
+from specedge.runtime.manifest import (INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, SEK_ATTENTION, SEK_DOMAIN, SEK_FORMAT,
+                                       io_spec)
 
-from .attention import KV_MODES, InplaceGqaAttention, PortableAttention
+from .attention import KV_MODES, InplaceGqaAttention, PortableAttention, SekInplaceAttention
 from .families import ModelConfig
 from .loaders import WeightSource
 from .quant import (GGUF_OFFSET_TYPES, GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows,
@@ -360,8 +361,8 @@ def build_model_graph(
     inv_freq = cfg.inv_freq(src.rope_freq_factors)  # [D/2]
     if kv_mode == "portable":
         attention = PortableAttention(g, w, cfg, inv_freq)
-    elif kv_mode == "ort-inplace":
-        attention = InplaceGqaAttention(g, w, cfg, inv_freq, max_positions)
+    elif kv_mode == "ort-inplace":  # the specedge form brings its own attention: rows invariant at width 1 too
+        attention = (SekInplaceAttention if fmt.specedge else InplaceGqaAttention)(g, w, cfg, inv_freq, max_positions)
     else:
         raise UnsupportedModelError(f"kv mode {kv_mode!r}: choose one of {', '.join(KV_MODES)}")
 
@@ -445,4 +446,7 @@ def build_model_graph(
     model.ir_version = 10 if fmt.qdq else 8  # 8: ONNX Runtime >= 1.14, TensorRT 10.x; 10: INT4 tensors
     onnx.save_model(model, str(onnx_path))
     onnx.checker.check_model(str(onnx_path))
-    return onnx_path, data_path, linear.report()
+    report = linear.report()
+    if isinstance(attention, SekInplaceAttention):
+        report["attention"] = SEK_ATTENTION  # the runtime reads it: every row invariant, width 1 included
+    return onnx_path, data_path, report

@@ -24,7 +24,7 @@ from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
 from .drafters import DEFAULT_NGRAM_MIN, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError
-from .manifest import INTGEMM_FORMAT, SEK_FORMAT, VERIFY_MODES, Manifest, read_manifest
+from .manifest import INTGEMM_FORMAT, SEK_ATTENTION, SEK_FORMAT, VERIFY_MODES, Manifest, read_manifest
 from .sampling import (SamplingParams, accept_argmax, choose_next, process_logits, verify_greedy, verify_keyed,
                        verify_sampled)
 from .stats import Stats
@@ -87,8 +87,11 @@ class SpecDecoder:
         # computed by the same kernels whatever the drafter, k or auto's choice; a round with nothing to verify
         # carries a free one-token guess instead of running alone.
         self.invariant = invariant
-        target.min_width = 2 if invariant else 1
         t = manifest.target
+        # specedge's own kernels (matmul and attention) compute a lone row exactly as inside a wider step: there
+        # plain decoding runs width 1 (no guess row) and stays bitwise the same
+        self.width1_exact = (t.quant or {}).get("attention") == SEK_ATTENTION
+        target.min_width = 2 if invariant and not self.width1_exact else 1
         odd = [w.T for w in t.widths if w.L == w.T and w.T > 1 and w.T % 2]
         # integer GEMM alone, or specedge's kernel: exact at any width
         pairs = t.quant and t.quant.get("format") not in (INTGEMM_FORMAT, SEK_FORMAT)
@@ -288,7 +291,7 @@ class SpecDecoder:
         remaining = req.params.max_new_tokens - req.generated
         t0 = time.perf_counter()
         prop = drafter.propose(req.tokens[: req.n], min(k, remaining - 1), req.params, req.rng)
-        guess = len(prop.tokens) == 0 and self.invariant
+        guess = len(prop.tokens) == 0 and self.target.min_width >= 2
         if guess:  # a width-2 step anyway: let its second row check a free guess
             prop = self._free_guess(req)
         t1 = time.perf_counter()

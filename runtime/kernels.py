@@ -29,7 +29,7 @@ from .errors import BackendUnavailableError
 
 DOMAIN = "ai.specedge"
 OP = "SekMatMul"
-SOURCES = ("sek_gemm.c", "sek_ort.c")
+SOURCES = ("sek_gemm.c", "sek_attn.c", "sek_ort.c")
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fvisibility=hidden", "-std=c11", "-D_GNU_SOURCE")
 ISA_NAMES = {1: "scalar", 2: "avx2", 3: "vnni512"}  # SPECEDGE_SEK_ISA values, bit positions of the ISA mask
 

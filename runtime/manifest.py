@@ -29,6 +29,7 @@ VERIFY_MODES = ("sha256", "size", "none")
 INTGEMM_FORMAT = "MatMulInteger"  # --quant-form intgemm: 8-bit matrices (int4 models: "MatMulNBits+MatMulInteger")
 SEK_FORMAT = "SekMatMul"  # --quant-form specedge: every quantized matrix through specedge's kernel (runtime/kernels.py)
 SEK_DOMAIN = "ai.specedge"  # its ONNX domain
+SEK_ATTENTION = "SekAttention"  # ModelEntry.quant["attention"]: specedge's attention (ort-inplace): width 1 invariant
 QDQ_FORMAT = "DequantizeLinear+MatMul"  # ModelEntry.quant["format"] of --quant-form qdq graphs (else MatMulNBits)
 MAX_DIM = 1 << 22  # no model dimension (layers, heads, hidden, vocab) comes near this
 MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front  # how read_manifest checks the bundle's files

@@ -60,6 +60,25 @@ PLANTS = {
     "a partial draft head's q put in the first columns": (
         "runtime/drafters.py", "q[i, self.head_ids] = probs", "q[i, : len(probs)] = probs",
         ["tests/runtime/test_controlled_drafts.py"]),
+    "specedge kernel: the zero-point term dropped on the AVX512 path": (
+        "runtime/csrc/sek_gemm.c",
+        "_mm512_store_ps(yv[r][t], _mm512_fnmadd_ps(zs, _mm512_set1_ps(sasum[r * nb + b]), v));",
+        "_mm512_store_ps(yv[r][t], v);", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a block's scale and sum taken from the first row of the pass": (
+        "runtime/csrc/sek_gemm.c", "const float sa = x->sa[r * nb + b], sasum = x->sasum[r * nb + b];",
+        "const float sa = x->sa[b], sasum = x->sasum[b];", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: AVX2 maddubs pairs summed in int16 for 8-bit weights (saturates)": (
+        "runtime/csrc/sek_gemm.c",
+        "acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_add_epi32(dlo, _mm256_slli_epi32(dhi, 4)));",
+        "acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va), "
+        "_mm256_slli_epi16(_mm256_maddubs_epi16(hi[h], va), 4)), ones)); (void)dlo; (void)dhi;",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge attention: a row attends one position short": (
+        "runtime/csrc/sek_attn.c", "const int64_t pos = a->past_len + t, n = pos + 1;",
+        "const int64_t pos = a->past_len + t, n = pos;", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge attention: the new k rows stored without RoPE": (
+        "runtime/csrc/sek_attn.c", "            rope(k, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);\n",
+        "", ["tests/runtime/test_sek_kernel.py"]),
     "lookup bound assumes every drafted token passes": (
         "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),

@@ -30,7 +30,7 @@
 #endif
 
 #define SEK_TILE 16
-#define SEK_RMAX 8 /* rows per pass: more rows re-read the strip from cache */
+#define SEK_RMAX 10 /* rows per pass (AVX512): a verify step of up to 10 rows unpacks each weight chunk once */
 #define SEK_BLK_MAX 256
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -187,9 +187,10 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
     const __m512i mask = _mm512_set1_epi8(15);
     const int8_t *qa = x->qa + r0 * K;
     const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
-    __m512 yv[SEK_RMAX][2];
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < NT; t++) yv[r][t] = _mm512_setzero_ps();
+    /* the fp32 sums live in memory between blocks: the hot loop keeps only R x NT int32 accumulators, 2 x NT
+     * unpacked chunks and 2 broadcasts in the 32 zmm registers (R = 10, NT = 2: 26) */
+    float yv[SEK_RMAX][2][SEK_TILE] __attribute__((aligned(64)));
+    memset(yv, 0, sizeof yv);
     for (int64_t b = 0; b < nb; b++) {
         __m512i acc[SEK_RMAX][2];
         for (int r = 0; r < R; r++)
@@ -234,13 +235,13 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->z + o)))), s);
             for (int r = 0; r < R; r++) {
                 const __m512 ss = _mm512_mul_ps(s, _mm512_set1_ps(sa[r * nb + b]));
-                yv[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), ss, yv[r][t]);
-                yv[r][t] = _mm512_fnmadd_ps(zs, _mm512_set1_ps(sasum[r * nb + b]), yv[r][t]);
+                __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), ss, _mm512_load_ps(yv[r][t]));
+                _mm512_store_ps(yv[r][t], _mm512_fnmadd_ps(zs, _mm512_set1_ps(sasum[r * nb + b]), v));
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + (r0 + r) * ldy + (tile + t) * SEK_TILE, yv[r][t]);
+        for (int t = 0; t < NT; t++) memcpy(y + (r0 + r) * ldy + (tile + t) * SEK_TILE, yv[r][t], sizeof yv[r][t]);
 }
 
 static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
@@ -255,7 +256,10 @@ static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int
         else                                                \
             strip_vnni512(x, w, y, ldy, r0, RR, t, 1);      \
         break;
-            switch (R) { SEK_CASE(1) SEK_CASE(2) SEK_CASE(3) SEK_CASE(4) SEK_CASE(5) SEK_CASE(6) SEK_CASE(7) SEK_CASE(8) }
+            switch (R) {
+                SEK_CASE(1) SEK_CASE(2) SEK_CASE(3) SEK_CASE(4) SEK_CASE(5) SEK_CASE(6) SEK_CASE(7) SEK_CASE(8)
+                SEK_CASE(9) SEK_CASE(10)
+            }
 #undef SEK_CASE
         }
     }

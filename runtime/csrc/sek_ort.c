@@ -38,6 +38,18 @@ void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpa
                   sek_rows *out, int isa);
 int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1, int isa);
 
+/* from sek_attn.c */
+typedef struct {
+    const float *qkv;
+    float *k_cache, *v_cache;
+    const float *cos, *sin;
+    float *out;
+    int64_t t, hq, hkv, d, s_max, past_len;
+    float scale;
+} sek_attn_args;
+void sek_attn_store(const sek_attn_args *a);
+void sek_attn_row(const sek_attn_args *a, int64_t item);
+
 /* ---- the parts of the C API used here (opaque handles; OrtApi slots by position) ---- */
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtKernelInfo OrtKernelInfo;
@@ -54,7 +66,7 @@ typedef struct {
 
 enum { API_VERSION = 17 }; /* the table we ask for; every slot below exists from 17 on */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
-enum { T_FLOAT = 1, T_UINT8 = 2 };
+enum { T_FLOAT = 1, T_UINT8 = 2, T_INT64 = 7 };
 
 #define SLOT(api, i, T) ((T)((api)[i]))
 #define CreateStatus(api) SLOT(api, 0, OrtStatus * (*)(int, const char *))
@@ -66,6 +78,7 @@ enum { T_FLOAT = 1, T_UINT8 = 2 };
 #define GetDimensionsCount(api) SLOT(api, 61, OrtStatus * (*)(const OrtTensorTypeAndShapeInfo *, size_t *))
 #define GetDimensions(api) SLOT(api, 62, OrtStatus * (*)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t))
 #define GetTensorTypeAndShape(api) SLOT(api, 65, OrtStatus * (*)(const OrtValue *, OrtTensorTypeAndShapeInfo **))
+#define KernelInfoGetAttribute_float(api) SLOT(api, 85, OrtStatus * (*)(const OrtKernelInfo *, const char *, float *))
 #define KernelInfoGetAttribute_int64(api) SLOT(api, 86, OrtStatus * (*)(const OrtKernelInfo *, const char *, int64_t *))
 #define KernelContext_GetInput(api) SLOT(api, 90, OrtStatus * (*)(const OrtKernelContext *, size_t, const OrtValue **))
 #define KernelContext_GetOutput(api) \
@@ -273,6 +286,114 @@ static const SekCustomOp sek_matmul_op = {
     .GetEndVersion = NULL,
 };
 
+/* ---------------------------------------------------------------- SekAttention
+ *   out [1, T, hq d], present_key, present_value [1, hkv, S, d] =
+ *       SekAttention(qkv [1, T, (hq + 2 hkv) d], past_key, past_value [1, hkv, S, d], past_len int64 [1],
+ *                    cos, sin [positions, d/2])        attributes: num_heads, kv_num_heads, scale
+ * present is the cache itself when the caller binds it to the past's buffer (the runtime does); otherwise the past
+ * is copied into it first. */
+typedef struct {
+    OrtApiTable api;
+    int64_t hq, hkv;
+    float scale;
+} SekAttnKernel;
+
+static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
+    (void)op;
+    SekAttnKernel *k = calloc(1, sizeof *k);
+    if (!k) return CreateStatus(api)(ORT_FAIL, "SekAttention: out of memory");
+    k->api = api;
+    OrtStatus *st = NULL;
+    if ((st = KernelInfoGetAttribute_int64(api)(info, "num_heads", &k->hq)) ||
+        (st = KernelInfoGetAttribute_int64(api)(info, "kv_num_heads", &k->hkv)) ||
+        (st = KernelInfoGetAttribute_float(api)(info, "scale", &k->scale))) {
+        free(k);
+        return st;
+    }
+    if (k->hq <= 0 || k->hkv <= 0 || k->hq % k->hkv) {
+        OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "SekAttention: num_heads %lld must be a multiple of "
+                            "kv_num_heads %lld", k->hq, k->hkv);
+        free(k);
+        return e;
+    }
+    *out = k;
+    return NULL;
+}
+
+static void attn_item(void *p, size_t i) { sek_attn_row((const sek_attn_args *)p, (int64_t)i); }
+
+static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
+    const SekAttnKernel *k = (const SekAttnKernel *)kernel;
+    OrtApiTable api = k->api;
+    const OrtValue *in[6];
+    int64_t dims[6][8], count[6];
+    size_t nd[6];
+    static const int types[6] = {T_FLOAT, T_FLOAT, T_FLOAT, T_INT64, T_FLOAT, T_FLOAT};
+    for (int i = 0; i < 6; i++) {
+        TRY(KernelContext_GetInput(api)(ctx, (size_t)i, &in[i]));
+        if (!in[i]) return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: input %lld is missing%.0lld", i, 0);
+        TRY(tensor_info(api, in[i], types[i], dims[i], &nd[i], &count[i], i));
+    }
+    if (nd[0] != 3 || dims[0][0] != 1 || nd[1] != 4 || nd[2] != 4 || nd[4] != 2 || count[3] != 1)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: expects qkv [1, T, W] (got rank %lld), caches "
+                    "[1, kv_heads, S, d] (rank %lld), past_len [1], cos/sin [positions, d/2]", (int64_t)nd[0],
+                    (int64_t)nd[1]);
+    const int64_t T = dims[0][1], d = dims[1][3], S = dims[1][2];
+    if (dims[1][1] != k->hkv || dims[0][2] != (k->hq + 2 * k->hkv) * d || d % 2 || d > 512 ||
+        count[2] != count[1] || dims[4][1] != d / 2 || count[5] != count[4])
+        return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: qkv width %lld or head dim %lld disagree with the "
+                    "heads, the caches or the rotary tables", dims[0][2], d);
+    void *p[6];
+    for (int i = 0; i < 6; i++) TRY(GetTensorMutableData(api)((OrtValue *)in[i], &p[i]));
+    const int64_t past_len = *(const int64_t *)p[3];
+    if (past_len < 0 || past_len + T > S || past_len + T > dims[4][0])
+        return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: positions up to %lld do not fit the cache (%lld rows)",
+                    past_len + T, S < dims[4][0] ? S : dims[4][0]);
+    const int64_t odims[3] = {1, T, k->hq * d};
+    OrtValue *out[3];
+    TRY(KernelContext_GetOutput(api)(ctx, 0, odims, 3, &out[0]));
+    TRY(KernelContext_GetOutput(api)(ctx, 1, dims[1], 4, &out[1]));
+    TRY(KernelContext_GetOutput(api)(ctx, 2, dims[2], 4, &out[2]));
+    void *o[3];
+    for (int i = 0; i < 3; i++) {
+        if (!out[i]) return CreateStatus(api)(ORT_RUNTIME_EXCEPTION, "SekAttention: no output tensor");
+        TRY(GetTensorMutableData(api)(out[i], &o[i]));
+    }
+    for (int i = 1; i < 3; i++) /* not bound in place: start from a copy of the past */
+        if (o[i] != p[i]) memcpy(o[i], p[i], (size_t)count[i] * sizeof(float));
+    sek_attn_args a = {(const float *)p[0], (float *)o[1], (float *)o[2], (const float *)p[4], (const float *)p[5],
+                       (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale};
+    if (T == 0) return NULL;
+    sek_attn_store(&a);
+    return KernelContext_ParallelFor(api)(ctx, attn_item, (size_t)(T * k->hq), 0, &a);
+}
+
+static const char *attn_name(const void *op) { (void)op; return "SekAttention"; }
+static int attn_in_type(const void *op, size_t i) { (void)op; return i == 3 ? T_INT64 : T_FLOAT; }
+static size_t attn_in_count(const void *op) { (void)op; return 6; }
+static size_t attn_out_count(const void *op) { (void)op; return 3; }
+
+static const SekCustomOp sek_attention_op = {
+    .version = API_VERSION,
+    .GetName = attn_name,
+    .GetExecutionProviderType = op_ep,
+    .GetInputType = attn_in_type,
+    .GetInputTypeCount = attn_in_count,
+    .GetOutputType = out_type,
+    .GetOutputTypeCount = attn_out_count,
+    .KernelDestroy = destroy,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = mem_default,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = attn_create,
+    .KernelComputeV2 = attn_compute,
+    .GetStartVersion = one,
+};
+
 /* Called by ONNX Runtime (SessionOptions.register_custom_ops_library). The op and its domain live as long as
  * the process: ONNX Runtime keeps the pointers. */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
@@ -284,6 +405,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     OrtCustomOpDomain *domain = NULL;
     TRY(CreateCustomOpDomain(api)("ai.specedge", &domain));
     TRY(CustomOpDomain_Add(api)(domain, &sek_matmul_op));
+    TRY(CustomOpDomain_Add(api)(domain, &sek_attention_op));
     return AddCustomOpDomain(api)(options, domain);
 }
 

@@ -369,7 +369,25 @@ def test_the_specedge_form_runs_every_matrix_through_its_kernel_at_the_widths_as
     assert [w.T for w in t.widths if w.role == "verify"] == [2, 3, 5]  # odd widths kept: rows are invariant
     ops = {n.op_type for n in onnx.load(str(q_bundles["int4-sek-inplace"] / t.graph), load_external_data=False)
            .graph.node}
-    assert "SekMatMul" in ops and not ops & {"MatMulNBits", "MatMul", "MatMulInteger"}, ops
+    assert {"SekMatMul", "SekAttention"} <= ops and not ops & {"MatMulNBits", "MatMul", "MatMulInteger",
+                                                                 "GroupQueryAttention"}, ops
+    assert t.quant["attention"] == "SekAttention"
+    assert dec.target.min_width == 1  # a lone row is computed as inside a wider step: plain decoding runs width 1
+    assert SpecDecoder.load(q_bundles["int4-sek"]).target.min_width == 2  # portable attention: the guess row stays
+
+
+@pytest.mark.parametrize("fmt", ["int4-sek-inplace", "int8-sek-inplace"])
+def test_specedge_bundles_decode_plainly_at_width_one_and_speculation_is_exact(q_bundles, fmt):
+    dec = SpecDecoder.load(q_bundles[fmt])
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.9, seed=5)
+    for prompt in PROMPTS:
+        plain = dec.generate(prompt, params, drafter="none")
+        assert plain.stats.guesses_accepted == 0  # width-1 plain rounds carry no guess
+        seeded = dec.generate(prompt, sampled, drafter="none").token_ids
+        for drafter, k in (("prompt-lookup", 1), ("prompt-lookup", 4), ("auto", 4)):
+            assert dec.generate(prompt, params, drafter=drafter, k=k).token_ids == plain.token_ids, (prompt, drafter)
+            assert dec.generate(prompt, sampled, drafter=drafter, k=k).token_ids == seeded, (prompt, drafter)
 
 
 def test_the_specedge_form_refuses_what_its_kernel_cannot_run():

@@ -206,3 +206,55 @@ def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path)
 
     with pytest.raises(BackendUnavailableError, match="does not run"):
         library_path()
+
+
+def _attention_model(op: str, hq: int, hkv: int, d: int) -> bytes:
+    F = TensorProto.FLOAT
+    if op == "SekAttention":
+        ins, dom, attrs = ["qkv", "pk", "pv", "past_len", "cos", "sin"], "ai.specedge", {}
+    else:  # ONNX Runtime's own, the reference for the same contract
+        ins, dom = ["qkv", "", "", "pk", "pv", "seqlens_k", "total", "cos", "sin"], "com.microsoft"
+        attrs = {"do_rotary": 1, "rotary_interleaved": 0}
+    node = helper.make_node(op, ins, ["out", "presk", "presv"], domain=dom, num_heads=hq, kv_num_heads=hkv,
+                            scale=float(1 / np.sqrt(d)), **attrs)
+    vi = helper.make_tensor_value_info
+    inputs = [vi("qkv", F, [1, "T", (hq + 2 * hkv) * d]), vi("pk", F, [1, hkv, "S", d]), vi("pv", F, [1, hkv, "S", d]),
+              vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
+    inputs += ([vi("past_len", TensorProto.INT64, [1])] if op == "SekAttention" else
+               [vi("seqlens_k", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])])
+    g = helper.make_graph([node], "g", inputs, [vi(n, F, None) for n in ("out", "presk", "presv")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(dom, 1)]
+                             ).SerializeToString()
+
+
+def test_specedge_attention_matches_onnx_runtime_and_is_row_invariant_at_width_one():
+    hq, hkv, d, S, past = 6, 2, 32, 160, 130  # past spans several of the online softmax's 64-position chunks
+    rng = np.random.default_rng(11)
+    cache = [np.zeros((1, hkv, S, d), np.float32) for _ in range(2)]
+    for c in cache:
+        c[:, :, :past] = rng.standard_normal((1, hkv, past, d))
+    ang = np.arange(S)[:, None] / (10000 ** (np.arange(d // 2) / (d // 2)))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    qkv = rng.standard_normal((1, 5, (hq + 2 * hkv) * d)).astype(np.float32)
+    sek, gqa = _session(_attention_model("SekAttention", hq, hkv, d)), _session(_attention_model(
+        "GroupQueryAttention", hq, hkv, d))
+
+    def run_sek(t: int, start: int = 0):
+        return sek.run(None, {"qkv": qkv[:, start:start + t], "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
+                              "past_len": np.array([past + start], np.int64)})
+
+    out, pk, pv = run_sek(5)
+    ref, rk, rv = gqa.run(None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
+                                 "seqlens_k": np.array([past + 4], np.int32), "total": np.array(past + 5, np.int32)})
+    assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
+    assert np.allclose(pk[:, :, : past + 5], rk[:, :, : past + 5], atol=1e-6)
+    assert np.array_equal(pv[:, :, : past + 5], rv[:, :, : past + 5])
+    assert np.array_equal(pk[:, :, :past], cache[0][:, :, :past])  # the past is kept (not bound in place: copied)
+    # a row fed alone (width 1, the new rows before it already in the cache) or inside any wider step: same bits
+    cache[0][:, :, past: past + 5], cache[1][:, :, past: past + 5] = pk[:, :, past: past + 5], pv[:, :, past: past + 5]
+    for t in range(5):
+        assert np.array_equal(run_sek(1, t)[0][0, 0], out[0, t]), t
+    assert np.array_equal(run_sek(3, 2)[0][0], out[0, 2:5])
+    with pytest.raises(Exception, match="do not fit the cache"):
+        sek.run(None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
+                       "past_len": np.array([S - 2], np.int64)})

@@ -1,0 +1,132 @@
+/* specedge's row-invariant attention with an in-place KV cache (the ort-inplace contract of the specedge form).
+ *
+ * For a step of T new tokens at positions past_len .. past_len+T-1: RoPE (rotate-half) on q and k, the new k and v
+ * rows written into the cache at past_len, then for each query row t and head h, causal attention over cache rows
+ * 0 .. past_len+t with an online softmax in chunks of SEK_CHUNK positions.
+ *
+ * Every row's arithmetic depends only on its own q row, its position and the cache rows it reads (which the same
+ * code wrote, whatever the width of the step that wrote them): a width-1 step gives the same bits as the same row
+ * inside a wider step. ONNX Runtime's GroupQueryAttention computes a lone row by other kernels (a difference of
+ * ~1e-6, measured), so the specedge form brings its own attention to let plain decoding run width 1 exactly.
+ *
+ * Used through sek_ort.c (ai.specedge::SekAttention).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
+#include <immintrin.h>
+#endif
+
+#define SEK_CHUNK 64
+#define SEK_DMAX 512
+
+typedef struct {
+    const float *qkv;         /* [T][(hq + 2 hkv) d] */
+    float *k_cache, *v_cache; /* [hkv][s_max][d] */
+    const float *cos, *sin;   /* [positions][d/2] */
+    float *out;               /* [T][hq d] */
+    int64_t t, hq, hkv, d, s_max, past_len;
+    float scale;
+} sek_attn_args;
+
+/* x [d] rotated in place by position pos (rotate-half: pairs i, i + d/2). */
+static void rope(float *x, const float *cs, const float *sn, int64_t d) {
+    const int64_t h = d / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = x[i], b = x[i + h], c = cs[i], s = sn[i];
+        x[i] = a * c - b * s;
+        x[i + h] = b * c + a * s;
+    }
+}
+
+static float dot(const float *a, const float *b, int64_t d) {
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 32 <= d; i += 32) {
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+        }
+        if (i < d) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+        return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (d % 8 == 0) {
+        __m256 s0 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+#endif
+    float s = 0.f;
+    for (int64_t i = 0; i < d; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+/* acc[d] = acc * alpha + p * v (alpha applied first); vectorized where d allows, same order per element. */
+static void axpby(float *acc, float alpha, float p, const float *v, int64_t d) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 va = _mm512_set1_ps(alpha), vp = _mm512_set1_ps(p);
+    for (; i + 16 <= d; i += 16)
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + i), _mm512_mul_ps(_mm512_loadu_ps(acc + i), va)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 va = _mm256_set1_ps(alpha), vp = _mm256_set1_ps(p);
+    for (; i + 8 <= d; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + i), _mm256_mul_ps(_mm256_loadu_ps(acc + i), va)));
+#endif
+    for (; i < d; i++) acc[i] = fmaf(p, v[i], acc[i] * alpha);
+}
+
+/* Writes the step's new k and v rows (k rotated) into the cache. Call once per step before the rows. */
+void sek_attn_store(const sek_attn_args *a) {
+    const int64_t w = (a->hq + 2 * a->hkv) * a->d;
+    for (int64_t t = 0; t < a->t; t++) {
+        const int64_t pos = a->past_len + t;
+        const float *row = a->qkv + t * w;
+        for (int64_t h = 0; h < a->hkv; h++) {
+            float *k = a->k_cache + (h * a->s_max + pos) * a->d;
+            memcpy(k, row + (a->hq + h) * a->d, (size_t)a->d * sizeof(float));
+            rope(k, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);
+            memcpy(a->v_cache + (h * a->s_max + pos) * a->d, row + (a->hq + a->hkv + h) * a->d,
+                   (size_t)a->d * sizeof(float));
+        }
+    }
+}
+
+/* One (row, query head) item: item = t * hq + h. */
+void sek_attn_row(const sek_attn_args *a, int64_t item) {
+    const int64_t t = item / a->hq, h = item % a->hq, d = a->d, g = h / (a->hq / a->hkv);
+    const int64_t pos = a->past_len + t, n = pos + 1;
+    float q[SEK_DMAX], acc[SEK_DMAX], s[SEK_CHUNK];
+    memcpy(q, a->qkv + t * (a->hq + 2 * a->hkv) * d + h * d, (size_t)d * sizeof(float));
+    rope(q, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
+    memset(acc, 0, (size_t)d * sizeof(float));
+    const float *kc = a->k_cache + g * a->s_max * d, *vc = a->v_cache + g * a->s_max * d;
+    float m = -INFINITY, l = 0.f;
+    for (int64_t c0 = 0; c0 < n; c0 += SEK_CHUNK) {
+        const int64_t cn = n - c0 < SEK_CHUNK ? n - c0 : SEK_CHUNK;
+        float mc = -INFINITY;
+        for (int64_t j = 0; j < cn; j++) {
+            s[j] = dot(q, kc + (c0 + j) * d, d) * a->scale;
+            mc = s[j] > mc ? s[j] : mc;
+        }
+        const float m_new = mc > m ? mc : m;
+        float alpha = expf(m - m_new); /* 0 on the first chunk (m = -inf) */
+        l *= alpha;
+        for (int64_t j = 0; j < cn; j++) {
+            const float p = expf(s[j] - m_new);
+            l += p;
+            axpby(acc, alpha, p, vc + (c0 + j) * d, d);
+            alpha = 1.f;
+        }
+        m = m_new;
+    }
+    float *o = a->out + t * a->hq * d + h * d;
+    const float inv = 1.f / l;
+    for (int64_t i = 0; i < d; i++) o[i] = acc[i] * inv;
+}
