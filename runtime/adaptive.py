@@ -67,6 +67,7 @@ class CostModel:
     draft_widths: dict[int, float] = field(default_factory=dict)  # width T -> seconds of one draft step (its prefill)
     catchup_scale: float = 1.0  # catch-ups' measured time over their prediction (running)
     guess_alpha: float = 0.0  # how often a plain round's free one-token guess is confirmed (invariant decoders)
+    model_tried: bool = False  # whether auto has run a draft-model round on this decoder yet
     model_acceptance: Acceptance = field(default_factory=lambda: Acceptance())
     gate: ConfidenceGate = field(default_factory=lambda: ConfidenceGate())
 
@@ -236,6 +237,7 @@ class AutoDrafter:
     OPTIMISTIC_ALPHA = 0.9  # what a re-probe assumes: is the option worth trying if its drafts were good?
     HORIZON_CAP = 256  # tokens a request is assumed to still run at most, when spreading the draft's catch-up
     CARRY_WEIGHT = 8.0  # tokens of evidence a request inherits about the draft's acceptance
+    FIRST_PROBE = 4  # plain rounds before a decoder's draft model is probed for the first time (then probe_every)
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -260,6 +262,7 @@ class AutoDrafter:
         self._confs: list[float] = []
         self._plain_streak = 0
         self._probe_gap = self.probe_every
+        self._probe_model_next = True
         self.rounds = {}
         self._start: int | None = None  # context length at the request's first round
 
@@ -279,13 +282,20 @@ class AutoDrafter:
                    model_overhead=catchup, horizon=horizon)
         if d.kind == "none":
             self._plain_streak += 1
-            if self._plain_streak >= self._probe_gap:
+            untried = self.model is not None and not self.costs.model_tried
+            if self._plain_streak >= (self.FIRST_PROBE if untried else self._probe_gap):
                 # Re-probe: would any option pay if its drafts were good? Then try it once, so a stale acceptance
-                # estimate can recover; the gap doubles each time, so hopeless probing fades out.
+                # estimate can recover; the gap doubles each time, so hopeless probing fades out. Probes alternate
+                # between the drafters: under the same optimistic acceptance a free lookup match always looks
+                # better than the draft model, so on code (short matches everywhere) auto never learned that the
+                # 0.5B draft pays there (a whole request plain and lookup at 31 tok/s, model:3 39.5).
                 self._plain_streak, self._probe_gap = 0, min(2 * self._probe_gap, 256)
                 hope = self.OPTIMISTIC_ALPHA
-                d = decide(self.costs, hope, len(look.tokens), hope if self.model is not None else None, k,
-                           self.mode, model_overhead=catchup, horizon=horizon)
+                model_turn = self.model is not None and (untried or self._probe_model_next)
+                self._probe_model_next = not model_turn
+                d = decide(self.costs, hope, 0 if model_turn else len(look.tokens),
+                           hope if self.model is not None else None, k, self.mode, model_overhead=catchup,
+                           horizon=horizon)
         else:
             self._plain_streak, self._probe_gap = 0, self.probe_every
         self.rounds[d.kind] = self.rounds.get(d.kind, 0) + 1
@@ -300,6 +310,7 @@ class AutoDrafter:
             prop = self.model.propose(tokens, d.k, params, rng,
                                       keep=lambda conf: self.gate.acceptance(conf) >= threshold)
             self.costs.observe_catchup(plan, self.model.time_catch_up - t0)
+            self.costs.model_tried = True
             self._confs = self.model.confidences
             self.costs.observe_draft(self.model.step_time)
             self._last = ("model", len(prop.tokens))

@@ -13,6 +13,7 @@
  *
  * Environment: SPECEDGE_SEK_ISA=scalar|avx2|vnni512 forces one code path (tests compare them bitwise).
  */
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -120,9 +121,12 @@ typedef struct {
     int isa;
 } SekKernel;
 
-static OrtStatus *fail(OrtApiTable api, int code, const char *fmt, int64_t a, int64_t b) {
-    char msg[256];
-    snprintf(msg, sizeof msg, fmt, (long long)a, (long long)b);
+__attribute__((format(printf, 3, 4))) static OrtStatus *fail(OrtApiTable api, int code, const char *fmt, ...) {
+    char msg[320];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
     return CreateStatus(api)(code, msg);
 }
 
@@ -150,8 +154,7 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
     if (k->k <= 0 || sek_check(&w)) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
                             "SekMatMul: unsupported shape (N %lld must be a multiple of 16, K %lld > 0; bits 4 or 8; "
-                            "block_size a multiple of 16 up to 256)",
-                            k->n, k->k);
+                            "block_size a multiple of 16 up to 256)", (long long)(k->n), (long long)(k->k));
         free(k);
         return e;
     }
@@ -160,8 +163,7 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
     if (k->isa < 0 || (k->isa > 0 && !(sek_isa_mask() & (1 << k->isa)))) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
                             "SekMatMul: SPECEDGE_SEK_ISA names a path this build lacks (mask %lld; 2 scalar, 4 avx2, "
-                            "8 vnni512)%.0lld",
-                            sek_isa_mask(), 0);
+                            "8 vnni512)", (long long)(sek_isa_mask()));
         free(k);
         return e;
     }
@@ -193,12 +195,12 @@ static OrtStatus *tensor_info(OrtApiTable api, const OrtValue *v, int want_type,
     int type = 0;
     OrtStatus *st = GetTensorElementType(api)(info, &type);
     if (!st) st = GetDimensionsCount(api)(info, nd);
-    if (!st && *nd > 8) st = fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: input %lld has %lld dimensions (at most 8)", index, (int64_t)*nd);
+    if (!st && *nd > 8) st = fail(api, ORT_INVALID_ARGUMENT, "specedge op: input %lld has %lld dimensions (at most 8)", (long long)(index), (long long)((int64_t)*nd));
     if (!st) st = GetDimensions(api)(info, dims, *nd);
     ReleaseTensorTypeAndShapeInfo(api)(info);
     if (st) return st;
     if (type != want_type)
-        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: input %lld has element type %lld", index, type);
+        return fail(api, ORT_INVALID_ARGUMENT, "specedge op: input %lld has element type %lld (expected float32, uint8 or int64 as documented)", (long long)(index), (long long)(type));
     *count = 1;
     for (size_t i = 0; i < *nd; i++) *count *= dims[i];
     return NULL;
@@ -213,16 +215,14 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     static const int types[4] = {T_FLOAT, T_UINT8, T_FLOAT, T_UINT8};
     for (int i = 0; i < 4; i++) {
         TRY(KernelContext_GetInput(api)(ctx, (size_t)i, &in[i]));
-        if (!in[i]) return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: input %lld is missing%.0lld", i, 0);
+        if (!in[i]) return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: input %lld is missing", (long long)i);
         TRY(tensor_info(api, in[i], types[i], dims[i], &nd[i], &count[i], i));
     }
     const int64_t kpad = (k->k + k->blk - 1) / k->blk * k->blk, nb = kpad / k->blk;
     if (nd[0] < 1 || dims[0][nd[0] - 1] != k->k)
-        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: A's last dimension is %lld, the weights take K = %lld",
-                    nd[0] ? dims[0][nd[0] - 1] : -1, k->k);
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: A's last dimension is %lld, the weights take K = %lld", (long long)(nd[0] ? dims[0][nd[0] - 1] : -1), (long long)(k->k));
     if (count[1] != k->n * kpad * k->bits / 8 || count[2] != k->n * nb || count[3] != k->n * nb)
-        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: packed weights hold %lld bytes, N x K at these bits needs %lld",
-                    count[1], k->n * kpad * k->bits / 8);
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: packed weights hold %lld bytes, N x K at these bits needs %lld", (long long)(count[1]), (long long)(k->n * kpad * k->bits / 8));
     const int64_t m = count[0] / k->k;
     int64_t odims[8];
     memcpy(odims, dims[0], nd[0] * sizeof(int64_t));
@@ -312,7 +312,7 @@ static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelIn
     }
     if (k->hq <= 0 || k->hkv <= 0 || k->hq % k->hkv) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "SekAttention: num_heads %lld must be a multiple of "
-                            "kv_num_heads %lld", k->hq, k->hkv);
+                            "kv_num_heads %lld", (long long)(k->hq), (long long)(k->hkv));
         free(k);
         return e;
     }
@@ -331,24 +331,22 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     static const int types[6] = {T_FLOAT, T_FLOAT, T_FLOAT, T_INT64, T_FLOAT, T_FLOAT};
     for (int i = 0; i < 6; i++) {
         TRY(KernelContext_GetInput(api)(ctx, (size_t)i, &in[i]));
-        if (!in[i]) return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: input %lld is missing%.0lld", i, 0);
+        if (!in[i]) return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: input %lld is missing", (long long)i);
         TRY(tensor_info(api, in[i], types[i], dims[i], &nd[i], &count[i], i));
     }
     if (nd[0] != 3 || dims[0][0] != 1 || nd[1] != 4 || nd[2] != 4 || nd[4] != 2 || count[3] != 1)
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: expects qkv [1, T, W] (got rank %lld), caches "
-                    "[1, kv_heads, S, d] (rank %lld), past_len [1], cos/sin [positions, d/2]", (int64_t)nd[0],
-                    (int64_t)nd[1]);
+                    "[1, kv_heads, S, d] (rank %lld), past_len [1], cos/sin [positions, d/2]", (long long)((int64_t)nd[0]), (long long)((int64_t)nd[1]));
     const int64_t T = dims[0][1], d = dims[1][3], S = dims[1][2];
     if (dims[1][1] != k->hkv || dims[0][2] != (k->hq + 2 * k->hkv) * d || d % 2 || d > 512 ||
         count[2] != count[1] || dims[4][1] != d / 2 || count[5] != count[4])
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: qkv width %lld or head dim %lld disagree with the "
-                    "heads, the caches or the rotary tables", dims[0][2], d);
+                    "heads, the caches or the rotary tables", (long long)(dims[0][2]), (long long)(d));
     void *p[6];
     for (int i = 0; i < 6; i++) TRY(GetTensorMutableData(api)((OrtValue *)in[i], &p[i]));
     const int64_t past_len = *(const int64_t *)p[3];
     if (past_len < 0 || past_len + T > S || past_len + T > dims[4][0])
-        return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: positions up to %lld do not fit the cache (%lld rows)",
-                    past_len + T, S < dims[4][0] ? S : dims[4][0]);
+        return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: positions up to %lld do not fit the cache (%lld rows)", (long long)(past_len + T), (long long)(S < dims[4][0] ? S : dims[4][0]));
     const int64_t odims[3] = {1, T, k->hq * d};
     OrtValue *out[3];
     TRY(KernelContext_GetOutput(api)(ctx, 0, odims, 3, &out[0]));

@@ -124,6 +124,27 @@ def test_auto_drafter_switches_strategy_when_acceptance_changes():
     assert len(auto.propose(repeated, 8, params, rng).tokens) > 0 and auto._last[0] == "prompt-lookup"
 
 
+def test_auto_probes_the_draft_model_early_and_even_where_lookup_always_matches():
+    """Code has short prompt-lookup matches everywhere. Under the same optimistic acceptance a free match always
+    looked better than the draft, so every probe went to lookup and auto never learned that the draft pays there.
+    A decoder's untried draft is probed after FIRST_PROBE plain rounds, and probes alternate between drafters."""
+    model = ScriptedModel()
+    c = CostModel({1: 0.036, 2: 0.039, 4: 0.045, 5: 0.047, 9: 0.070}, 0.0137)  # the specedge Qwen pair's costs
+    auto = AutoDrafter(c, PromptLookupDrafter(), model, probe_every=16)
+    auto.alpha["prompt-lookup"] = Acceptance(successes=1, failures=20)  # its matches keep failing
+    tokens = np.array([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], dtype=np.int64)  # lookup has a match every round
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    model.rows = len(tokens) - 1
+    kinds = []
+    for _ in range(40):
+        prop = auto.propose(tokens, 8, params, rng)
+        kinds.append(auto._last[0])
+        auto.commit(len(prop.tokens) if auto._last[0] == "model" else 0)  # the draft is right, lookup wrong
+    first = kinds.index("model")
+    assert first <= AutoDrafter.FIRST_PROBE, kinds
+    assert kinds[first:].count("model") >= 0.8 * len(kinds[first:]), kinds
+
+
 def test_plain_rate_counts_confirmed_free_guesses():
     c = CostModel({2: 0.1, 5: 0.2})
     assert c.rate_plain() == pytest.approx(10.0)  # 1 token per width-2 step until guesses are observed
