@@ -238,6 +238,8 @@ class AutoDrafter:
     HORIZON_CAP = 256  # tokens a request is assumed to still run at most, when spreading the draft's catch-up
     CARRY_WEIGHT = 8.0  # tokens of evidence a request inherits about the draft's acceptance
     FIRST_PROBE = 4  # plain rounds before a decoder's draft model is probed for the first time (then probe_every)
+    PROBE_ROUNDS = 3  # rounds a draft-model probe runs before its acceptance decides again
+    PROBE_K = 2  # a probe's draft length (at most): enough to measure acceptance, cheap where the draft fails
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -263,6 +265,7 @@ class AutoDrafter:
         self._plain_streak = 0
         self._probe_gap = self.probe_every
         self._probe_model_next = True
+        self._probe_left = 0
         self.rounds = {}
         self._start: int | None = None  # context length at the request's first round
 
@@ -280,7 +283,12 @@ class AutoDrafter:
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
         d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,
                    model_overhead=catchup, horizon=horizon)
-        if d.kind == "none":
+        if self._probe_left > 0 and self.model is not None:  # a draft-model probe runs PROBE_ROUNDS rounds
+            self._probe_left -= 1
+            hope = self.OPTIMISTIC_ALPHA
+            d = self._probe_size(decide(self.costs, hope, 0, hope, k, self.mode, model_overhead=catchup,
+                                        horizon=horizon))
+        elif d.kind == "none":
             self._plain_streak += 1
             untried = self.model is not None and not self.costs.model_tried
             if self._plain_streak >= (self.FIRST_PROBE if untried else self._probe_gap):
@@ -296,6 +304,9 @@ class AutoDrafter:
                 d = decide(self.costs, hope, 0 if model_turn else len(look.tokens),
                            hope if self.model is not None else None, k, self.mode, model_overhead=catchup,
                            horizon=horizon)
+                if d.kind == "model":  # one round is weak evidence (code's first draft round: 1 of 5 accepted)
+                    self._probe_left = self.PROBE_ROUNDS - 1
+                    d = self._probe_size(d)
         else:
             self._plain_streak, self._probe_gap = 0, self.probe_every
         self.rounds[d.kind] = self.rounds.get(d.kind, 0) + 1
@@ -317,6 +328,11 @@ class AutoDrafter:
             return prop
         self._last = ("none", 0)
         return EMPTY
+
+    def _probe_size(self, d: Decision) -> Decision:
+        """A probe is chosen at the draft length that would pay if the draft were good, and run shorter: it is there
+        to measure the acceptance, which a 2-token round measures as well, at half the cost where it fails."""
+        return Decision(d.kind, min(d.k, self.PROBE_K), d.rate) if d.kind == "model" else d
 
     def commit(self, n_accepted: int) -> None:
         kind, n = self._last
