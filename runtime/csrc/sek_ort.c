@@ -206,43 +206,57 @@ static OrtStatus *tensor_info(OrtApiTable api, const OrtValue *v, int want_type,
     return NULL;
 }
 
+/* Inputs 0..n-1 of a node: present, of the declared element types; their dims, ranks, element counts, data. */
+typedef struct {
+    int64_t dims[8];
+    size_t nd;
+    int64_t count;
+    void *data;
+} Input;
+
+static OrtStatus *read_inputs(OrtApiTable api, OrtKernelContext *ctx, const char *op, int n, const int *types,
+                              Input *in) {
+    for (int i = 0; i < n; i++) {
+        const OrtValue *v;
+        TRY(KernelContext_GetInput(api)(ctx, (size_t)i, &v));
+        if (!v) return fail(api, ORT_INVALID_ARGUMENT, "%s: input %d is missing", op, i);
+        TRY(tensor_info(api, v, types[i], in[i].dims, &in[i].nd, &in[i].count, i));
+        TRY(GetTensorMutableData(api)((OrtValue *)v, &in[i].data));
+    }
+    return NULL;
+}
+
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const SekKernel *k = (const SekKernel *)kernel;
     OrtApiTable api = k->api;
-    const OrtValue *in[4];
-    int64_t dims[4][8], count[4];
-    size_t nd[4];
     static const int types[4] = {T_FLOAT, T_UINT8, T_FLOAT, T_UINT8};
-    for (int i = 0; i < 4; i++) {
-        TRY(KernelContext_GetInput(api)(ctx, (size_t)i, &in[i]));
-        if (!in[i]) return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: input %lld is missing", (long long)i);
-        TRY(tensor_info(api, in[i], types[i], dims[i], &nd[i], &count[i], i));
-    }
+    Input in[4];
+    TRY(read_inputs(api, ctx, "SekMatMul", 4, types, in));
+    const Input *A = &in[0];
     const int64_t kpad = (k->k + k->blk - 1) / k->blk * k->blk, nb = kpad / k->blk;
-    if (nd[0] < 1 || dims[0][nd[0] - 1] != k->k)
-        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: A's last dimension is %lld, the weights take K = %lld", (long long)(nd[0] ? dims[0][nd[0] - 1] : -1), (long long)(k->k));
-    if (count[1] != k->n * kpad * k->bits / 8 || count[2] != k->n * nb || count[3] != k->n * nb)
-        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: packed weights hold %lld bytes, N x K at these bits needs %lld", (long long)(count[1]), (long long)(k->n * kpad * k->bits / 8));
-    const int64_t m = count[0] / k->k;
+    if (A->nd < 1 || A->dims[A->nd - 1] != k->k)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: A's last dimension is %lld, the weights take K = %lld",
+                    (long long)(A->nd ? A->dims[A->nd - 1] : -1), (long long)k->k);
+    if (in[1].count != k->n * kpad * k->bits / 8 || in[2].count != k->n * nb || in[3].count != k->n * nb)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: packed weights hold %lld bytes, N x K at these bits needs "
+                    "%lld", (long long)in[1].count, (long long)(k->n * kpad * k->bits / 8));
+    const int64_t m = A->count / k->k;
     int64_t odims[8];
-    memcpy(odims, dims[0], nd[0] * sizeof(int64_t));
-    odims[nd[0] - 1] = k->n;
+    memcpy(odims, A->dims, A->nd * sizeof(int64_t));
+    odims[A->nd - 1] = k->n;
     OrtValue *out;
-    TRY(KernelContext_GetOutput(api)(ctx, 0, odims, nd[0], &out));
+    TRY(KernelContext_GetOutput(api)(ctx, 0, odims, A->nd, &out));
     if (!out) return CreateStatus(api)(ORT_RUNTIME_EXCEPTION, "SekMatMul: no output tensor");
-    void *a, *b, *s, *z, *y;
-    TRY(GetTensorMutableData(api)((OrtValue *)in[0], &a));
-    TRY(GetTensorMutableData(api)((OrtValue *)in[1], &b));
-    TRY(GetTensorMutableData(api)((OrtValue *)in[2], &s));
-    TRY(GetTensorMutableData(api)((OrtValue *)in[3], &z));
+    void *y;
     TRY(GetTensorMutableData(api)(out, &y));
     if (m == 0) return NULL;
     void *scratch = malloc(sek_scratch_bytes(m, kpad, k->blk));
     if (!scratch) return CreateStatus(api)(ORT_FAIL, "SekMatMul: out of memory");
     sek_rows x;
-    sek_quantize((const float *)a, m, k->k, k->k, kpad, k->blk, scratch, &x,
+    sek_quantize((const float *)A->data, m, k->k, k->k, kpad, k->blk, scratch, &x,
                  k->isa == 1 || k->isa == 2 ? 1 : k->isa);
-    const sek_weights w = {(const uint8_t *)b, (const float *)s, (const uint8_t *)z, k->n, kpad, k->blk, (int)k->bits};
+    const sek_weights w = {(const uint8_t *)in[1].data, (const float *)in[2].data, (const uint8_t *)in[3].data, k->n,
+                           kpad, k->blk, (int)k->bits};
     Job job = {&x, &w, (float *)y, k->isa, k->n / 16};
     const size_t items = (size_t)((job.ntiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM);
     OrtStatus *st = KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job);
@@ -325,42 +339,37 @@ static void attn_item(void *p, size_t i) { sek_attn_row((const sek_attn_args *)p
 static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     const SekAttnKernel *k = (const SekAttnKernel *)kernel;
     OrtApiTable api = k->api;
-    const OrtValue *in[6];
-    int64_t dims[6][8], count[6];
-    size_t nd[6];
     static const int types[6] = {T_FLOAT, T_FLOAT, T_FLOAT, T_INT64, T_FLOAT, T_FLOAT};
-    for (int i = 0; i < 6; i++) {
-        TRY(KernelContext_GetInput(api)(ctx, (size_t)i, &in[i]));
-        if (!in[i]) return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: input %lld is missing", (long long)i);
-        TRY(tensor_info(api, in[i], types[i], dims[i], &nd[i], &count[i], i));
-    }
-    if (nd[0] != 3 || dims[0][0] != 1 || nd[1] != 4 || nd[2] != 4 || nd[4] != 2 || count[3] != 1)
+    Input in[6];
+    TRY(read_inputs(api, ctx, "SekAttention", 6, types, in));
+    if (in[0].nd != 3 || in[0].dims[0] != 1 || in[1].nd != 4 || in[1].dims[0] != 1 || in[2].nd != 4 || in[4].nd != 2 ||
+        in[3].count != 1)
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: expects qkv [1, T, W] (got rank %lld), caches "
-                    "[1, kv_heads, S, d] (rank %lld), past_len [1], cos/sin [positions, d/2]", (long long)((int64_t)nd[0]), (long long)((int64_t)nd[1]));
-    const int64_t T = dims[0][1], d = dims[1][3], S = dims[1][2];
-    if (dims[1][1] != k->hkv || dims[0][2] != (k->hq + 2 * k->hkv) * d || d % 2 || d > 512 ||
-        count[2] != count[1] || dims[4][1] != d / 2 || count[5] != count[4])
+                    "[1, kv_heads, S, d] (rank %lld), past_len [1], cos/sin [positions, d/2]", (long long)in[0].nd,
+                    (long long)in[1].nd);
+    const int64_t T = in[0].dims[1], d = in[1].dims[3], S = in[1].dims[2], positions = in[4].dims[0];
+    if (in[1].dims[1] != k->hkv || in[0].dims[2] != (k->hq + 2 * k->hkv) * d || d % 2 || d > 512 ||
+        in[2].count != in[1].count || in[4].dims[1] != d / 2 || in[5].count != in[4].count)
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: qkv width %lld or head dim %lld disagree with the "
-                    "heads, the caches or the rotary tables", (long long)(dims[0][2]), (long long)(d));
-    void *p[6];
-    for (int i = 0; i < 6; i++) TRY(GetTensorMutableData(api)((OrtValue *)in[i], &p[i]));
-    const int64_t past_len = *(const int64_t *)p[3];
-    if (past_len < 0 || past_len + T > S || past_len + T > dims[4][0])
-        return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: positions up to %lld do not fit the cache (%lld rows)", (long long)(past_len + T), (long long)(S < dims[4][0] ? S : dims[4][0]));
+                    "heads, the caches or the rotary tables", (long long)in[0].dims[2], (long long)d);
+    const int64_t past_len = *(const int64_t *)in[3].data;
+    if (past_len < 0 || past_len + T > S || past_len + T > positions)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: positions up to %lld do not fit the cache (%lld rows)",
+                    (long long)(past_len + T), (long long)(S < positions ? S : positions));
     const int64_t odims[3] = {1, T, k->hq * d};
     OrtValue *out[3];
     TRY(KernelContext_GetOutput(api)(ctx, 0, odims, 3, &out[0]));
-    TRY(KernelContext_GetOutput(api)(ctx, 1, dims[1], 4, &out[1]));
-    TRY(KernelContext_GetOutput(api)(ctx, 2, dims[2], 4, &out[2]));
+    TRY(KernelContext_GetOutput(api)(ctx, 1, in[1].dims, 4, &out[1]));
+    TRY(KernelContext_GetOutput(api)(ctx, 2, in[2].dims, 4, &out[2]));
     void *o[3];
     for (int i = 0; i < 3; i++) {
         if (!out[i]) return CreateStatus(api)(ORT_RUNTIME_EXCEPTION, "SekAttention: no output tensor");
         TRY(GetTensorMutableData(api)(out[i], &o[i]));
     }
     for (int i = 1; i < 3; i++) /* not bound in place: start from a copy of the past */
-        if (o[i] != p[i]) memcpy(o[i], p[i], (size_t)count[i] * sizeof(float));
-    sek_attn_args a = {(const float *)p[0], (float *)o[1], (float *)o[2], (const float *)p[4], (const float *)p[5],
-                       (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale};
+        if (o[i] != in[i].data) memcpy(o[i], in[i].data, (size_t)in[i].count * sizeof(float));
+    sek_attn_args a = {(const float *)in[0].data, (float *)o[1], (float *)o[2], (const float *)in[4].data,
+                       (const float *)in[5].data, (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale};
     if (T == 0) return NULL;
     sek_attn_store(&a);
     return KernelContext_ParallelFor(api)(ctx, attn_item, (size_t)(T * k->hq), 0, &a);
