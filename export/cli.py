@@ -107,7 +107,7 @@ def presets() -> None:
                    "step that costs little more than one token on a CPU (ONNX Runtime only; README, Weight formats); "
                    "or specedge: every matrix through specedge's own CPU kernel (compiled with the machine's C "
                    "compiler on first use): rows the same at every step width, odd ones included, and multi-token "
-                   "steps that read each weight once (GGUF Q4_1/Q4_K blocks are re-quantized; CPU only).")
+                   "steps that read each weight once (GGUF blocks carried as for matmulnbits; CPU only).")
 @click.option("--intgemm-activations", type=click.Choice(["8", "16"]), default="8", show_default=True,
               help="--quant-form intgemm: activations per row as one uint8 row with 7-bit weights (8), or as two "
                    "7-bit parts, the row and its rounding residual, with 8-bit weights (16: ~13-bit activations for "

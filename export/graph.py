@@ -33,7 +33,7 @@ from specedge.runtime.manifest import (INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, S
 from .attention import KV_MODES, InplaceGqaAttention, PortableAttention, SekInplaceAttention
 from .families import ModelConfig
 from .loaders import WeightSource
-from .quant import (GGUF_OFFSET_TYPES, GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows,
+from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows,
                     dequantize, pack_int4, positive_scales, quantize, quantize_channels, rel_error, repack_gguf,
                     sek_pack, signed_values)
 
@@ -263,8 +263,6 @@ class _Linears:
         --no-gguf-exact: only Q4_0 / Q8_0, and only at the requested width. exact_width (an explicit --lm-head):
         only a type whose exact form has the requested width; any other is re-quantized to it."""
         if raw is None or raw[0] not in GGUF_REPACKABLE or not spec.symmetric or spec.block != 32:
-            return False
-        if self.fmt.specedge and raw[0] in GGUF_OFFSET_TYPES:  # the specedge kernel has no float offsets
             return False
         if self.fmt.gguf_exact:
             return not exact_width or GGUF_REPACKABLE[raw[0]][2] == spec.bits

@@ -323,11 +323,10 @@ def sek_pack(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """A MatMulNBits-form matrix in the layout of specedge's kernel (runtime/csrc/sek_gemm.c): tiles of 16
     output columns; per tile and block, 64-byte chunks — 4-bit: chunk j, byte 4c+t holds column c's level at
     k = 8j+t (low nibble) and 8j+4+t (high); 8-bit: chunk g, byte 4c+t holds k = 4g+t. Scales fp32 and zero
-    points uint8, both [N/16, k_blocks, 16] (a symmetric matrix gets its implicit 2^(bits-1)). N is padded to
-    whole tiles with zero columns (scale 0); the graph slices them off. Returns (b, scales, zero points, padded N).
-    Float offsets (GGUF Q4_1/Q4_K) have no place in this form: the caller re-quantizes those."""
-    if p.offsets is not None:
-        raise UnsupportedModelError("the specedge kernel takes no float offsets (GGUF Q4_1/Q4_K): re-quantize")
+    points uint8, both [N/16, k_blocks, 16] (a symmetric matrix gets its implicit 2^(bits-1)). A matrix with float
+    offsets (GGUF Q4_1/Q4_K: w = s (q - z) + o) gets fp32 zero-point products instead, zs = z s - o (computed in
+    float64, rounded once: w = s q - zs; for Q4_K, zs is dmin m up to that rounding of o). N is padded to whole
+    tiles with zero columns (scale 0); the graph slices them off. Returns (b, scales, zero points, padded N)."""
     if p.block % 16 or not 16 <= p.block <= 256:
         raise UnsupportedModelError(f"the specedge kernel takes blocks of 16..256 values (multiples of 16), got {p.block}")
     q = _unpack_nibbles(p.b) if p.bits == 4 else p.b  # [N, kb, block]
@@ -337,10 +336,12 @@ def sek_pack(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     else:
         zp = (_unpack_nibbles(p.zero_points)[:, :kb] if p.bits == 4 else p.zero_points).astype(np.uint8)
     scales = p.scales
+    if p.offsets is not None:
+        zp = (zp.astype(np.float64) * scales.astype(np.float64) - p.offsets.astype(np.float64)).astype(np.float32)
     n_pad = -(-n // SEK_TILE) * SEK_TILE
     if n_pad != n:
         q = np.concatenate([q, np.zeros((n_pad - n, kb, blk), np.uint8)])
-        zp = np.concatenate([zp, np.zeros((n_pad - n, kb), np.uint8)])
+        zp = np.concatenate([zp, np.zeros((n_pad - n, kb), zp.dtype)])
         scales = np.concatenate([scales, np.zeros((n_pad - n, kb), np.float32)])
     tiles = n_pad // SEK_TILE
     if p.bits == 4:  # [tile, c, kb, j, half, t] -> [tile, kb, j, c, t, half]
@@ -408,8 +409,8 @@ class WeightFormat:
     intgemm_smooth: float = 0.0
     # specedge: every quantized matrix (4- and 8-bit blocks, the lm_head included) runs specedge's own kernel,
     # ai.specedge::SekMatMul (runtime/csrc/sek_gemm.c, built on first use): rows batch-invariant at every width,
-    # odd ones and width 1 included, and a multi-token step that reads each weight once. GGUF Q4_1/Q4_K blocks
-    # (which need float offsets) are re-quantized; ONNX Runtime on CPU only.
+    # odd ones and width 1 included, and a multi-token step that reads each weight once. GGUF blocks are carried
+    # as in the MatMulNBits form (Q4_1/Q4_K's offsets folded into fp32 zero-point products); CPU ONNX Runtime only.
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:

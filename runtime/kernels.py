@@ -100,8 +100,8 @@ class Kernel:
     """The same C code through ctypes, for tests and tools: ``gemm(a, packed, isa)`` without ONNX Runtime."""
 
     class _Weights(ctypes.Structure):
-        _fields_ = [("b", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p), ("n", ctypes.c_int64),
-                    ("k", ctypes.c_int64), ("blk", ctypes.c_int64), ("bits", ctypes.c_int)]
+        _fields_ = [("b", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p), ("zs", ctypes.c_void_p),
+                    ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("blk", ctypes.c_int64), ("bits", ctypes.c_int)]
 
     def __init__(self) -> None:
         self.lib = ctypes.CDLL(str(library_path()))
@@ -114,12 +114,15 @@ class Kernel:
         return [name for bit, name in ISA_NAMES.items() if mask & (1 << bit)]
 
     def gemm(self, a, b, s, z, n: int, k_pad: int, block: int, bits: int, isa: str = "best"):
-        """a [M, K] float32 (K <= k_pad) @ the packed weights -> [M, n] float32."""
+        """a [M, K] float32 (K <= k_pad) @ the packed weights -> [M, n] float32 (z: uint8 zero points, or fp32
+        zero-point products, as quant.sek_pack made them)."""
         import numpy as np
 
         a = np.ascontiguousarray(a, dtype=np.float32)
         y = np.empty((a.shape[0], n), dtype=np.float32)
-        w = self._Weights(b.ctypes.data, s.ctypes.data, z.ctypes.data, n, k_pad, block, bits)
+        byte_zp = z.dtype == np.uint8
+        w = self._Weights(b.ctypes.data, s.ctypes.data, z.ctypes.data if byte_zp else None,
+                          None if byte_zp else z.ctypes.data, n, k_pad, block, bits)
         code = {"best": 0, **{v: k for k, v in ISA_NAMES.items()}}[isa]
         rc = self.lib.sek_gemm(a.ctypes.data, a.shape[0], a.shape[1], ctypes.byref(w), y.ctypes.data, code)
         if rc:

@@ -3,7 +3,8 @@
  * Y[M, N] = A[M, K] @ W[N, K]^T, for the few rows of a decode or verify step (M = 1..16; more works).
  *
  * Weights: b-bit unsigned levels q (b = 4 or 8) in blocks of `blk` along K, with a per-(column, block) fp32
- * scale s and uint8 zero point z: w = s * (q - z).
+ * scale s and uint8 zero point z: w = s * (q - z) — or, for blocks whose zero is not an integer level (GGUF
+ * Q4_K, Q4_1), the fp32 product zs standing for z * s: w = s * q - zs.
  * Activations: quantized per (row, block) to int8, symmetric: sa = max|a| / 127, qa = round-half-even(a / sa)
  * (computed as a * (127 / max|a|)).
  * Per (row, column, block): acc = sum_k qa * q, an exact int32. Then, block after block in order, in fp32:
@@ -18,7 +19,7 @@
  *   4-bit: blk/8 chunks; chunk j, byte 4c+t: low nibble q[c][8j+t], high nibble q[c][8j+4+t]
  *   8-bit: blk/4 chunks; chunk g, byte 4c+t: q[c][4g+t]
  * so one 64-byte chunk feeds a 512-bit dot-product instruction (16 columns x 4 k) against 4 activation bytes
- * broadcast. Scales: fp32 [N/16][K/blk][16]; zero points: uint8 [N/16][K/blk][16].
+ * broadcast. Scales: fp32 [N/16][K/blk][16]; zero points: uint8 (or zs: fp32) [N/16][K/blk][16].
  * Requires N % 16 == 0, blk % 16 == 0, blk <= 256; K is padded to whole blocks (zero weights, zero activations).
  */
 #include <math.h>
@@ -50,9 +51,11 @@ typedef struct {
 } sek_rows;
 
 typedef struct {
-    const uint8_t *b; /* packed levels, layout above */
-    const float *s;   /* [N/16][K/blk][16] */
-    const uint8_t *z; /* [N/16][K/blk][16] */
+    const uint8_t *b;  /* packed levels, layout above */
+    const float *s;    /* [N/16][K/blk][16] */
+    const uint8_t *z;  /* [N/16][K/blk][16] integer zero points, or NULL when zs is given */
+    const float *zs;   /* [N/16][K/blk][16] z * s as fp32, for blocks whose zero is not an integer level (GGUF
+                        * Q4_K / Q4_1: w = s q - dmin m); NULL when z is given */
     int64_t n, k, blk;
     int bits;
 } sek_weights;
@@ -167,9 +170,10 @@ static void tile_scalar(const sek_rows *x, const sek_weights *w, float *y, int64
             const float *s = w->s + (tile * nb + b) * SEK_TILE;
             const uint8_t *z = w->z + (tile * nb + b) * SEK_TILE;
             const float sa = x->sa[r * nb + b], sasum = x->sasum[r * nb + b];
+            const float *zs = w->zs ? w->zs + (tile * nb + b) * SEK_TILE : NULL;
             for (int c = 0; c < SEK_TILE; c++) {
                 acc_f[c] = fmaf((float)acc[c], s[c] * sa, acc_f[c]);
-                acc_f[c] = fmaf(-((float)z[c] * s[c]), sasum, acc_f[c]);
+                acc_f[c] = fmaf(-(zs ? zs[c] : (float)z[c] * s[c]), sasum, acc_f[c]);
             }
         }
         memcpy(y + r * ldy + tile * SEK_TILE, acc_f, sizeof acc_f);
@@ -231,8 +235,9 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
         for (int t = 0; t < NT; t++) {
             const int64_t o = ((tile + t) * nb + b) * SEK_TILE;
             const __m512 s = _mm512_loadu_ps(w->s + o);
-            const __m512 zs =
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->z + o)))), s);
+            const __m512 zs = w->zs ? _mm512_loadu_ps(w->zs + o)
+                                    : _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                        _mm_loadu_si128((const __m128i *)(w->z + o)))), s);
             for (int r = 0; r < R; r++) {
                 const __m512 ss = _mm512_mul_ps(s, _mm512_set1_ps(sa[r * nb + b]));
                 __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), ss, _mm512_load_ps(yv[r][t]));
@@ -327,8 +332,9 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
         const int64_t o = (tile * nb + b) * SEK_TILE;
         for (int h = 0; h < 2; h++) {
             const __m256 s = _mm256_loadu_ps(w->s + o + 8 * h);
-            const __m256 zs = _mm256_mul_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->z + o + 8 * h)))), s);
+            const __m256 zs = w->zs ? _mm256_loadu_ps(w->zs + o + 8 * h)
+                                    : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                        _mm_loadl_epi64((const __m128i *)(w->z + o + 8 * h)))), s);
             for (int r = 0; r < R; r++) {
                 const __m256 ss = _mm256_mul_ps(s, _mm256_set1_ps(sa[r * nb + b]));
                 yv[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), ss, yv[r][h]);

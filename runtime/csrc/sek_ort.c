@@ -1,6 +1,7 @@
 /* ONNX Runtime custom-op glue for sek_gemm.c: the op ai.specedge::SekMatMul on the CPU execution provider.
  *
- *   Y[..., N] = SekMatMul(A[..., K] fp32, B uint8 (packed levels), S fp32 (scales), Z uint8 (zero points))
+ *   Y[..., N] = SekMatMul(A[..., K] fp32, B uint8 (packed levels), S fp32 (scales),
+ *                         Z uint8 (zero points) or fp32 (z * s, for GGUF Q4_K / Q4_1 blocks))
  *   attributes: K (A's last dimension), N (a multiple of 16), bits (4 | 8), block_size (16..256, a multiple of 16)
  *
  * A's rows are quantized once in the calling thread; column tiles are spread over the session's intra-op
@@ -29,6 +30,7 @@ typedef struct {
     const uint8_t *b;
     const float *s;
     const uint8_t *z;
+    const float *zs;
     int64_t n, k, blk;
     int bits;
 } sek_weights;
@@ -67,7 +69,7 @@ typedef struct {
 
 enum { API_VERSION = 17 }; /* the table we ask for; every slot below exists from 17 on */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
-enum { T_FLOAT = 1, T_UINT8 = 2, T_INT64 = 7 };
+enum { T_ANY = 0, T_FLOAT = 1, T_UINT8 = 2, T_INT64 = 7 };
 
 #define SLOT(api, i, T) ((T)((api)[i]))
 #define CreateStatus(api) SLOT(api, 0, OrtStatus * (*)(int, const char *))
@@ -150,7 +152,7 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
         return st;
     }
     const int64_t kpad = (k->k + k->blk - 1) / (k->blk > 0 ? k->blk : 1) * k->blk;
-    sek_weights w = {NULL, NULL, NULL, k->n, kpad, k->blk, (int)k->bits};
+    sek_weights w = {NULL, NULL, NULL, NULL, k->n, kpad, k->blk, (int)k->bits};
     if (k->k <= 0 || sek_check(&w)) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
                             "SekMatMul: unsupported shape (N %lld must be a multiple of 16, K %lld > 0; bits 4 or 8; "
@@ -189,11 +191,12 @@ static void run_item(void *p, size_t i) {
 }
 
 static OrtStatus *tensor_info(OrtApiTable api, const OrtValue *v, int want_type, int64_t *dims, size_t *nd,
-                              int64_t *count, int index) {
+                              int64_t *count, int index, int *type_out) {
     OrtTensorTypeAndShapeInfo *info;
     TRY(GetTensorTypeAndShape(api)(v, &info));
     int type = 0;
     OrtStatus *st = GetTensorElementType(api)(info, &type);
+    if (!st && want_type == T_ANY) want_type = type;
     if (!st) st = GetDimensionsCount(api)(info, nd);
     if (!st && *nd > 8) st = fail(api, ORT_INVALID_ARGUMENT, "specedge op: input %lld has %lld dimensions (at most 8)", (long long)(index), (long long)((int64_t)*nd));
     if (!st) st = GetDimensions(api)(info, dims, *nd);
@@ -201,6 +204,7 @@ static OrtStatus *tensor_info(OrtApiTable api, const OrtValue *v, int want_type,
     if (st) return st;
     if (type != want_type)
         return fail(api, ORT_INVALID_ARGUMENT, "specedge op: input %lld has element type %lld (expected float32, uint8 or int64 as documented)", (long long)(index), (long long)(type));
+    *type_out = type;
     *count = 1;
     for (size_t i = 0; i < *nd; i++) *count *= dims[i];
     return NULL;
@@ -212,6 +216,7 @@ typedef struct {
     size_t nd;
     int64_t count;
     void *data;
+    int type;
 } Input;
 
 static OrtStatus *read_inputs(OrtApiTable api, OrtKernelContext *ctx, const char *op, int n, const int *types,
@@ -220,7 +225,7 @@ static OrtStatus *read_inputs(OrtApiTable api, OrtKernelContext *ctx, const char
         const OrtValue *v;
         TRY(KernelContext_GetInput(api)(ctx, (size_t)i, &v));
         if (!v) return fail(api, ORT_INVALID_ARGUMENT, "%s: input %d is missing", op, i);
-        TRY(tensor_info(api, v, types[i], in[i].dims, &in[i].nd, &in[i].count, i));
+        TRY(tensor_info(api, v, types[i], in[i].dims, &in[i].nd, &in[i].count, i, &in[i].type));
         TRY(GetTensorMutableData(api)((OrtValue *)v, &in[i].data));
     }
     return NULL;
@@ -229,7 +234,7 @@ static OrtStatus *read_inputs(OrtApiTable api, OrtKernelContext *ctx, const char
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const SekKernel *k = (const SekKernel *)kernel;
     OrtApiTable api = k->api;
-    static const int types[4] = {T_FLOAT, T_UINT8, T_FLOAT, T_UINT8};
+    static const int types[4] = {T_FLOAT, T_UINT8, T_FLOAT, T_ANY};
     Input in[4];
     TRY(read_inputs(api, ctx, "SekMatMul", 4, types, in));
     const Input *A = &in[0];
@@ -237,6 +242,9 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     if (A->nd < 1 || A->dims[A->nd - 1] != k->k)
         return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: A's last dimension is %lld, the weights take K = %lld",
                     (long long)(A->nd ? A->dims[A->nd - 1] : -1), (long long)k->k);
+    if (in[3].type != T_UINT8 && in[3].type != T_FLOAT)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: zero points are uint8 levels or fp32 products z * s, not "
+                    "element type %d", in[3].type);
     if (in[1].count != k->n * kpad * k->bits / 8 || in[2].count != k->n * nb || in[3].count != k->n * nb)
         return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: packed weights hold %lld bytes, N x K at these bits needs "
                     "%lld", (long long)in[1].count, (long long)(k->n * kpad * k->bits / 8));
@@ -255,8 +263,10 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     sek_rows x;
     sek_quantize((const float *)A->data, m, k->k, k->k, kpad, k->blk, scratch, &x,
                  k->isa == 1 || k->isa == 2 ? 1 : k->isa);
-    const sek_weights w = {(const uint8_t *)in[1].data, (const float *)in[2].data, (const uint8_t *)in[3].data, k->n,
-                           kpad, k->blk, (int)k->bits};
+    const int byte_zp = in[3].type == T_UINT8;
+    const sek_weights w = {(const uint8_t *)in[1].data, (const float *)in[2].data,
+                           byte_zp ? (const uint8_t *)in[3].data : NULL, byte_zp ? NULL : (const float *)in[3].data,
+                           k->n, kpad, k->blk, (int)k->bits};
     Job job = {&x, &w, (float *)y, k->isa, k->n / 16};
     const size_t items = (size_t)((job.ntiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM);
     OrtStatus *st = KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job);
@@ -267,7 +277,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
 static void destroy(void *kernel) { free(kernel); }
 static const char *op_name(const void *op) { (void)op; return "SekMatMul"; }
 static const char *op_ep(const void *op) { (void)op; return NULL; } /* NULL: the CPU execution provider */
-static int in_type(const void *op, size_t i) { (void)op; return i == 1 || i == 3 ? T_UINT8 : T_FLOAT; }
+static int in_type(const void *op, size_t i) { (void)op; return i == 1 ? T_UINT8 : i == 3 ? T_ANY : T_FLOAT; }
 static size_t in_count(const void *op) { (void)op; return 4; }
 static int out_type(const void *op, size_t i) { (void)op; (void)i; return T_FLOAT; }
 static size_t out_count(const void *op) { (void)op; return 1; }

@@ -390,6 +390,21 @@ def test_specedge_bundles_decode_plainly_at_width_one_and_speculation_is_exact(q
             assert dec.generate(prompt, sampled, drafter=drafter, k=k).token_ids == seeded, (prompt, drafter)
 
 
+def test_the_specedge_form_carries_gguf_blocks_with_offsets(tiny_llama, tmp_path):
+    """Q4_1 (float offsets) and Q8_0 blocks go into specedge's kernel as they are (Q4_1's offsets as fp32 zero-point
+    products), and the bundle decodes with speculation exactly."""
+    gg = tmp_path / "m.gguf"
+    write_tiny_gguf(tiny_llama, gg, {**{name: Q.Q4_1 for name in ALL_LINEAR}, "ffn_down": Q.Q8_0})
+    dec = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "s",
+                                         _opts("int4", "ort-inplace", form="specedge")).out)
+    info = dec.manifest.target.quant
+    assert info["format"] == "SekMatMul" and info["repacked_from_gguf"] == 2 * 7 + 1 and info["requantized"] == 0
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = dec.generate(PROMPTS[1], params, drafter="none").token_ids
+    for k in (1, 4):
+        assert dec.generate(PROMPTS[1], params, drafter="prompt-lookup", k=k).token_ids == plain
+
+
 def test_the_specedge_form_refuses_what_its_kernel_cannot_run():
     with pytest.raises(UnsupportedModelError, match="fp32 lm_head"):
         WeightFormat("int4", form="specedge", lm_head="fp32")

@@ -51,6 +51,9 @@ def _reference(a: np.ndarray, p, block: int) -> np.ndarray:
     n, kb, _ = q.shape
     zp = (np.full((n, kb), 1 << (p.bits - 1)) if p.zero_points is None else
           (_unpack_nibbles(p.zero_points)[:, :kb] if p.bits == 4 else p.zero_points)).astype(np.int64)
+    # the zero point's product with the scale: z * s in fp32, or with offsets (GGUF Q4_K) z * s - o rounded once
+    zs_all = (np.float32(zp.astype(np.float32) * p.scales) if p.offsets is None
+              else (zp * p.scales.astype(np.float64) - p.offsets.astype(np.float64)).astype(np.float32))
     a_pad = np.zeros((a.shape[0], kb * block), np.float32)
     a_pad[:, : a.shape[1]] = a
     y = np.zeros((a.shape[0], n), np.float32)
@@ -67,8 +70,7 @@ def _reference(a: np.ndarray, p, block: int) -> np.ndarray:
                 s = p.scales[c, b]
                 y[r, c] = _f32(Fraction(float(np.float32(acc))) * Fraction(float(np.float32(s * sa)))
                                + Fraction(float(y[r, c])))
-                zs = np.float32(np.float32(zp[c, b]) * s)
-                y[r, c] = _f32(-Fraction(float(zs)) * Fraction(float(sasum)) + Fraction(float(y[r, c])))
+                y[r, c] = _f32(-Fraction(float(zs_all[c, b])) * Fraction(float(sasum)) + Fraction(float(y[r, c])))
     return y
 
 
@@ -115,12 +117,43 @@ def test_the_kernel_is_close_to_the_dequantized_product(kernel):
 
 def test_packing_refuses_what_the_kernel_cannot_hold():
     w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
-    p = quantize(w, QuantSpec(4, 32))
-    p.offsets = np.zeros((16, 2), np.float32)
-    with pytest.raises(UnsupportedModelError, match="offsets"):
-        sek_pack(p)
     with pytest.raises(UnsupportedModelError, match="16..256"):
         sek_pack(quantize(w[:, :64], QuantSpec(4, 512)))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_1"])
+def test_gguf_blocks_with_offsets_run_exactly_through_the_kernel(kernel, type_name):
+    """GGUF Q4_K / Q4_1 (w = d sc q - dmin m) are carried with their zero-point products in fp32: the kernel's
+    arithmetic on them is exactly the documented one (exact-rational reference), and the weights it stands for are
+    gguf's own dequantization up to one fp32 rounding of the offset."""
+    import gguf
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from specedge.export.quant import GGUF_REPACKABLE, repack_gguf
+
+    block, nbytes, _ = GGUF_REPACKABLE[type_name]
+    rng = np.random.default_rng(3)
+    n, kb = 32, 1 if type_name == "Q4_K" else 4
+    raw = rng.integers(0, 256, size=(n, kb, nbytes), dtype=np.uint8)
+    for a in (0, 2):  # finite fp16 d and dmin / m
+        raw[..., a:a + 2] = np.frombuffer(rng.uniform(-0.02, 0.02, n * kb).astype(np.float16).tobytes(),
+                                          np.uint8).reshape(n, kb, 2)
+    raw = raw.reshape(n, kb * nbytes)
+    ref_w = gguf_dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, -1)
+    p = repack_gguf(type_name, raw)
+    b, s, zs, n_pad = sek_pack(p)
+    assert zs.dtype == np.float32
+    from specedge.export.quant import _unpack_nibbles
+
+    q = _unpack_nibbles(p.b).astype(np.float64)  # [N, kb32, 32]
+    w = q * p.scales[..., None] - zs.transpose(0, 2, 1).reshape(n_pad, -1)[:n, :, None]  # what the kernel stands for
+    np.testing.assert_allclose(w.reshape(n, -1), ref_w, rtol=0, atol=1e-6 * np.abs(ref_w).max())
+    a = rng.standard_normal((3, p.k)).astype(np.float32)
+    ref = _reference(a, p, 32)
+    for isa in kernel.isas():
+        assert np.array_equal(kernel.gemm(a, b, s, zs, n_pad, p.k, 32, 4, isa)[:, :n], ref), isa
+    y = _session(_model(b, s, zs, p.k, n_pad, 4, 32)).run(None, {"x": a[None]})[0][0]  # fp32 zero points in ORT
+    assert np.array_equal(y[:, :n], ref)
 
 
 def _model(b, s, z, k: int, n: int, bits: int, block: int, **attrs) -> bytes:
