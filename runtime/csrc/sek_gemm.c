@@ -33,6 +33,15 @@
 #define SEK_TILE 16
 #define SEK_RMAX 10 /* rows per pass (AVX512): a verify step of up to 10 rows unpacks each weight chunk once */
 #define SEK_BLK_MAX 256
+/* the row and tile loops run a constant number of times per inlined copy: unrolled, their accumulators stay in
+ * registers (GCC's default peeling stops short of 9-10 rows, and a 9-row step then cost ~2x per row) */
+#if defined(__clang__)
+#define SEK_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define SEK_UNROLL _Pragma("GCC unroll 16")
+#else
+#define SEK_UNROLL
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SEK_HAVE_VNNI512 1
@@ -197,23 +206,28 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
     memset(yv, 0, sizeof yv);
     for (int64_t b = 0; b < nb; b++) {
         __m512i acc[SEK_RMAX][2];
+        SEK_UNROLL
         for (int r = 0; r < R; r++)
+            SEK_UNROLL
             for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_si512();
         const uint8_t *bp[2] = {w->b + (tile * nb + b) * bstride, w->b + ((tile + 1) * nb + b) * bstride};
         if (w->bits == 4) {
             for (int64_t j = 0; j < blk / 8; j++) {
                 __m512i lo[2], hi[2];
+                SEK_UNROLL
                 for (int t = 0; t < NT; t++) {
                     __m512i v = _mm512_loadu_si512(bp[t] + j * 64);
                     lo[t] = _mm512_and_si512(v, mask);
                     hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
                 }
+                SEK_UNROLL
                 for (int r = 0; r < R; r++) {
                     const int8_t *a = qa + r * K + b * blk + 8 * j;
                     int32_t a0, a1;
                     memcpy(&a0, a, 4);
                     memcpy(&a1, a + 4, 4);
                     const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
+                    SEK_UNROLL
                     for (int t = 0; t < NT; t++) {
                         acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], va0);
                         acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], va1);
@@ -223,21 +237,26 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
         } else {
             for (int64_t g = 0; g < blk / 4; g++) {
                 __m512i v[2];
+                SEK_UNROLL
                 for (int t = 0; t < NT; t++) v[t] = _mm512_loadu_si512(bp[t] + g * 64);
+                SEK_UNROLL
                 for (int r = 0; r < R; r++) {
                     int32_t a0;
                     memcpy(&a0, qa + r * K + b * blk + 4 * g, 4);
                     const __m512i va = _mm512_set1_epi32(a0);
+                    SEK_UNROLL
                     for (int t = 0; t < NT; t++) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], v[t], va);
                 }
             }
         }
+        SEK_UNROLL
         for (int t = 0; t < NT; t++) {
             const int64_t o = ((tile + t) * nb + b) * SEK_TILE;
             const __m512 s = _mm512_loadu_ps(w->s + o);
             const __m512 zs = w->zs ? _mm512_loadu_ps(w->zs + o)
                                     : _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                                         _mm_loadu_si128((const __m128i *)(w->z + o)))), s);
+            SEK_UNROLL
             for (int r = 0; r < R; r++) {
                 const __m512 ss = _mm512_mul_ps(s, _mm512_set1_ps(sa[r * nb + b]));
                 __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), ss, _mm512_load_ps(yv[r][t]));
@@ -245,7 +264,9 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
             }
         }
     }
+    SEK_UNROLL
     for (int r = 0; r < R; r++)
+        SEK_UNROLL
         for (int t = 0; t < NT; t++) memcpy(y + (r0 + r) * ldy + (tile + t) * SEK_TILE, yv[r][t], sizeof yv[r][t]);
 }
 
@@ -284,25 +305,30 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
     const int8_t *qa = x->qa + r0 * K;
     const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
     __m256 yv[SEK_R2][2];
+    SEK_UNROLL
     for (int r = 0; r < R; r++) yv[r][0] = yv[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i acc[SEK_R2][2];
+        SEK_UNROLL
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
         const uint8_t *bp = w->b + (tile * nb + b) * bstride;
         if (w->bits == 4) {
             for (int64_t j = 0; j < blk / 8; j++) {
                 __m256i lo[2], hi[2];
+                SEK_UNROLL
                 for (int h = 0; h < 2; h++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(bp + j * 64 + 32 * h));
                     lo[h] = _mm256_and_si256(v, mask);
                     hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 }
+                SEK_UNROLL
                 for (int r = 0; r < R; r++) {
                     const int8_t *a = qa + r * K + b * blk + 8 * j;
                     int32_t a0, a1;
                     memcpy(&a0, a, 4);
                     memcpy(&a1, a + 4, 4);
                     const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
+                    SEK_UNROLL
                     for (int h = 0; h < 2; h++) {
                         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va0), _mm256_maddubs_epi16(hi[h], va1));
                         acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
@@ -312,15 +338,18 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
         } else {
             for (int64_t g = 0; g < blk / 4; g++) {
                 __m256i lo[2], hi[2];
+                SEK_UNROLL
                 for (int h = 0; h < 2; h++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(bp + g * 64 + 32 * h));
                     lo[h] = _mm256_and_si256(v, mask);
                     hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 }
+                SEK_UNROLL
                 for (int r = 0; r < R; r++) {
                     int32_t a0;
                     memcpy(&a0, qa + r * K + b * blk + 4 * g, 4);
                     const __m256i va = _mm256_set1_epi32(a0);
+                    SEK_UNROLL
                     for (int h = 0; h < 2; h++) {
                         __m256i dlo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], va), ones);
                         __m256i dhi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], va), ones);
@@ -330,11 +359,13 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
             }
         }
         const int64_t o = (tile * nb + b) * SEK_TILE;
+        SEK_UNROLL
         for (int h = 0; h < 2; h++) {
             const __m256 s = _mm256_loadu_ps(w->s + o + 8 * h);
             const __m256 zs = w->zs ? _mm256_loadu_ps(w->zs + o + 8 * h)
                                     : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                         _mm_loadl_epi64((const __m128i *)(w->z + o + 8 * h)))), s);
+            SEK_UNROLL
             for (int r = 0; r < R; r++) {
                 const __m256 ss = _mm256_mul_ps(s, _mm256_set1_ps(sa[r * nb + b]));
                 yv[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), ss, yv[r][h]);
@@ -342,7 +373,9 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
             }
         }
     }
+    SEK_UNROLL
     for (int r = 0; r < R; r++)
+        SEK_UNROLL
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (r0 + r) * ldy + tile * SEK_TILE + 8 * h, yv[r][h]);
 }
 
