@@ -113,7 +113,23 @@ def report(root: Path = Path("/")) -> dict[str, Any]:
         "onnxruntime": ort_version, "ort_providers": providers,
     }
     rep["backends"] = backend_verdicts(rep)
+    rep["specedge_kernels"] = kernels_info() if root == Path("/") else {"ok": False, "why": "not probed (fake root)"}
     return rep
+
+
+def kernels_info() -> dict[str, Any]:
+    """Whether specedge's own CPU kernels (--quant-form specedge) build and load here, and which paths they have."""
+    from .errors import BackendUnavailableError
+    from .kernels import Kernel, library_path
+
+    try:
+        path = library_path()
+        isas = Kernel().isas()
+    except BackendUnavailableError as e:
+        return {"ok": False, "why": str(e).splitlines()[0]}
+    except OSError as e:  # the built library does not load
+        return {"ok": False, "why": f"the kernel library does not load: {e}"}
+    return {"ok": True, "isas": isas, "library": str(path)}
 
 
 def _cpu_info() -> dict[str, Any]:
@@ -198,6 +214,13 @@ def format_report(rep: dict[str, Any]) -> str:
         lines.append(f"gpu         none usable: {c.get('why')}")
     lines.append(f"tensorrt    {rep['tensorrt'] or 'not installed'}; polygraphy {rep['polygraphy'] or 'not installed'}")
     lines.append(f"onnxruntime {rep['onnxruntime'] or 'not installed'}: {', '.join(rep['ort_providers']) or '-'}")
+    k = rep.get("specedge_kernels") or {}
+    if k.get("ok"):
+        fast = [i for i in k["isas"] if i != "scalar"]
+        lines.append(f"sek kernels built ({', '.join(k['isas'])}): --quant-form specedge bundles run here"
+                     + ("" if fast else ", on the portable C path only (slow: no AVX2/AVX512-VNNI path for this CPU)"))
+    else:
+        lines.append(f"sek kernels no: {k.get('why', 'not probed')} (--quant-form specedge bundles cannot run)")
     lines.append("backends")
     for name, v in rep["backends"].items():
         lines.append(f"  {name:<9} {'yes' if v['ok'] else 'no '}  {v['why']}")

@@ -45,6 +45,8 @@ def test_doctor_on_this_machine():
 
     assert rep["cpu"]["physical_cores"] >= 1 and rep["cpu"]["int16_pair_sums"] is int16_pair_saturation()
     assert ("int gemm    int16 pair sums" in text) is bool(int16_pair_saturation())
+    k = rep["specedge_kernels"]  # a C compiler is part of this machine's setup: the kernels build and load
+    assert k["ok"] and "scalar" in k["isas"] and "sek kernels built" in text, k
 
 
 def test_doctor_cli_json():
