@@ -10,7 +10,8 @@ Nothing is compiled at ``pip install``: the first session that needs the op runs
 ``$CC``) once, with ``-O3 -march=native`` (the kernels are tuned to this CPU: AVX512-VNNI, AVX2 + FMA, or
 portable C elsewhere), into ``~/.cache/specedge/kernels/<hash>/`` (``SPECEDGE_CACHE`` moves it). The hash
 covers the sources, the compiler's version, the flags and the CPU's flags, so a home directory shared by two
-machines never loads a build made for the other. A bundle in this form on a machine without a C compiler is
+machines never loads a build made for the other (a new specedge version builds anew; older builds in that directory
+can be deleted). A bundle in this form on a machine without a C compiler is
 refused with the way out (re-export with ``--quant-form matmulnbits``).
 """
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -44,14 +47,17 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SPECEDGE_CACHE", "~/.cache/specedge")).expanduser() / "kernels"
 
 
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str]:
+    """The C compiler command: $CC (split like a shell would: "ccache gcc" works), else cc, gcc or clang."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise BackendUnavailableError(
             "this bundle runs specedge's own CPU kernels (--quant-form specedge), which are compiled on first use, "
             "and no C compiler was found (cc, gcc, clang or $CC). Install one (Debian/Ubuntu: apt install gcc), or "
             "re-export the bundle with --quant-form matmulnbits (ONNX Runtime's own kernels)")
-    return cc
+    return [cc]
 
 
 def library_path() -> Path:
@@ -61,27 +67,37 @@ def library_path() -> Path:
         return _built
     cc = _compiler()
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise BackendUnavailableError(f"the C compiler {cc} does not run ({e}); set CC to a working one") from None
+        raise BackendUnavailableError(f"the C compiler {' '.join(cc)} does not run ({e}); set CC to a working one") \
+            from None
     srcs = [_src_dir() / s for s in SOURCES]
     h = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in srcs), version.encode(), " ".join(CFLAGS).encode(),
-                 " ".join(sorted(cpu_features() or ())).encode()]:
+    # -march=native: the build is this CPU's. Where /proc/cpuinfo cannot be read the platform strings stand in.
+    cpu = " ".join(sorted(cpu_features() or ())) or f"{platform.platform()} {platform.processor()} {platform.node()}"
+    for part in [*(p.read_bytes() for p in srcs), version.encode(), " ".join(CFLAGS).encode(), cpu.encode()]:
         h.update(part)
         h.update(b"\0")
     out = _cache_dir() / h.hexdigest()[:16] / "libspecedge_kernels.so"
     if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_lib = Path(tmp) / out.name
-            cmd = [cc, *CFLAGS, "-o", str(tmp_lib), *map(str, srcs), "-lm"]
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if r.returncode != 0:
-                raise BackendUnavailableError(
-                    f"building specedge's CPU kernels failed ({' '.join(cmd)}):\n{(r.stderr or r.stdout)[-2000:]}\n"
-                    "Re-export the bundle with --quant-form matmulnbits to run without them")
-            os.replace(tmp_lib, out)  # atomic: a concurrent first use sees the old state or the whole library
+        cmd = [*cc, *CFLAGS, "-o", "LIB", *map(str, srcs), "-lm"]
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                tmp_lib = Path(tmp) / out.name
+                cmd[cmd.index("LIB")] = str(tmp_lib)
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if r.returncode != 0:
+                    raise BackendUnavailableError(
+                        f"building specedge's CPU kernels failed ({' '.join(cmd)}):\n{(r.stderr or r.stdout)[-2000:]}\n"
+                        "Re-export the bundle with --quant-form matmulnbits to run without them")
+                os.replace(tmp_lib, out)  # atomic: a concurrent first use sees no library or the whole one
+        except OSError as e:
+            raise BackendUnavailableError(f"cannot build specedge's CPU kernels into {out.parent} ({e}); set "
+                                          "SPECEDGE_CACHE to a writable directory") from None
+        except subprocess.TimeoutExpired:
+            raise BackendUnavailableError(f"building specedge's CPU kernels took over 10 minutes ({' '.join(cmd)})") \
+                from None
     _built = out
     return out
 
@@ -93,7 +109,8 @@ def register(session_options) -> None:
     except BackendUnavailableError:
         raise
     except Exception as e:  # onnxruntime's own exception types
-        raise BackendUnavailableError(f"ONNX Runtime refused specedge's kernel library: {e}") from None
+        raise BackendUnavailableError(f"ONNX Runtime could not load specedge's kernel library {library_path()}: {e}") \
+            from None
 
 
 class Kernel:

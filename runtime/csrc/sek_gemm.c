@@ -6,7 +6,8 @@
  * scale s and uint8 zero point z: w = s * (q - z) — or, for blocks whose zero is not an integer level (GGUF
  * Q4_K, Q4_1), the fp32 product zs standing for z * s: w = s * q - zs.
  * Activations: quantized per (row, block) to int8, symmetric: sa = max|a| / 127, qa = round-half-even(a / sa)
- * (computed as a * (127 / max|a|)).
+ * (computed as a * (127 / max|a|), clamped to +-127, rounded whatever the FP rounding mode; a block with a NaN or
+ * infinity makes its row's outputs NaN; a block below 1e-30 counts as zero).
  * Per (row, column, block): acc = sum_k qa * q, an exact int32. Then, block after block in order, in fp32:
  *     y = fma((float)acc, s * sa, y);   y = fma(-(z * s), sa * sum(qa), y)
  *
@@ -87,42 +88,78 @@ size_t sek_scratch_bytes(int64_t m, int64_t k, int64_t blk) {
 
 /* ---------------------------------------------------------------- activations */
 
+/* Round to nearest, ties to even, whatever the FP environment's rounding mode (|x| <= 128 here). */
+static float round_even(float x) {
+    const float t = (float)(int32_t)x; /* truncation: mode-independent */
+    const float d = x - t;             /* exact for |x| < 2^23 */
+    if (d > 0.5f || (d == 0.5f && ((int32_t)t & 1))) return t + 1.f;
+    if (d < -0.5f || (d == -0.5f && ((int32_t)t & 1))) return t - 1.f;
+    return t;
+}
+
+#define SEK_TINY 1e-30f /* a block with max|a| below this is quantized as zero (127 / max would overflow near 4e-37) */
+
+/* One (row, block) of activations -> int8 levels, sa = max|a| / 127, sasum = sa * sum(levels). Rounding is
+ * nearest-even whatever the rounding mode, levels are clamped to +-127, a block holding a NaN or an infinity gets
+ * sa = sasum = NaN (its products then carry the NaN into the output), and a block of magnitudes below SEK_TINY
+ * counts as zero: the same rules on every path. */
 static void quantize_block(const float *a, int64_t blk, int8_t *q, float *sa, float *sasum, int isa) {
     float mx = 0.f;
     int64_t i = 0;
     int32_t sum = 0;
+    int bad = 0;
 #ifdef SEK_HAVE_VNNI512
     if (isa == SEK_ISA_VNNI512) {
         __m512 vm = _mm512_setzero_ps();
-        for (; i < blk; i += 16) vm = _mm512_max_ps(vm, _mm512_abs_ps(_mm512_loadu_ps(a + i)));
-        mx = _mm512_reduce_max_ps(vm);
-        const float inv = mx > 0.f ? 127.f / mx : 0.f;
-        const __m512 vinv = _mm512_set1_ps(inv);
-        __m512i vs = _mm512_setzero_si512();
-        for (i = 0; i < blk; i += 16) {
-            __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(a + i), vinv)); /* nearest even */
-            vs = _mm512_add_epi32(vs, qi);
-            _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(qi));
+        const __m512 big = _mm512_set1_ps(3.402823466e+38f);
+        __mmask16 nonfinite = 0;
+        for (; i < blk; i += 16) {
+            const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(a + i));
+            nonfinite |= _mm512_cmp_ps_mask(v, big, _CMP_NLE_UQ); /* NaN or > FLT_MAX */
+            vm = _mm512_max_ps(vm, v);
         }
-        sum = _mm512_reduce_add_epi32(vs);
-        *sa = mx / 127.f;
-        *sasum = *sa * (float)sum;
-        return;
-    }
+        bad = nonfinite != 0;
+        mx = _mm512_reduce_max_ps(vm);
+        if (!bad && mx >= SEK_TINY) {
+            const __m512 vinv = _mm512_set1_ps(127.f / mx), lim = _mm512_set1_ps(127.f);
+            __m512i vs = _mm512_setzero_si512();
+            for (i = 0; i < blk; i += 16) {
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(a + i), vinv);
+                x = _mm512_min_ps(_mm512_max_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+                const __m512i qi = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                vs = _mm512_add_epi32(vs, qi);
+                _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(qi));
+            }
+            sum = _mm512_reduce_add_epi32(vs);
+            *sa = mx / 127.f;
+            *sasum = *sa * (float)sum;
+            return;
+        }
+    } else
 #endif
-    (void)isa;
-    for (i = 0; i < blk; i++) {
-        float v = fabsf(a[i]);
-        mx = v > mx ? v : mx;
+    {
+        (void)isa;
+        for (i = 0; i < blk; i++) {
+            const float v = fabsf(a[i]);
+            if (!(v <= 3.402823466e+38f)) bad = 1;
+            mx = v > mx ? v : mx;
+        }
+        if (!bad && mx >= SEK_TINY) {
+            const float inv = 127.f / mx;
+            for (i = 0; i < blk; i++) {
+                float x = a[i] * inv;
+                x = x > 127.f ? 127.f : x < -127.f ? -127.f : x;
+                const int32_t qi = (int32_t)round_even(x);
+                q[i] = (int8_t)qi;
+                sum += qi;
+            }
+            *sa = mx / 127.f;
+            *sasum = *sa * (float)sum;
+            return;
+        }
     }
-    const float inv = mx > 0.f ? 127.f / mx : 0.f;
-    for (i = 0; i < blk; i++) {
-        int32_t qi = (int32_t)nearbyintf(a[i] * inv);
-        q[i] = (int8_t)qi;
-        sum += qi;
-    }
-    *sa = mx / 127.f;
-    *sasum = *sa * (float)sum;
+    memset(q, 0, (size_t)blk); /* a non-finite or negligible block */
+    *sa = *sasum = bad ? NAN : 0.f;
 }
 
 /* A [m][k] fp32 (row stride lda) -> rows (qa, sa, sasum) laid out in scratch (sek_scratch_bytes(m, kpad, blk)),
@@ -177,7 +214,7 @@ static void tile_scalar(const sek_rows *x, const sek_weights *w, float *y, int64
                         for (int t = 0; t < 4; t++) acc[c] += (int32_t)bp[g * 64 + 4 * c + t] * a[4 * g + t];
             }
             const float *s = w->s + (tile * nb + b) * SEK_TILE;
-            const uint8_t *z = w->z + (tile * nb + b) * SEK_TILE;
+            const uint8_t *z = w->z ? w->z + (tile * nb + b) * SEK_TILE : NULL;
             const float sa = x->sa[r * nb + b], sasum = x->sasum[r * nb + b];
             const float *zs = w->zs ? w->zs + (tile * nb + b) * SEK_TILE : NULL;
             for (int c = 0; c < SEK_TILE; c++) {
@@ -210,7 +247,7 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
         for (int r = 0; r < R; r++)
             SEK_UNROLL
             for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_si512();
-        const uint8_t *bp[2] = {w->b + (tile * nb + b) * bstride, w->b + ((tile + 1) * nb + b) * bstride};
+        const uint8_t *bp[2] = {w->b + (tile * nb + b) * bstride, NT == 2 ? w->b + ((tile + 1) * nb + b) * bstride : NULL};
         if (w->bits == 4) {
             for (int64_t j = 0; j < blk / 8; j++) {
                 __m512i lo[2], hi[2];

@@ -88,6 +88,7 @@ enum { T_ANY = 0, T_FLOAT = 1, T_UINT8 = 2, T_INT64 = 7 };
     SLOT(api, 91, OrtStatus * (*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))
 #define ReleaseStatus(api) SLOT(api, 93, void (*)(OrtStatus *))
 #define ReleaseTensorTypeAndShapeInfo(api) SLOT(api, 99, void (*)(OrtTensorTypeAndShapeInfo *))
+#define ReleaseCustomOpDomain(api) SLOT(api, 101, void (*)(OrtCustomOpDomain *))
 #define KernelContext_ParallelFor(api) \
     SLOT(api, 274, OrtStatus * (*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *))
 
@@ -151,9 +152,9 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
         free(k);
         return st;
     }
-    const int64_t kpad = (k->k + k->blk - 1) / (k->blk > 0 ? k->blk : 1) * k->blk;
+    const int64_t kpad = k->blk > 0 && k->k > 0 && k->k < (1ll << 40) ? (k->k + k->blk - 1) / k->blk * k->blk : 0;
     sek_weights w = {NULL, NULL, NULL, NULL, k->n, kpad, k->blk, (int)k->bits};
-    if (k->k <= 0 || sek_check(&w)) {
+    if (k->k <= 0 || k->n > (1ll << 40) || sek_check(&w)) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
                             "SekMatMul: unsupported shape (N %lld must be a multiple of 16, K %lld > 0; bits 4 or 8; "
                             "block_size a multiple of 16 up to 256)", (long long)(k->n), (long long)(k->k));
@@ -245,9 +246,12 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     if (in[3].type != T_UINT8 && in[3].type != T_FLOAT)
         return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: zero points are uint8 levels or fp32 products z * s, not "
                     "element type %d", in[3].type);
-    if (in[1].count != k->n * kpad * k->bits / 8 || in[2].count != k->n * nb || in[3].count != k->n * nb)
+    if (in[1].count != k->n * kpad * k->bits / 8)
         return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: packed weights hold %lld bytes, N x K at these bits needs "
                     "%lld", (long long)in[1].count, (long long)(k->n * kpad * k->bits / 8));
+    if (in[2].count != k->n * nb || in[3].count != k->n * nb)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: %lld scales and %lld zero points, N x blocks needs %lld "
+                    "of each", (long long)in[2].count, (long long)in[3].count, (long long)(k->n * nb));
     const int64_t m = A->count / k->k;
     int64_t odims[8];
     memcpy(odims, A->dims, A->nd * sizeof(int64_t));
@@ -359,11 +363,12 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
                     (long long)in[1].nd);
     const int64_t T = in[0].dims[1], d = in[1].dims[3], S = in[1].dims[2], positions = in[4].dims[0];
     if (in[1].dims[1] != k->hkv || in[0].dims[2] != (k->hq + 2 * k->hkv) * d || d % 2 || d > 512 ||
-        in[2].count != in[1].count || in[4].dims[1] != d / 2 || in[5].count != in[4].count)
+        memcmp(in[2].dims, in[1].dims, 4 * sizeof(int64_t)) || in[4].dims[1] != d / 2 || in[5].nd != 2 ||
+        memcmp(in[5].dims, in[4].dims, 2 * sizeof(int64_t)))
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: qkv width %lld or head dim %lld disagree with the "
                     "heads, the caches or the rotary tables", (long long)in[0].dims[2], (long long)d);
     const int64_t past_len = *(const int64_t *)in[3].data;
-    if (past_len < 0 || past_len + T > S || past_len + T > positions)
+    if (past_len < 0 || T > S || T > positions || past_len > S - T || past_len > positions - T) /* no overflow */
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: positions up to %lld do not fit the cache (%lld rows)",
                     (long long)(past_len + T), (long long)(S < positions ? S : positions));
     const int64_t odims[3] = {1, T, k->hq * d};
@@ -421,9 +426,11 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     }
     OrtCustomOpDomain *domain = NULL;
     TRY(CreateCustomOpDomain(api)("ai.specedge", &domain));
-    TRY(CustomOpDomain_Add(api)(domain, &sek_matmul_op));
-    TRY(CustomOpDomain_Add(api)(domain, &sek_attention_op));
-    return AddCustomOpDomain(api)(options, domain);
+    OrtStatus *st = CustomOpDomain_Add(api)(domain, &sek_matmul_op);
+    if (!st) st = CustomOpDomain_Add(api)(domain, &sek_attention_op);
+    if (!st) st = AddCustomOpDomain(api)(options, domain);
+    if (st) ReleaseCustomOpDomain(api)(domain); /* on success the options use it: it lives as long as the process */
+    return st;
 }
 
 /* ctypes entry for tools and tests: which ISA paths this build has (bit 1 scalar, 2 avx2, 3 vnni512). */

@@ -104,6 +104,41 @@ def test_rows_never_depend_on_the_other_rows_or_the_isa(kernel, bits):
         assert np.array_equal(alone[0], full[isa][7])
 
 
+def test_nan_propagates_tiny_blocks_count_as_zero_and_the_rounding_mode_does_not_matter(kernel):
+    """A NaN or infinity in a row makes that row's outputs NaN (not a large finite number), a block far below any
+    real activation counts as zero, and levels are rounded to nearest-even whatever the FP rounding mode the host
+    set — on every ISA path alike, other rows untouched."""
+    import ctypes.util
+
+    rng = np.random.default_rng(12)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 32, 256, 4, 128, False)
+    a = rng.standard_normal((4, 256)).astype(np.float32)
+    a[1, 5], a[2, 200] = np.nan, np.inf
+    a[3, :128] = 1e-33  # a negligible block
+    outs = {isa: kernel.gemm(a, b, s, z, n_pad, k_pad, 128, 4, isa) for isa in kernel.isas()}
+    ref = kernel.gemm(a[[0]], b, s, z, n_pad, k_pad, 128, 4)
+    for isa, y in outs.items():
+        assert np.isnan(y[1]).all() and np.isnan(y[2]).all(), isa
+        assert np.array_equal(y[0], ref[0]), isa
+        assert np.array_equal(y[3], kernel.gemm(np.concatenate([np.zeros(128, np.float32), a[3, 128:]])[None],
+                                                b, s, z, n_pad, k_pad, 128, 4, isa)[0]), isa
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    clean = rng.standard_normal((3, 256)).astype(np.float32)
+    clean[:, 7] = 3.0  # an exact maximum: a * (127 / max) lands on 127 (and past it when rounding upward)
+    want = {isa: kernel.gemm(clean, b, s, z, n_pad, k_pad, 128, 4, isa) for isa in kernel.isas()}
+    for mode in (0x800, 0x400, 0xC00):  # x86 FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO
+        assert libm.fesetround(mode) == 0
+        try:
+            got = {isa: kernel.gemm(clean, b, s, z, n_pad, k_pad, 128, 4, isa) for isa in kernel.isas()}
+        finally:
+            libm.fesetround(0)
+        for isa in kernel.isas():  # the levels, hence the integer sums, are the same (the fp32 epilogue may round
+            # by the mode: compare against the default-mode result loosely, and the paths with each other exactly)
+            assert np.allclose(got[isa], want[isa], rtol=1e-5, atol=1e-5), (mode, isa)
+        first = next(iter(got.values()))
+        assert all(np.array_equal(first, g) for g in got.values()), mode
+
+
 def test_the_kernel_is_close_to_the_dequantized_product(kernel):
     rng = np.random.default_rng(5)
     p, (b, s, z, n_pad, k_pad) = _matrix(rng, 64, 512, 4, 128, False)
@@ -288,6 +323,7 @@ def test_specedge_attention_matches_onnx_runtime_and_is_row_invariant_at_width_o
     for t in range(5):
         assert np.array_equal(run_sek(1, t)[0][0, 0], out[0, t]), t
     assert np.array_equal(run_sek(3, 2)[0][0], out[0, 2:5])
-    with pytest.raises(Exception, match="do not fit the cache"):
-        sek.run(None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
-                       "past_len": np.array([S - 2], np.int64)})
+    for bad in (S - 2, 2 ** 63 - 1, -1):  # too far; past_len + T would overflow int64; negative
+        with pytest.raises(Exception, match="do not fit the cache"):
+            sek.run(None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
+                           "past_len": np.array([bad], np.int64)})
