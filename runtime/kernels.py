@@ -33,7 +33,13 @@ from .errors import BackendUnavailableError
 DOMAIN = "ai.specedge"
 OP = "SekMatMul"
 SOURCES = ("sek_gemm.c", "sek_attn.c", "sek_ort.c")
-CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fvisibility=hidden", "-std=c11", "-D_GNU_SOURCE")
+CFLAGS = ("-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-std=c11", "-D_GNU_SOURCE")
+
+
+def _march() -> str:
+    """-march for the build: native (this CPU), or SPECEDGE_KERNEL_MARCH (e.g. haswell: AVX2 + FMA, no AVX-512 —
+    how the tests exercise the AVX2 paths on an AVX-512 machine)."""
+    return "-march=" + (os.environ.get("SPECEDGE_KERNEL_MARCH") or "native")
 ISA_NAMES = {1: "scalar", 2: "avx2", 3: "vnni512"}  # SPECEDGE_SEK_ISA values, bit positions of the ISA mask
 
 _built: Path | None = None
@@ -75,12 +81,13 @@ def library_path() -> Path:
     h = hashlib.sha256()
     # -march=native: the build is this CPU's. Where /proc/cpuinfo cannot be read the platform strings stand in.
     cpu = " ".join(sorted(cpu_features() or ())) or f"{platform.platform()} {platform.processor()} {platform.node()}"
-    for part in [*(p.read_bytes() for p in srcs), version.encode(), " ".join(CFLAGS).encode(), cpu.encode()]:
+    flags = (*CFLAGS, _march())
+    for part in [*(p.read_bytes() for p in srcs), version.encode(), " ".join(flags).encode(), cpu.encode()]:
         h.update(part)
         h.update(b"\0")
     out = _cache_dir() / h.hexdigest()[:16] / "libspecedge_kernels.so"
     if not out.is_file():
-        cmd = [*cc, *CFLAGS, "-o", "LIB", *map(str, srcs), "-lm"]
+        cmd = [*cc, *flags, "-o", "LIB", *map(str, srcs), "-lm"]
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=out.parent) as tmp:

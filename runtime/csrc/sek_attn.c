@@ -82,6 +82,50 @@ static void axpby(float *acc, float alpha, float p, const float *v, int64_t d) {
     for (; i < d; i++) acc[i] = fmaf(p, v[i], acc[i] * alpha);
 }
 
+/* p[j] = exp(x[j]) for j < n (x <= 0 here: scores minus their running maximum). Vectorized with a Cephes-style
+ * range reduction and degree-6 polynomial (~2 ulp) where AVX512 or AVX2 is available, libm's expf otherwise: the
+ * same function for every row on a machine, so rows stay width-invariant. */
+static void exp_block(const float *x, float *p, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504088896341f),
+                 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_max_ps(_mm512_loadu_ps(x + j), lo);
+        const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_fnmadd_ps(k, c1, v);
+        v = _mm512_fnmadd_ps(k, c2, v);
+        __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+        y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507e-3f));
+        y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073e-3f));
+        y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894e-2f));
+        y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459e-1f));
+        y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201e-1f));
+        y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, _mm512_set1_ps(1.f)));
+        _mm512_storeu_ps(p + j, _mm512_scalef_ps(y, k));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f),
+                 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_max_ps(_mm256_loadu_ps(x + j), lo);
+        const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_fnmadd_ps(k, c1, v);
+        v = _mm256_fnmadd_ps(k, c2, v);
+        __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507e-3f));
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073e-3f));
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894e-2f));
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459e-1f));
+        y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201e-1f));
+        y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.f)));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        _mm256_storeu_ps(p + j, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    }
+#endif
+    for (; j < n; j++) p[j] = expf(x[j]);
+}
+
 /* Writes the step's new k and v rows (k rotated) into the cache. Call once per step before the rows. */
 void sek_attn_store(const sek_attn_args *a) {
     const int64_t w = (a->hq + 2 * a->hkv) * a->d;
@@ -102,7 +146,7 @@ void sek_attn_store(const sek_attn_args *a) {
 void sek_attn_row(const sek_attn_args *a, int64_t item) {
     const int64_t t = item / a->hq, h = item % a->hq, d = a->d, g = h / (a->hq / a->hkv);
     const int64_t pos = a->past_len + t, n = pos + 1;
-    float q[SEK_DMAX], acc[SEK_DMAX], s[SEK_CHUNK];
+    float q[SEK_DMAX], acc[SEK_DMAX], s[SEK_CHUNK], pr[SEK_CHUNK];
     memcpy(q, a->qkv + t * (a->hq + 2 * a->hkv) * d + h * d, (size_t)d * sizeof(float));
     rope(q, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
     memset(acc, 0, (size_t)d * sizeof(float));
@@ -116,12 +160,13 @@ void sek_attn_row(const sek_attn_args *a, int64_t item) {
             mc = s[j] > mc ? s[j] : mc;
         }
         const float m_new = mc > m ? mc : m;
-        float alpha = expf(m - m_new); /* 0 on the first chunk (m = -inf) */
+        float alpha = c0 == 0 ? 0.f : expf(m - m_new); /* the earlier chunks' rescale (none before the first) */
         l *= alpha;
+        for (int64_t j = 0; j < cn; j++) s[j] -= m_new;
+        exp_block(s, pr, cn);
         for (int64_t j = 0; j < cn; j++) {
-            const float p = expf(s[j] - m_new);
-            l += p;
-            axpby(acc, alpha, p, vc + (c0 + j) * d, d);
+            l += pr[j];
+            axpby(acc, alpha, pr[j], vc + (c0 + j) * d, d);
             alpha = 1.f;
         }
         m = m_new;

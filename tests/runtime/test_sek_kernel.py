@@ -327,3 +327,42 @@ def test_specedge_attention_matches_onnx_runtime_and_is_row_invariant_at_width_o
         with pytest.raises(Exception, match="do not fit the cache"):
             sek.run(None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
                            "past_len": np.array([bad], np.int64)})
+
+
+def test_an_avx2_build_gives_the_same_matmul_bits_and_its_attention_matches(kernel, tmp_path):
+    """The library built for an AVX2 + FMA CPU (no AVX-512: SPECEDGE_KERNEL_MARCH=haswell), in a fresh process: its
+    SekMatMul gives the native build's bits, and its SekAttention (AVX2 exp and dot paths) matches ONNX Runtime's."""
+    import json
+
+    rng = np.random.default_rng(13)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 64, 384, 4, 128, False)
+    a = rng.standard_normal((5, 384)).astype(np.float32)
+    np.savez(tmp_path / "m.npz", b=b, s=s, z=z, a=a)
+    script = f"""
+import json, numpy as np
+from specedge.runtime.kernels import Kernel
+from tests.runtime.test_sek_kernel import _attention_model, _session
+k = Kernel()
+m = np.load(r"{tmp_path / 'm.npz'}")
+y = k.gemm(m["a"], m["b"], m["s"], m["z"], {n_pad}, {k_pad}, 128, 4)
+np.save(r"{tmp_path / 'y.npy'}", y)
+hq, hkv, d, S, past = 6, 2, 32, 160, 130
+rng = np.random.default_rng(1)
+pk, pv = rng.standard_normal((2, 1, hkv, S, d)).astype(np.float32)
+ang = np.arange(S)[:, None] / (10000 ** (np.arange(d // 2) / (d // 2)))
+cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+qkv = rng.standard_normal((1, 3, (hq + 2 * hkv) * d)).astype(np.float32)
+o = _session(_attention_model("SekAttention", hq, hkv, d)).run(None, dict(qkv=qkv, pk=pk.copy(), pv=pv.copy(),
+    cos=cos, sin=sin, past_len=np.array([past], np.int64)))[0]
+r = _session(_attention_model("GroupQueryAttention", hq, hkv, d)).run(None, dict(qkv=qkv, pk=pk.copy(), pv=pv.copy(),
+    cos=cos, sin=sin, seqlens_k=np.array([past + 2], np.int32), total=np.array(past + 3, np.int32)))[0]
+print(json.dumps(dict(isas=k.isas(), rel=float(np.abs(o - r).max() / np.abs(r).max()))))
+"""
+    env = {**os.environ, "SPECEDGE_KERNEL_MARCH": "haswell", "SPECEDGE_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "vnni512" not in out["isas"] and "avx2" in out["isas"], out
+    assert out["rel"] < 1e-5, out
+    assert np.array_equal(np.load(tmp_path / "y.npy"), kernel.gemm(a, b, s, z, n_pad, k_pad, 128, 4))
