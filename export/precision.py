@@ -35,6 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specedge.runtime.errors import UnsupportedModelError
+from specedge.runtime.manifest import SEK_DOMAIN
 
 from .graph import ExternalWeights
 
@@ -272,8 +273,9 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
     src_onnx, dst_onnx = Path(src_onnx), Path(dst_onnx)
     model = onnx.load(str(src_onnx), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
-    ort_only = {"MatMulNBits", "GroupQueryAttention", "MatMulInteger"}  # MatMulInteger: standard, not TensorRT's
-    if ops & ort_only or any(o.domain == "com.microsoft" for o in model.opset_import):
+    # MatMulInteger: standard, not TensorRT's; SekMatMul / SekAttention: specedge's own CPU ops (--quant-form specedge)
+    ort_only = {"MatMulNBits", "GroupQueryAttention", "MatMulInteger", "SekMatMul", "SekAttention"}
+    if ops & ort_only or any(o.domain in ("com.microsoft", SEK_DOMAIN) for o in model.opset_import):
         raise UnsupportedModelError(
             f"{src_onnx.name} uses ONNX Runtime-only ops ({', '.join(sorted(ops & ort_only))}): "
             "reduced-precision graphs for TensorRT are made from fp32 weights, or int8/int4 written as standard "

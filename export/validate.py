@@ -393,7 +393,7 @@ def validate(bundle: str | Path, opts: ValidateOptions = ValidateOptions(),
         raise BundleError("validate compares reduced-precision graphs and TensorRT engines, which are built from "
                           "fp32 or --quant-form qdq bundles in the portable KV mode; this bundle is "
                           f"{manifest.kv_mode} / {manifest.target.precision}"
-                          f"{' (MatMulNBits)' if manifest.target.quant else ''}")
+                          f"{' (' + manifest.target.quant.get('format', 'MatMulNBits') + ')' if manifest.target.quant else ''}")
     precision = opts.precision or ("fp16" if opts.candidate != "trt" else manifest.engine_set("trt").precision)
     base = DEFAULT_TOLERANCES.get(precision, DEFAULT_TOLERANCES["fp16"])
     tol = {"logits": opts.logits or base["logits"], "present": opts.present or base["present"]}

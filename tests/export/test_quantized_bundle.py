@@ -405,6 +405,14 @@ def test_the_specedge_form_carries_gguf_blocks_with_offsets(tiny_llama, tmp_path
         assert dec.generate(PROMPTS[1], params, drafter="prompt-lookup", k=k).token_ids == plain
 
 
+def test_a_specedge_bundle_is_not_converted_for_tensorrt(q_bundles, tmp_path):
+    from specedge.export.precision import convert_graph
+
+    b = q_bundles["int4-sek-inplace"]
+    with pytest.raises(UnsupportedModelError, match=r"ONNX Runtime-only ops \(SekAttention, SekMatMul\)"):
+        convert_graph(b / "target.onnx", tmp_path / "t16.onnx", "fp16")
+
+
 def test_the_specedge_form_refuses_what_its_kernel_cannot_run():
     with pytest.raises(UnsupportedModelError, match="fp32 lm_head"):
         WeightFormat("int4", form="specedge", lm_head="fp32")
