@@ -73,6 +73,9 @@ PLANTS = {
         "acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va), "
         "_mm256_slli_epi16(_mm256_maddubs_epi16(hi[h], va), 4)), ones)); (void)dlo; (void)dhi;",
         ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: AVX2 activation levels truncated instead of rounded": (
+        "runtime/csrc/sek_gemm.c", "_mm256_cvttps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))",
+        "_mm256_cvttps_epi32(x)", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
         "runtime/csrc/sek_attn.c", "const int64_t pos = a->past_len + t, n = pos + 1;",
         "const int64_t pos = a->past_len + t, n = pos;", ["tests/runtime/test_sek_kernel.py"]),

@@ -137,6 +137,39 @@ static void quantize_block(const float *a, int64_t blk, int8_t *q, float *sa, fl
         }
     } else
 #endif
+#ifdef SEK_HAVE_AVX2
+    if (isa == SEK_ISA_AVX2) {
+        const __m256 signbit = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(3.402823466e+38f);
+        __m256 vm = _mm256_setzero_ps(), nonfinite = _mm256_setzero_ps();
+        for (; i < blk; i += 8) {
+            const __m256 v = _mm256_andnot_ps(signbit, _mm256_loadu_ps(a + i));
+            nonfinite = _mm256_or_ps(nonfinite, _mm256_cmp_ps(v, big, _CMP_NLE_UQ)); /* NaN or > FLT_MAX */
+            vm = _mm256_max_ps(vm, v);
+        }
+        bad = _mm256_movemask_ps(nonfinite) != 0;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vm);
+        for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+        if (!bad && mx >= SEK_TINY) {
+            const __m256 vinv = _mm256_set1_ps(127.f / mx), lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+            __m256i vs = _mm256_setzero_si256();
+            for (i = 0; i < blk; i += 8) {
+                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(a + i), vinv);
+                x = _mm256_min_ps(_mm256_max_ps(x, nlim), lim);
+                const __m256i qi = _mm256_cvttps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                vs = _mm256_add_epi32(vs, qi);
+                const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+                _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(w16, w16));
+            }
+            int32_t part[8];
+            _mm256_storeu_si256((__m256i *)part, vs);
+            for (int l = 0; l < 8; l++) sum += part[l]; /* exact integers: any order */
+            *sa = mx / 127.f;
+            *sasum = *sa * (float)sum;
+            return;
+        }
+    } else
+#endif
     {
         (void)isa;
         for (i = 0; i < blk; i++) {
@@ -171,7 +204,10 @@ void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpa
     float *sa = (float *)scratch, *sasum = sa + m * nb;
     int8_t *qa = (int8_t *)(sasum + m * nb);
     float tail[SEK_BLK_MAX];
-    if (isa == SEK_ISA_BEST) isa = (sek_isa_mask() & (1 << SEK_ISA_VNNI512)) ? SEK_ISA_VNNI512 : SEK_ISA_SCALAR;
+    if (isa == SEK_ISA_BEST) {
+        const int mask = sek_isa_mask();
+        isa = (mask & (1 << SEK_ISA_VNNI512)) ? SEK_ISA_VNNI512 : (mask & (1 << SEK_ISA_AVX2)) ? SEK_ISA_AVX2 : SEK_ISA_SCALAR;
+    }
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
             const float *src = a + r * lda + b * blk;
@@ -467,7 +503,7 @@ __attribute__((visibility("default"))) int sek_gemm(const float *a, int64_t m, i
     void *scratch = malloc(sek_scratch_bytes(m, w->k, w->blk));
     if (!scratch) return -3;
     sek_rows x;
-    sek_quantize(a, m, k, k, w->k, w->blk, scratch, &x, isa == SEK_ISA_SCALAR || isa == SEK_ISA_AVX2 ? SEK_ISA_SCALAR : isa);
+    sek_quantize(a, m, k, k, w->k, w->blk, scratch, &x, isa);
     int rc = sek_gemm_tiles(&x, w, y, w->n, 0, w->n / SEK_TILE, isa);
     free(scratch);
     return rc;

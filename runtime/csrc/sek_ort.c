@@ -262,20 +262,25 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     void *y;
     TRY(GetTensorMutableData(api)(out, &y));
     if (m == 0) return NULL;
-    void *scratch = malloc(sek_scratch_bytes(m, kpad, k->blk));
-    if (!scratch) return CreateStatus(api)(ORT_FAIL, "SekMatMul: out of memory");
+    /* the quantized rows live in a per-thread buffer grown as needed: no allocation per call in a decode loop */
+    static _Thread_local void *scratch = NULL;
+    static _Thread_local size_t scratch_size = 0;
+    const size_t need = sek_scratch_bytes(m, kpad, k->blk);
+    if (need > scratch_size) {
+        void *bigger = realloc(scratch, need);
+        if (!bigger) return CreateStatus(api)(ORT_FAIL, "SekMatMul: out of memory");
+        scratch = bigger;
+        scratch_size = need;
+    }
     sek_rows x;
-    sek_quantize((const float *)A->data, m, k->k, k->k, kpad, k->blk, scratch, &x,
-                 k->isa == 1 || k->isa == 2 ? 1 : k->isa);
+    sek_quantize((const float *)A->data, m, k->k, k->k, kpad, k->blk, scratch, &x, k->isa);
     const int byte_zp = in[3].type == T_UINT8;
     const sek_weights w = {(const uint8_t *)in[1].data, (const float *)in[2].data,
                            byte_zp ? (const uint8_t *)in[3].data : NULL, byte_zp ? NULL : (const float *)in[3].data,
                            k->n, kpad, k->blk, (int)k->bits};
     Job job = {&x, &w, (float *)y, k->isa, k->n / 16};
     const size_t items = (size_t)((job.ntiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM);
-    OrtStatus *st = KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job);
-    free(scratch);
-    return st;
+    return KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job);
 }
 
 static void destroy(void *kernel) { free(kernel); }
