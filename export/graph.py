@@ -35,7 +35,7 @@ from .families import ModelConfig
 from .loaders import WeightSource
 from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows,
                     dequantize, pack_int4, positive_scales, quantize, quantize_channels, rel_error, repack_gguf,
-                    sek_pack, signed_values)
+                    sek_pack, sek_pack_sb, signed_values)
 
 _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
 _ALIGN = 64
@@ -153,12 +153,22 @@ class _Linears:
         return self.g.op("Add", y, self.g.op("MatMul", sums, self.w.add(f"{name}.offsets", packed.offsets.T)))
 
     def _emit_sek(self, x: str, name: str, packed: Packed) -> str:
-        """x [.., K] @ the matrix through specedge's kernel, ai.specedge::SekMatMul (runtime/kernels.py): the
-        weights in its tile layout (quant.sek_pack), output columns padded to whole tiles sliced off."""
-        b, scales, zp, n_pad = sek_pack(packed)
-        y = self.g.op("SekMatMul", x, self.w.add(f"{name}.qweight", b), self.w.add(f"{name}.scales", scales),
-                      self.w.add(f"{name}.zero_points", zp), domain=SEK_DOMAIN, K=packed.k, N=n_pad,
-                      bits=packed.bits, block_size=packed.block)
+        """x [.., K] @ the matrix through specedge's kernel (runtime/kernels.py), the weights in its tile layout,
+        output columns padded to whole tiles sliced off: ai.specedge::SekMatMul with fp32 block scales
+        (quant.sek_pack), or SekMatMulSB with a GGUF K-quant's own two-level scales (quant.sek_pack_sb)."""
+        if packed.superblocks is not None:
+            sb = packed.superblocks
+            b, sc, d, mn, dmin, n_pad = sek_pack_sb(packed)
+            mins = (np.zeros(0, np.int8), np.zeros(0, np.float32)) if mn is None else (mn, dmin)
+            y = self.g.op("SekMatMulSB", x, self.w.add(f"{name}.qweight", b), self.w.add(f"{name}.block_scales", sc),
+                          self.w.add(f"{name}.scales", d), self.w.add(f"{name}.block_mins", mins[0]),
+                          self.w.add(f"{name}.min_scales", mins[1]), domain=SEK_DOMAIN, K=packed.k, N=n_pad,
+                          bits=sb.bits, block_size=packed.block, superblock=sb.superblock, zero_point=sb.zero_point)
+        else:
+            b, scales, zp, n_pad = sek_pack(packed)
+            y = self.g.op("SekMatMul", x, self.w.add(f"{name}.qweight", b), self.w.add(f"{name}.scales", scales),
+                          self.w.add(f"{name}.zero_points", zp), domain=SEK_DOMAIN, K=packed.k, N=n_pad,
+                          bits=packed.bits, block_size=packed.block)
         if n_pad == packed.n:
             return y
         return self.g.op("Slice", y, self.g.const([0]), self.g.const([packed.n]), self.g.const([-1]))

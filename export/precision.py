@@ -273,8 +273,8 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
     src_onnx, dst_onnx = Path(src_onnx), Path(dst_onnx)
     model = onnx.load(str(src_onnx), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
-    # MatMulInteger: standard, not TensorRT's; SekMatMul / SekAttention: specedge's own CPU ops (--quant-form specedge)
-    ort_only = {"MatMulNBits", "GroupQueryAttention", "MatMulInteger", "SekMatMul", "SekAttention"}
+    # MatMulInteger: standard, not TensorRT's; SekMatMul(SB) / SekAttention: specedge's own CPU ops (--quant-form specedge)
+    ort_only = {"MatMulNBits", "GroupQueryAttention", "MatMulInteger", "SekMatMul", "SekMatMulSB", "SekAttention"}
     if ops & ort_only or any(o.domain in ("com.microsoft", SEK_DOMAIN) for o in model.opset_import):
         raise UnsupportedModelError(
             f"{src_onnx.name} uses ONNX Runtime-only ops ({', '.join(sorted(ops & ort_only))}): "

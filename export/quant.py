@@ -53,6 +53,26 @@ class QuantSpec:
 
 
 @dataclass
+class SuperBlocks:
+    """A GGUF K-quant's scales as the file holds them, next to the same matrix's MatMulNBits form (Packed): an
+    integer scale sc (and min mn) per block under an fp32 d (and dmin) per super-block of ``superblock`` values,
+    w = d sc q - dmin mn (Q4_K) or d sc (q - zero_point) (Q6_K). specedge's kernel reads them so (SekMatMulSB):
+    fewer bytes than fp32 block scales, and no rounding of a product."""
+
+    sc: np.ndarray  # int8 [N, k_blocks]
+    d: np.ndarray  # float32 [N, k_superblocks]
+    mn: np.ndarray | None  # int8 [N, k_blocks] (Q4_K), or None
+    dmin: np.ndarray | None  # float32 [N, k_superblocks], with mn
+    bits: int  # the levels' width: 4 (Q4_K), 6 (Q6_K)
+    superblock: int = 256
+    zero_point: int = 0  # w = d sc (q - zero_point) where there are no mins
+    level_offset: int = 0  # Packed.b's levels are the native ones plus this (Q6_K: 96, as 8-bit MatMulNBits)
+
+    def key(self) -> tuple:
+        return (self.bits, self.superblock, self.zero_point, self.level_offset, self.mn is None)
+
+
+@dataclass
 class Packed:
     """One weight matrix [N out, K in] in MatMulNBits form."""
 
@@ -63,6 +83,7 @@ class Packed:
     bits: int
     block: int
     offsets: np.ndarray | None = None  # float32 [N, k_blocks]: w = scale * (q - zp) + offset (GGUF Q4_1/Q4_K)
+    superblocks: SuperBlocks | None = None  # GGUF Q4_K/Q6_K: the same weights' two-level scales
 
     @property
     def n(self) -> int:
@@ -218,7 +239,8 @@ def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed
         q = np.concatenate(halves, axis=-1).astype(np.uint16)  # [N, kb, 256] 6-bit values in element order
         b = (q + 96).astype(np.uint8).reshape(N, kb * 16, 16)  # (q - 32) + 128: MatMulNBits' 8-bit zero point
         scales = (d[..., None] * sc).reshape(N, kb * 16).astype(np.float32)
-        return Packed(np.ascontiguousarray(b), scales, None, k, 8, 16)
+        sb = SuperBlocks(sc.reshape(N, kb * 16).astype(np.int8), d, None, None, 6, zero_point=32, level_offset=96)
+        return Packed(np.ascontiguousarray(b), scales, None, k, 8, 16, superblocks=sb)
     if type_name == "Q8_0":
         b = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # signed q -> q + 128
         return Packed(np.ascontiguousarray(b), f16(0, 2), None, k, bits, block)
@@ -229,7 +251,9 @@ def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed
         q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(N, kb * 8, 32)  # [N, 32-blocks, 32] element order
         scales = (d[..., None] * sc).reshape(N, kb * 8)
         offsets = (8.0 * scales - (dmin[..., None] * mn).reshape(N, kb * 8)).astype(np.float32)
-        return Packed(np.ascontiguousarray(_pack_nibbles(q)), scales.astype(np.float32), None, k, bits, 32, offsets)
+        sb = SuperBlocks(sc.reshape(N, kb * 8).astype(np.int8), d, mn.reshape(N, kb * 8).astype(np.int8), dmin, 4)
+        return Packed(np.ascontiguousarray(_pack_nibbles(q)), scales.astype(np.float32), None, k, bits, 32, offsets,
+                      sb)
     first_q = 4 if type_name == "Q4_1" else 2
     scales = f16(0, 2)
     if type_name == "Q4_1":
@@ -250,8 +274,15 @@ def concat_rows(parts: list[Packed]) -> Packed:
     offsets = None
     if any(p.offsets is not None for p in parts):  # a part without offsets contributes zeros
         offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
+    sbs = [p.superblocks for p in parts]
+    superblocks = None
+    if all(sb is not None and sb.key() == sbs[0].key() for sb in sbs):
+        cat = lambda f: None if getattr(sbs[0], f) is None else np.concatenate([getattr(sb, f) for sb in sbs])  # noqa: E731
+        s0 = sbs[0]
+        superblocks = SuperBlocks(cat("sc"), cat("d"), cat("mn"), cat("dmin"), s0.bits, s0.superblock, s0.zero_point,
+                                  s0.level_offset)
     return Packed(np.concatenate([p.b for p in parts]), np.concatenate([p.scales for p in parts]), zps,
-                  p0.k, p0.bits, p0.block, offsets)
+                  p0.k, p0.bits, p0.block, offsets, superblocks)
 
 
 def positive_scales(p: Packed) -> Packed:
@@ -351,6 +382,41 @@ def sek_pack(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         b = q.reshape(tiles, SEK_TILE, kb, blk // 4, 4).transpose(0, 2, 3, 1, 4)
     per_tile = lambda v: np.ascontiguousarray(v.reshape(tiles, SEK_TILE, kb).transpose(0, 2, 1))  # noqa: E731
     return (np.ascontiguousarray(b).reshape(-1), per_tile(scales.astype(np.float32)), per_tile(zp), n_pad)
+
+
+def _sek_tiles(a: np.ndarray, n_pad: int) -> np.ndarray:
+    """[N, blocks] per-column values -> [N/16, blocks, 16] (columns padded with zeros to whole tiles)."""
+    a = np.concatenate([a, np.zeros((n_pad - a.shape[0], a.shape[1]), a.dtype)]) if n_pad != a.shape[0] else a
+    return np.ascontiguousarray(a.reshape(n_pad // SEK_TILE, SEK_TILE, -1).transpose(0, 2, 1))
+
+
+def sek_pack_sb(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, int]:
+    """A matrix with two-level scales (p.superblocks: GGUF Q4_K, Q6_K) in the layout of specedge's kernel
+    (SekMatMulSB): the levels as sek_pack lays them out at 4 bits; at 6 bits, their low nibbles so, followed per
+    (tile, block) by block/16 chunks of their top two bits (chunk h, byte 4c+t, bits 2i..2i+1: column c's level at
+    k = 16h+4i+t, shifted down 4). Returns (b, sc, d, mn, dmin, padded N); sc/mn [N/16, k_blocks, 16], d/dmin
+    [N/16, k_superblocks, 16]."""
+    sb = p.superblocks
+    if sb is None:
+        raise ValueError("sek_pack_sb needs a matrix with super-block scales (GGUF Q4_K / Q6_K)")
+    q = _unpack_nibbles(p.b) if p.bits == 4 else p.b  # [N, kb, block], stored levels
+    if sb.level_offset:
+        q = (q.astype(np.int16) - sb.level_offset).astype(np.uint8)
+    n, kb, blk = q.shape
+    n_pad = -(-n // SEK_TILE) * SEK_TILE
+    if n_pad != n:
+        q = np.concatenate([q, np.zeros((n_pad - n, kb, blk), np.uint8)])
+    tiles = n_pad // SEK_TILE
+    low = (q & 15).reshape(tiles, SEK_TILE, kb, blk // 8, 2, 4).transpose(0, 2, 3, 1, 5, 4)  # [tile, kb, j, c, t, half]
+    parts = [(low[..., 0] | (low[..., 1] << 4)).reshape(tiles, kb, -1)]
+    if sb.bits == 6:
+        top = (q >> 4).reshape(tiles, SEK_TILE, kb, blk // 16, 4, 4).transpose(0, 2, 3, 1, 5, 4)  # [.., h, c, t, i]
+        parts.append((top[..., 0] | top[..., 1] << 2 | top[..., 2] << 4 | top[..., 3] << 6).reshape(tiles, kb, -1))
+    elif sb.bits != 4:
+        raise ValueError(f"super-block levels are 4 or 6 bits, got {sb.bits}")
+    b = np.concatenate(parts, axis=2).astype(np.uint8).reshape(-1)
+    mins = (None, None) if sb.mn is None else (_sek_tiles(sb.mn, n_pad), _sek_tiles(sb.dmin, n_pad))
+    return b, _sek_tiles(sb.sc, n_pad), _sek_tiles(sb.d, n_pad), *mins, n_pad
 
 
 def rel_error(w: np.ndarray, approx: np.ndarray) -> float:

@@ -3,8 +3,10 @@
 ``csrc/sek_gemm.c`` is a quantized GEMM for the few rows of a decode or verify step whose rows are
 batch-invariant by construction (exact integer block sums, then the same fp32 operations in the same order for
 every row, whatever the step's width) and whose cost grows slowly with the width: each 64-byte chunk of weights
-is unpacked once and used for up to 8 rows. ``csrc/sek_ort.c`` exposes it to ONNX Runtime as the custom op
-``ai.specedge::SekMatMul`` through the C API's stable ABI, so no ONNX Runtime header or SDK is needed.
+is unpacked once and used for up to 10 rows. ``csrc/sek_ort.c`` exposes it to ONNX Runtime as the custom ops
+``ai.specedge::SekMatMul`` (fp32 block scales) and ``SekMatMulSB`` (GGUF K-quants' two-level scales), with
+``SekAttention`` from ``csrc/sek_attn.c``, through the C API's stable ABI, so no ONNX Runtime header or SDK is
+needed.
 
 Nothing is compiled at ``pip install``: the first session that needs the op runs the C compiler (``cc``, or
 ``$CC``) once, with ``-O3 -march=native`` (the kernels are tuned to this CPU: AVX512-VNNI, AVX2 + FMA, or
@@ -27,12 +29,15 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from .cpu import cpu_features
 from .errors import BackendUnavailableError
 
 DOMAIN = "ai.specedge"
 OP = "SekMatMul"
 SOURCES = ("sek_gemm.c", "sek_attn.c", "sek_ort.c")
+HEADERS = ("sek.h",)
 CFLAGS = ("-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-std=c11", "-D_GNU_SOURCE")
 
 
@@ -79,6 +84,8 @@ def library_path() -> Path:
             from None
     srcs = [_src_dir() / s for s in SOURCES]
     h = hashlib.sha256()
+    for hdr in HEADERS:
+        h.update((_src_dir() / hdr).read_bytes())
     # -march=native: the build is this CPU's. Where /proc/cpuinfo cannot be read the platform strings stand in.
     cpu = " ".join(sorted(cpu_features() or ())) or f"{platform.platform()} {platform.processor()} {platform.node()}"
     flags = (*CFLAGS, _march())
@@ -110,7 +117,7 @@ def library_path() -> Path:
 
 
 def register(session_options) -> None:
-    """Make ``ai.specedge::SekMatMul`` available to sessions created with these ONNX Runtime options."""
+    """Make the ``ai.specedge`` ops available to sessions created with these ONNX Runtime options."""
     try:
         session_options.register_custom_ops_library(str(library_path()))
     except BackendUnavailableError:
@@ -125,7 +132,9 @@ class Kernel:
 
     class _Weights(ctypes.Structure):
         _fields_ = [("b", ctypes.c_void_p), ("s", ctypes.c_void_p), ("z", ctypes.c_void_p), ("zs", ctypes.c_void_p),
-                    ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("blk", ctypes.c_int64), ("bits", ctypes.c_int)]
+                    ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("blk", ctypes.c_int64), ("bits", ctypes.c_int),
+                    ("sc", ctypes.c_void_p), ("d", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("dmin", ctypes.c_void_p),
+                    ("sblk", ctypes.c_int64), ("zconst", ctypes.c_int)]
 
     def __init__(self) -> None:
         self.lib = ctypes.CDLL(str(library_path()))
@@ -140,13 +149,22 @@ class Kernel:
     def gemm(self, a, b, s, z, n: int, k_pad: int, block: int, bits: int, isa: str = "best"):
         """a [M, K] float32 (K <= k_pad) @ the packed weights -> [M, n] float32 (z: uint8 zero points, or fp32
         zero-point products, as quant.sek_pack made them)."""
-        import numpy as np
-
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        y = np.empty((a.shape[0], n), dtype=np.float32)
         byte_zp = z.dtype == np.uint8
-        w = self._Weights(b.ctypes.data, s.ctypes.data, z.ctypes.data if byte_zp else None,
-                          None if byte_zp else z.ctypes.data, n, k_pad, block, bits)
+        return self._run(a, self._Weights(b.ctypes.data, s.ctypes.data, z.ctypes.data if byte_zp else None,
+                                          None if byte_zp else z.ctypes.data, n, k_pad, block, bits), isa)
+
+    def gemm_sb(self, a, b, sc, d, mn, dmin, n: int, k_pad: int, block: int, bits: int, superblock: int,
+                zero_point: int = 0, isa: str = "best"):
+        """The same with two-level scales (quant.sek_pack of a matrix with super-blocks): sc int8, d fp32, and
+        mins mn int8 under dmin fp32, or None for both (then zs = zero_point * s)."""
+        w = self._Weights(b.ctypes.data, None, None, None, n, k_pad, block, bits, sc.ctypes.data, d.ctypes.data,
+                          None if mn is None else mn.ctypes.data, None if dmin is None else dmin.ctypes.data,
+                          superblock, zero_point)
+        return self._run(a, w, isa)
+
+    def _run(self, a, w, isa: str):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        y = np.empty((a.shape[0], w.n), dtype=np.float32)
         code = {"best": 0, **{v: k for k, v in ISA_NAMES.items()}}[isa]
         rc = self.lib.sek_gemm(a.ctypes.data, a.shape[0], a.shape[1], ctypes.byref(w), y.ctypes.data, code)
         if rc:

@@ -76,6 +76,16 @@ PLANTS = {
     "specedge kernel: AVX2 activation levels truncated instead of rounded": (
         "runtime/csrc/sek_gemm.c", "_mm256_cvttps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))",
         "_mm256_cvttps_epi32(x)", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a 6-bit level's top bits taken from the other half's pair (AVX512)": (
+        "runtime/csrc/sek_gemm.c", "const __m512i tlo = half ? hb[t] : _mm512_slli_epi16(hb[t], 4);",
+        "const __m512i tlo = half ? _mm512_slli_epi16(hb[t], 4) : hb[t];", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a 6-bit level's top bits shifted from the wrong place (AVX2)": (
+        "runtime/csrc/sek_gemm.c", "const __m256i thi = half ? _mm256_srli_epi16(hb[h], 2) : _mm256_slli_epi16(hb[h], 2);",
+        "const __m256i thi = half ? _mm256_srli_epi16(hb[h], 4) : _mm256_slli_epi16(hb[h], 2);",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: two-level block mins scaled by d instead of dmin": (
+        "runtime/csrc/sek_gemm.c", "*zs = w->mn ? w->dmin[so + c] * (float)w->mn[o + c]",
+        "*zs = w->mn ? w->d[so + c] * (float)w->mn[o + c]", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
         "runtime/csrc/sek_attn.c", "const int64_t pos = a->past_len + t, n = pos + 1;",
         "const int64_t pos = a->past_len + t, n = pos;", ["tests/runtime/test_sek_kernel.py"]),

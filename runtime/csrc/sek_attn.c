@@ -14,6 +14,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "sek.h"
 #if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
 #endif
@@ -21,14 +23,6 @@
 #define SEK_CHUNK 64
 #define SEK_DMAX 512
 
-typedef struct {
-    const float *qkv;         /* [T][(hq + 2 hkv) d] */
-    float *k_cache, *v_cache; /* [hkv][s_max][d] */
-    const float *cos, *sin;   /* [positions][d/2] */
-    float *out;               /* [T][hq d] */
-    int64_t t, hq, hkv, d, s_max, past_len;
-    float scale;
-} sek_attn_args;
 
 /* x [d] rotated in place by position pos (rotate-half: pairs i, i + d/2). */
 static void rope(float *x, const float *cs, const float *sn, int64_t d) {

@@ -18,15 +18,26 @@
  *
  * Packed weights, one layout for every ISA: tiles of 16 columns; per tile, per block, 64-byte chunks:
  *   4-bit: blk/8 chunks; chunk j, byte 4c+t: low nibble q[c][8j+t], high nibble q[c][8j+4+t]
+ *   6-bit: the 4-bit chunks of the levels' low nibbles, then blk/16 chunks of their top two bits; chunk h,
+ *          byte 4c+t, bits 2i..2i+1: q[c][16h+4i+t] >> 4
  *   8-bit: blk/4 chunks; chunk g, byte 4c+t: q[c][4g+t]
  * so one 64-byte chunk feeds a 512-bit dot-product instruction (16 columns x 4 k) against 4 activation bytes
  * broadcast. Scales: fp32 [N/16][K/blk][16]; zero points: uint8 (or zs: fp32) [N/16][K/blk][16].
+ *
+ * Two-level scales (GGUF's K-quants, carried without a rounding): instead of s and z/zs, integer block scales sc
+ * (int8 [N/16][K/blk][16]) under an fp32 scale d per super-block of sblk values (fp32 [N/16][K/sblk][16]), and
+ * optionally integer block mins mn under dmin (same shapes): s = d * sc, zs = dmin * mn (or zconst * s without
+ * mins), each one fp32 product in the block's epilogue, exact where d is an fp16 value as in GGUF (11 + 8 bits).
+ * Q4_K is 4-bit with mins (w = d sc q - dmin mn), Q6_K 6-bit with zconst 32 (w = d sc (q - 32)): 4.75 and 6.625
+ * bits a weight here instead of 6 and 10 with fp32 block scales, and the same arithmetic after the product.
  * Requires N % 16 == 0, blk % 16 == 0, blk <= 256; K is padded to whole blocks (zero weights, zero activations).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "sek.h"
 #if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
 #endif
@@ -53,22 +64,22 @@
 
 enum { SEK_ISA_BEST = 0, SEK_ISA_SCALAR = 1, SEK_ISA_AVX2 = 2, SEK_ISA_VNNI512 = 3 };
 
-typedef struct {
-    const int8_t *qa;   /* [M][K] */
-    const float *sa;    /* [M][K/blk] */
-    const float *sasum; /* [M][K/blk]: sa * sum(qa) over the block */
-    int64_t m, k, blk;
-} sek_rows;
+/* Block b of tile `tile`: where its scale parts are. */
+static inline int64_t blk_off(const sek_weights *w, int64_t tile, int64_t b) { return (tile * (w->k / w->blk) + b) * 16; }
+static inline int64_t sblk_off(const sek_weights *w, int64_t tile, int64_t b) {
+    return (tile * (w->k / w->sblk) + b * w->blk / w->sblk) * 16;
+}
 
-typedef struct {
-    const uint8_t *b;  /* packed levels, layout above */
-    const float *s;    /* [N/16][K/blk][16] */
-    const uint8_t *z;  /* [N/16][K/blk][16] integer zero points, or NULL when zs is given */
-    const float *zs;   /* [N/16][K/blk][16] z * s as fp32, for blocks whose zero is not an integer level (GGUF
-                        * Q4_K / Q4_1: w = s q - dmin m); NULL when z is given */
-    int64_t n, k, blk;
-    int bits;
-} sek_weights;
+/* Column c's s and zs for block b of a tile (o = blk_off, so = sblk_off): the one definition every path follows. */
+static inline void scalar_scales(const sek_weights *w, int64_t o, int64_t so, int c, float *s, float *zs) {
+    if (w->sc) {
+        *s = w->d[so + c] * (float)w->sc[o + c];
+        *zs = w->mn ? w->dmin[so + c] * (float)w->mn[o + c] : (float)w->zconst * *s;
+    } else {
+        *s = w->s[o + c];
+        *zs = w->zs ? w->zs[o + c] : (float)w->z[o + c] * *s;
+    }
+}
 
 /* Which ISA paths this build has, as a bit mask of 1 << SEK_ISA_*. */
 int sek_isa_mask(void) {
@@ -244,18 +255,30 @@ static void tile_scalar(const sek_rows *x, const sek_weights *w, float *y, int64
                             uint8_t v = bp[j * 64 + 4 * c + t];
                             acc[c] += (int32_t)(v & 15) * a[8 * j + t] + (int32_t)(v >> 4) * a[8 * j + 4 + t];
                         }
+            } else if (w->bits == 6) {
+                const uint8_t *top = bp + blk * 8; /* after the blk/8 chunks of low nibbles */
+                for (int64_t h = 0; h < blk / 16; h++)
+                    for (int c = 0; c < SEK_TILE; c++)
+                        for (int t = 0; t < 4; t++) {
+                            const uint8_t l0 = bp[2 * h * 64 + 4 * c + t], l1 = bp[(2 * h + 1) * 64 + 4 * c + t];
+                            const uint8_t hb = top[h * 64 + 4 * c + t];
+                            acc[c] += (int32_t)((l0 & 15) | (hb & 3) << 4) * a[16 * h + t] +
+                                      (int32_t)((l0 >> 4) | (hb >> 2 & 3) << 4) * a[16 * h + 4 + t] +
+                                      (int32_t)((l1 & 15) | (hb >> 4 & 3) << 4) * a[16 * h + 8 + t] +
+                                      (int32_t)((l1 >> 4) | (hb >> 6) << 4) * a[16 * h + 12 + t];
+                        }
             } else {
                 for (int64_t g = 0; g < blk / 4; g++)
                     for (int c = 0; c < SEK_TILE; c++)
                         for (int t = 0; t < 4; t++) acc[c] += (int32_t)bp[g * 64 + 4 * c + t] * a[4 * g + t];
             }
-            const float *s = w->s + (tile * nb + b) * SEK_TILE;
-            const uint8_t *z = w->z ? w->z + (tile * nb + b) * SEK_TILE : NULL;
+            const int64_t o = blk_off(w, tile, b), so = w->sc ? sblk_off(w, tile, b) : 0;
             const float sa = x->sa[r * nb + b], sasum = x->sasum[r * nb + b];
-            const float *zs = w->zs ? w->zs + (tile * nb + b) * SEK_TILE : NULL;
             for (int c = 0; c < SEK_TILE; c++) {
-                acc_f[c] = fmaf((float)acc[c], s[c] * sa, acc_f[c]);
-                acc_f[c] = fmaf(-(zs ? zs[c] : (float)z[c] * s[c]), sasum, acc_f[c]);
+                float s, zs;
+                scalar_scales(w, o, so, c, &s, &zs);
+                acc_f[c] = fmaf((float)acc[c], s * sa, acc_f[c]);
+                acc_f[c] = fmaf(-zs, sasum, acc_f[c]);
             }
         }
         memcpy(y + r * ldy + tile * SEK_TILE, acc_f, sizeof acc_f);
@@ -265,6 +288,28 @@ static void tile_scalar(const sek_rows *x, const sek_weights *w, float *y, int64
 /* ---------------------------------------------------------------- AVX512-VNNI */
 
 #ifdef SEK_HAVE_VNNI512
+/* scalar_scales for a tile's 16 columns: the same products */
+static inline __attribute__((always_inline)) void scales512(const sek_weights *w, int64_t tile, int64_t b, __m512 *s,
+                                                           __m512 *zs) {
+    const int64_t o = blk_off(w, tile, b);
+    if (w->sc) {
+        const int64_t so = sblk_off(w, tile, b);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(w->sc + o));
+        *s = _mm512_mul_ps(_mm512_loadu_ps(w->d + so), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        if (w->mn) {
+            const __m128i mn = _mm_loadu_si128((const __m128i *)(w->mn + o));
+            *zs = _mm512_mul_ps(_mm512_loadu_ps(w->dmin + so), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(mn)));
+        } else {
+            *zs = _mm512_mul_ps(_mm512_set1_ps((float)w->zconst), *s);
+        }
+    } else {
+        *s = _mm512_loadu_ps(w->s + o);
+        *zs = w->zs ? _mm512_loadu_ps(w->zs + o)
+                    : _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->z + o)))),
+                                    *s);
+    }
+}
+
 /* R rows x NT tiles (1 or 2) of 16 columns; R and NT are constants at every call site (inlined per value). */
 static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *x, const sek_weights *w, float *y,
                                                                int64_t ldy, int64_t r0, const int R, int64_t tile,
@@ -307,6 +352,39 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
                     }
                 }
             }
+        } else if (w->bits == 6) {
+            const __m512i top2 = _mm512_set1_epi8(0x30);
+            for (int64_t h = 0; h < blk / 16; h++) {
+                __m512i hb[2];
+                SEK_UNROLL
+                for (int t = 0; t < NT; t++) hb[t] = _mm512_loadu_si512(bp[t] + blk * 8 + h * 64);
+                SEK_UNROLL
+                for (int half = 0; half < 2; half++) { /* k = 16h + 8 half + 0..7 */
+                    __m512i lo[2], hi[2];
+                    SEK_UNROLL
+                    for (int t = 0; t < NT; t++) {
+                        const __m512i v = _mm512_loadu_si512(bp[t] + (2 * h + half) * 64);
+                        /* the top bits of k = 16h+8half+t at bits 4-5: from bits 4half.. and 4half+2.. of hb */
+                        const __m512i tlo = half ? hb[t] : _mm512_slli_epi16(hb[t], 4);
+                        const __m512i thi = half ? _mm512_srli_epi16(hb[t], 2) : _mm512_slli_epi16(hb[t], 2);
+                        lo[t] = _mm512_or_si512(_mm512_and_si512(v, mask), _mm512_and_si512(tlo, top2));
+                        hi[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), _mm512_and_si512(thi, top2));
+                    }
+                    SEK_UNROLL
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *a = qa + r * K + b * blk + 16 * h + 8 * half;
+                        int32_t a0, a1;
+                        memcpy(&a0, a, 4);
+                        memcpy(&a1, a + 4, 4);
+                        const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
+                        SEK_UNROLL
+                        for (int t = 0; t < NT; t++) {
+                            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], va0);
+                            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], va1);
+                        }
+                    }
+                }
+            }
         } else {
             for (int64_t g = 0; g < blk / 4; g++) {
                 __m512i v[2];
@@ -324,11 +402,8 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
         }
         SEK_UNROLL
         for (int t = 0; t < NT; t++) {
-            const int64_t o = ((tile + t) * nb + b) * SEK_TILE;
-            const __m512 s = _mm512_loadu_ps(w->s + o);
-            const __m512 zs = w->zs ? _mm512_loadu_ps(w->zs + o)
-                                    : _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                        _mm_loadu_si128((const __m128i *)(w->z + o)))), s);
+            __m512 s, zs;
+            scales512(w, tile + t, b, &s, &zs);
             SEK_UNROLL
             for (int r = 0; r < R; r++) {
                 const __m512 ss = _mm512_mul_ps(s, _mm512_set1_ps(sa[r * nb + b]));
@@ -369,8 +444,30 @@ static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int
 
 #ifdef SEK_HAVE_AVX2
 #define SEK_R2 4 /* rows per pass: 16 ymm registers */
+/* scalar_scales for columns 8h..8h+7 of a tile: the same products */
+static inline __attribute__((always_inline)) void scales256(const sek_weights *w, int64_t tile, int64_t b, int h,
+                                                           __m256 *s, __m256 *zs) {
+    const int64_t o = blk_off(w, tile, b) + 8 * h;
+    if (w->sc) {
+        const int64_t so = sblk_off(w, tile, b) + 8 * h;
+        const __m128i sc = _mm_loadl_epi64((const __m128i *)(w->sc + o));
+        *s = _mm256_mul_ps(_mm256_loadu_ps(w->d + so), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        if (w->mn) {
+            const __m128i mn = _mm_loadl_epi64((const __m128i *)(w->mn + o));
+            *zs = _mm256_mul_ps(_mm256_loadu_ps(w->dmin + so), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn)));
+        } else {
+            *zs = _mm256_mul_ps(_mm256_set1_ps((float)w->zconst), *s);
+        }
+    } else {
+        *s = _mm256_loadu_ps(w->s + o);
+        *zs = w->zs ? _mm256_loadu_ps(w->zs + o)
+                    : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->z + o)))),
+                                    *s);
+    }
+}
 /* R rows x one tile (two 8-column halves). maddubs (u8 x s8 pairs -> s16) cannot saturate here: 4-bit
- * levels give pairs <= 2 * 15 * 127, and 8-bit levels are split into their two nibbles. */
+ * levels give pairs <= 2 * 15 * 127, 6-bit ones 2 * 63 * 127 (two such pairs added: 4 * 63 * 127 < 2^15), and
+ * 8-bit levels are split into their two nibbles. */
 static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, const sek_weights *w, float *y,
                                                            int64_t ldy, int64_t r0, const int R, int64_t tile) {
     const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8, K = x->k;
@@ -408,6 +505,38 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
                     }
                 }
             }
+        } else if (w->bits == 6) {
+            const __m256i top2 = _mm256_set1_epi8(0x30);
+            for (int64_t hh = 0; hh < blk / 16; hh++) {
+                __m256i hb[2];
+                SEK_UNROLL
+                for (int h = 0; h < 2; h++) hb[h] = _mm256_loadu_si256((const __m256i *)(bp + blk * 8 + hh * 64 + 32 * h));
+                SEK_UNROLL
+                for (int half = 0; half < 2; half++) { /* k = 16hh + 8 half + 0..7 */
+                    __m256i lo[2], hi[2];
+                    SEK_UNROLL
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + (2 * hh + half) * 64 + 32 * h));
+                        const __m256i tlo = half ? hb[h] : _mm256_slli_epi16(hb[h], 4);
+                        const __m256i thi = half ? _mm256_srli_epi16(hb[h], 2) : _mm256_slli_epi16(hb[h], 2);
+                        lo[h] = _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(tlo, top2));
+                        hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), _mm256_and_si256(thi, top2));
+                    }
+                    SEK_UNROLL
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *a = qa + r * K + b * blk + 16 * hh + 8 * half;
+                        int32_t a0, a1;
+                        memcpy(&a0, a, 4);
+                        memcpy(&a1, a + 4, 4);
+                        const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
+                        SEK_UNROLL
+                        for (int h = 0; h < 2; h++) { /* 6-bit levels: 4 * 63 * 127 < 2^15, no saturation */
+                            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va0), _mm256_maddubs_epi16(hi[h], va1));
+                            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
+                        }
+                    }
+                }
+            }
         } else {
             for (int64_t g = 0; g < blk / 4; g++) {
                 __m256i lo[2], hi[2];
@@ -431,13 +560,10 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
                 }
             }
         }
-        const int64_t o = (tile * nb + b) * SEK_TILE;
         SEK_UNROLL
         for (int h = 0; h < 2; h++) {
-            const __m256 s = _mm256_loadu_ps(w->s + o + 8 * h);
-            const __m256 zs = w->zs ? _mm256_loadu_ps(w->zs + o + 8 * h)
-                                    : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                        _mm_loadl_epi64((const __m128i *)(w->z + o + 8 * h)))), s);
+            __m256 s, zs;
+            scales256(w, tile, b, h, &s, &zs);
             SEK_UNROLL
             for (int r = 0; r < R; r++) {
                 const __m256 ss = _mm256_mul_ps(s, _mm256_set1_ps(sa[r * nb + b]));
@@ -490,8 +616,12 @@ int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ld
 /* Shapes this kernel takes: 0, or -2. */
 int sek_check(const sek_weights *w) {
     if (w->n <= 0 || w->n % SEK_TILE || w->blk < 16 || w->blk > SEK_BLK_MAX || w->blk % 16 || w->k <= 0 ||
-        w->k % w->blk || (w->bits != 4 && w->bits != 8))
+        w->k % w->blk || (w->bits != 4 && w->bits != 6 && w->bits != 8))
         return -2;
+    if (w->sc && (!w->d || (!w->mn) != (!w->dmin) || w->sblk < w->blk || w->sblk % w->blk || w->k % w->sblk ||
+                  w->zconst < 0 || w->zconst > 255))
+        return -2;
+    if (!w->sc && w->bits == 6) return -2; /* 6-bit levels come with two-level scales (GGUF Q6_K) only */
     return 0;
 }
 

@@ -1,8 +1,15 @@
-/* ONNX Runtime custom-op glue for sek_gemm.c: the op ai.specedge::SekMatMul on the CPU execution provider.
+/* ONNX Runtime custom-op glue for sek_gemm.c and sek_attn.c: ops of the domain ai.specedge on the CPU execution
+ * provider.
  *
  *   Y[..., N] = SekMatMul(A[..., K] fp32, B uint8 (packed levels), S fp32 (scales),
- *                         Z uint8 (zero points) or fp32 (z * s, for GGUF Q4_K / Q4_1 blocks))
+ *                         Z uint8 (zero points) or fp32 (z * s, for GGUF Q4_1 blocks))
  *   attributes: K (A's last dimension), N (a multiple of 16), bits (4 | 8), block_size (16..256, a multiple of 16)
+ *
+ *   Y[..., N] = SekMatMulSB(A[..., K] fp32, B uint8 (packed levels), SC int8 (block scales), D fp32 (super-block
+ *                           scales), MN int8 (block mins, or no elements), DMIN fp32 (super-block min scales, or no
+ *                           elements))                     two-level scales: GGUF Q4_K and Q6_K as they are
+ *   attributes: K, N, bits (4 | 6 | 8), block_size, superblock (a multiple of block_size dividing K),
+ *               zero_point (0..255: zs = zero_point * s where there are no mins)
  *
  * A's rows are quantized once in the calling thread; column tiles are spread over the session's intra-op
  * thread pool (KernelContext_ParallelFor). The column split never changes a row's numbers (sek_gemm.c).
@@ -20,38 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* from sek_gemm.c */
-typedef struct {
-    const int8_t *qa;
-    const float *sa, *sasum;
-    int64_t m, k, blk;
-} sek_rows;
-typedef struct {
-    const uint8_t *b;
-    const float *s;
-    const uint8_t *z;
-    const float *zs;
-    int64_t n, k, blk;
-    int bits;
-} sek_weights;
-int sek_isa_mask(void);
-int sek_check(const sek_weights *w);
-size_t sek_scratch_bytes(int64_t m, int64_t k, int64_t blk);
-void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpad, int64_t blk, void *scratch,
-                  sek_rows *out, int isa);
-int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1, int isa);
-
-/* from sek_attn.c */
-typedef struct {
-    const float *qkv;
-    float *k_cache, *v_cache;
-    const float *cos, *sin;
-    float *out;
-    int64_t t, hq, hkv, d, s_max, past_len;
-    float scale;
-} sek_attn_args;
-void sek_attn_store(const sek_attn_args *a);
-void sek_attn_row(const sek_attn_args *a, int64_t item);
+#include "sek.h"
 
 /* ---- the parts of the C API used here (opaque handles; OrtApi slots by position) ---- */
 typedef struct OrtStatus OrtStatus;
@@ -69,7 +45,7 @@ typedef struct {
 
 enum { API_VERSION = 17 }; /* the table we ask for; every slot below exists from 17 on */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
-enum { T_ANY = 0, T_FLOAT = 1, T_UINT8 = 2, T_INT64 = 7 };
+enum { T_ANY = 0, T_FLOAT = 1, T_UINT8 = 2, T_INT8 = 3, T_INT64 = 7 };
 
 #define SLOT(api, i, T) ((T)((api)[i]))
 #define CreateStatus(api) SLOT(api, 0, OrtStatus * (*)(int, const char *))
@@ -121,8 +97,11 @@ typedef struct {
 typedef struct {
     OrtApiTable api;
     int64_t k, n, bits, blk;
+    int64_t sblk, zconst; /* SekMatMulSB; sblk 0 for SekMatMul */
     int isa;
 } SekKernel;
+
+static const SekCustomOp sek_matmul_sb_op;
 
 __attribute__((format(printf, 3, 4))) static OrtStatus *fail(OrtApiTable api, int code, const char *fmt, ...) {
     char msg[320];
@@ -140,24 +119,38 @@ __attribute__((format(printf, 3, 4))) static OrtStatus *fail(OrtApiTable api, in
     } while (0)
 
 static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
-    (void)op;
+    const int sb = op == (const void *)&sek_matmul_sb_op;
+    const char *name = sb ? "SekMatMulSB" : "SekMatMul";
     SekKernel *k = calloc(1, sizeof *k);
-    if (!k) return CreateStatus(api)(ORT_FAIL, "SekMatMul: out of memory");
+    if (!k) return fail(api, ORT_FAIL, "%s: out of memory", name);
     k->api = api;
     OrtStatus *st = NULL;
     if ((st = KernelInfoGetAttribute_int64(api)(info, "K", &k->k)) ||
         (st = KernelInfoGetAttribute_int64(api)(info, "N", &k->n)) ||
         (st = KernelInfoGetAttribute_int64(api)(info, "bits", &k->bits)) ||
-        (st = KernelInfoGetAttribute_int64(api)(info, "block_size", &k->blk))) {
+        (st = KernelInfoGetAttribute_int64(api)(info, "block_size", &k->blk)) ||
+        (sb && (st = KernelInfoGetAttribute_int64(api)(info, "superblock", &k->sblk))) ||
+        (sb && (st = KernelInfoGetAttribute_int64(api)(info, "zero_point", &k->zconst)))) {
         free(k);
         return st;
     }
     const int64_t kpad = k->blk > 0 && k->k > 0 && k->k < (1ll << 40) ? (k->k + k->blk - 1) / k->blk * k->blk : 0;
-    sek_weights w = {NULL, NULL, NULL, NULL, k->n, kpad, k->blk, (int)k->bits};
-    if (k->k <= 0 || k->n > (1ll << 40) || sek_check(&w)) {
+    static const int8_t one_sc = 1;
+    static const float one_d = 1.f;
+    /* a stand-in for the scales: sek_check judges the shapes */
+    sek_weights w = {NULL, NULL, NULL, NULL, k->n, kpad, k->blk, (int)k->bits, NULL, NULL, NULL, NULL, 0, 0};
+    if (sb) {
+        w.sc = &one_sc;
+        w.d = &one_d;
+        w.sblk = k->sblk;
+        w.zconst = k->zconst >= 0 && k->zconst <= 255 ? (int)k->zconst : -1;
+    }
+    if (k->k <= 0 || k->n > (1ll << 40) || k->sblk > (1ll << 40) || sek_check(&w)) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
-                            "SekMatMul: unsupported shape (N %lld must be a multiple of 16, K %lld > 0; bits 4 or 8; "
-                            "block_size a multiple of 16 up to 256)", (long long)(k->n), (long long)(k->k));
+                            "%s: unsupported shape (N %lld must be a multiple of 16, K %lld > 0; bits %s; block_size a "
+                            "multiple of 16 up to 256%s)", name, (long long)(k->n), (long long)(k->k),
+                            sb ? "4, 6 or 8" : "4 or 8",
+                            sb ? "; superblock a multiple of block_size dividing K; zero_point 0..255" : "");
         free(k);
         return e;
     }
@@ -165,8 +158,8 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
     k->isa = !isa || !*isa ? 0 : !strcmp(isa, "scalar") ? 1 : !strcmp(isa, "avx2") ? 2 : !strcmp(isa, "vnni512") ? 3 : -1;
     if (k->isa < 0 || (k->isa > 0 && !(sek_isa_mask() & (1 << k->isa)))) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
-                            "SekMatMul: SPECEDGE_SEK_ISA names a path this build lacks (mask %lld; 2 scalar, 4 avx2, "
-                            "8 vnni512)", (long long)(sek_isa_mask()));
+                            "%s: SPECEDGE_SEK_ISA names a path this build lacks (mask %lld; 2 scalar, 4 avx2, "
+                            "8 vnni512)", name, (long long)(sek_isa_mask()));
         free(k);
         return e;
     }
@@ -204,7 +197,7 @@ static OrtStatus *tensor_info(OrtApiTable api, const OrtValue *v, int want_type,
     ReleaseTensorTypeAndShapeInfo(api)(info);
     if (st) return st;
     if (type != want_type)
-        return fail(api, ORT_INVALID_ARGUMENT, "specedge op: input %lld has element type %lld (expected float32, uint8 or int64 as documented)", (long long)(index), (long long)(type));
+        return fail(api, ORT_INVALID_ARGUMENT, "specedge op: input %lld has element type %lld (expected float32, uint8, int8 or int64 as documented)", (long long)(index), (long long)(type));
     *type_out = type;
     *count = 1;
     for (size_t i = 0; i < *nd; i++) *count *= dims[i];
@@ -232,33 +225,67 @@ static OrtStatus *read_inputs(OrtApiTable api, OrtKernelContext *ctx, const char
     return NULL;
 }
 
+/* The weights' inputs of a node, checked against the kernel's attributes -> w. */
+static OrtStatus *weights_of(const SekKernel *k, const Input *in, int64_t kpad, sek_weights *w) {
+    OrtApiTable api = k->api;
+    const int64_t nb = kpad / k->blk;
+    *w = (sek_weights){(const uint8_t *)in[1].data, NULL, NULL, NULL, k->n, kpad, k->blk, (int)k->bits,
+                       NULL, NULL, NULL, NULL, 0, 0};
+    if (in[1].count != k->n * kpad * k->bits / 8)
+        return fail(api, ORT_INVALID_ARGUMENT, "%s: packed weights hold %lld bytes, N x K at these bits needs %lld",
+                    k->sblk ? "SekMatMulSB" : "SekMatMul", (long long)in[1].count, (long long)(k->n * kpad * k->bits / 8));
+    if (!k->sblk) {
+        if (in[3].type != T_UINT8 && in[3].type != T_FLOAT)
+            return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: zero points are uint8 levels or fp32 products z * s, "
+                        "not element type %d", in[3].type);
+        if (in[2].count != k->n * nb || in[3].count != k->n * nb)
+            return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: %lld scales and %lld zero points, N x blocks needs "
+                        "%lld of each", (long long)in[2].count, (long long)in[3].count, (long long)(k->n * nb));
+        const int byte_zp = in[3].type == T_UINT8;
+        w->s = (const float *)in[2].data;
+        w->z = byte_zp ? (const uint8_t *)in[3].data : NULL;
+        w->zs = byte_zp ? NULL : (const float *)in[3].data;
+        return NULL;
+    }
+    const int64_t nsb = kpad / k->sblk;
+    const int mins = in[4].count != 0;
+    if (in[2].count != k->n * nb || in[3].count != k->n * nsb || (mins && in[4].count != k->n * nb) ||
+        in[5].count != (mins ? k->n * nsb : 0))
+        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMulSB: %lld block scales, %lld super-block scales, %lld mins and "
+                    "%lld min scales; N x blocks is %lld, N x super-blocks %lld (mins and their scales both or neither)",
+                    (long long)in[2].count, (long long)in[3].count, (long long)in[4].count, (long long)in[5].count,
+                    (long long)(k->n * nb), (long long)(k->n * nsb));
+    w->sc = (const int8_t *)in[2].data;
+    w->d = (const float *)in[3].data;
+    w->mn = mins ? (const int8_t *)in[4].data : NULL;
+    w->dmin = mins ? (const float *)in[5].data : NULL;
+    w->sblk = k->sblk;
+    w->zconst = (int)k->zconst;
+    return NULL;
+}
+
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const SekKernel *k = (const SekKernel *)kernel;
     OrtApiTable api = k->api;
+    const char *name = k->sblk ? "SekMatMulSB" : "SekMatMul";
     static const int types[4] = {T_FLOAT, T_UINT8, T_FLOAT, T_ANY};
-    Input in[4];
-    TRY(read_inputs(api, ctx, "SekMatMul", 4, types, in));
+    static const int sb_types[6] = {T_FLOAT, T_UINT8, T_INT8, T_FLOAT, T_INT8, T_FLOAT};
+    Input in[6];
+    TRY(read_inputs(api, ctx, name, k->sblk ? 6 : 4, k->sblk ? sb_types : types, in));
     const Input *A = &in[0];
-    const int64_t kpad = (k->k + k->blk - 1) / k->blk * k->blk, nb = kpad / k->blk;
+    const int64_t kpad = (k->k + k->blk - 1) / k->blk * k->blk;
     if (A->nd < 1 || A->dims[A->nd - 1] != k->k)
-        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: A's last dimension is %lld, the weights take K = %lld",
+        return fail(api, ORT_INVALID_ARGUMENT, "%s: A's last dimension is %lld, the weights take K = %lld", name,
                     (long long)(A->nd ? A->dims[A->nd - 1] : -1), (long long)k->k);
-    if (in[3].type != T_UINT8 && in[3].type != T_FLOAT)
-        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: zero points are uint8 levels or fp32 products z * s, not "
-                    "element type %d", in[3].type);
-    if (in[1].count != k->n * kpad * k->bits / 8)
-        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: packed weights hold %lld bytes, N x K at these bits needs "
-                    "%lld", (long long)in[1].count, (long long)(k->n * kpad * k->bits / 8));
-    if (in[2].count != k->n * nb || in[3].count != k->n * nb)
-        return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: %lld scales and %lld zero points, N x blocks needs %lld "
-                    "of each", (long long)in[2].count, (long long)in[3].count, (long long)(k->n * nb));
+    sek_weights w;
+    TRY(weights_of(k, in, kpad, &w));
     const int64_t m = A->count / k->k;
     int64_t odims[8];
     memcpy(odims, A->dims, A->nd * sizeof(int64_t));
     odims[A->nd - 1] = k->n;
     OrtValue *out;
     TRY(KernelContext_GetOutput(api)(ctx, 0, odims, A->nd, &out));
-    if (!out) return CreateStatus(api)(ORT_RUNTIME_EXCEPTION, "SekMatMul: no output tensor");
+    if (!out) return fail(api, ORT_RUNTIME_EXCEPTION, "%s: no output tensor", name);
     void *y;
     TRY(GetTensorMutableData(api)(out, &y));
     if (m == 0) return NULL;
@@ -268,16 +295,12 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const size_t need = sek_scratch_bytes(m, kpad, k->blk);
     if (need > scratch_size) {
         void *bigger = realloc(scratch, need);
-        if (!bigger) return CreateStatus(api)(ORT_FAIL, "SekMatMul: out of memory");
+        if (!bigger) return fail(api, ORT_FAIL, "%s: out of memory", name);
         scratch = bigger;
         scratch_size = need;
     }
     sek_rows x;
     sek_quantize((const float *)A->data, m, k->k, k->k, kpad, k->blk, scratch, &x, k->isa);
-    const int byte_zp = in[3].type == T_UINT8;
-    const sek_weights w = {(const uint8_t *)in[1].data, (const float *)in[2].data,
-                           byte_zp ? (const uint8_t *)in[3].data : NULL, byte_zp ? NULL : (const float *)in[3].data,
-                           k->n, kpad, k->blk, (int)k->bits};
     Job job = {&x, &w, (float *)y, k->isa, k->n / 16};
     const size_t items = (size_t)((job.ntiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM);
     return KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job);
@@ -293,6 +316,34 @@ static size_t out_count(const void *op) { (void)op; return 1; }
 static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }
 static int mem_default(const void *op, size_t i) { (void)op; (void)i; return 0; }
 static int one(const void *op) { (void)op; return 1; }
+
+static const char *sb_name(const void *op) { (void)op; return "SekMatMulSB"; }
+static int sb_in_type(const void *op, size_t i) {
+    (void)op;
+    return i == 1 ? T_UINT8 : i == 2 || i == 4 ? T_INT8 : T_FLOAT;
+}
+static size_t sb_in_count(const void *op) { (void)op; return 6; }
+
+static const SekCustomOp sek_matmul_sb_op = {
+    .version = API_VERSION,
+    .GetName = sb_name,
+    .GetExecutionProviderType = op_ep,
+    .GetInputType = sb_in_type,
+    .GetInputTypeCount = sb_in_count,
+    .GetOutputType = out_type,
+    .GetOutputTypeCount = out_count,
+    .KernelDestroy = destroy,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = mem_default,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+    .GetStartVersion = one,
+};
 
 static const SekCustomOp sek_matmul_op = {
     .version = API_VERSION,
@@ -432,6 +483,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     OrtCustomOpDomain *domain = NULL;
     TRY(CreateCustomOpDomain(api)("ai.specedge", &domain));
     OrtStatus *st = CustomOpDomain_Add(api)(domain, &sek_matmul_op);
+    if (!st) st = CustomOpDomain_Add(api)(domain, &sek_matmul_sb_op);
     if (!st) st = CustomOpDomain_Add(api)(domain, &sek_attention_op);
     if (!st) st = AddCustomOpDomain(api)(options, domain);
     if (st) ReleaseCustomOpDomain(api)(domain); /* on success the options use it: it lives as long as the process */

@@ -20,6 +20,48 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def quantize_k(t: np.ndarray, qt) -> np.ndarray:
+    """float [N, K] (K a multiple of 256) -> GGUF Q4_K or Q6_K rows, uint8 [N, K/256 * bytes]: round-to-nearest
+    under ggml's block layouts (gguf-py reads K-quants but cannot write them). Tests only: not llama.cpp's search."""
+    n, k = t.shape
+    x = t.astype(np.float32).reshape(n, k // 256, 256)
+    if qt == Q.Q6_K:
+        sub = x.reshape(n, -1, 16, 16)
+        scale = np.abs(sub).max(-1) / 31.0  # [n, sb, 16]
+        d = _f16(np.abs(scale).max(-1) / 127.0).astype(np.float32)  # [n, sb]
+        sc = np.where(d[..., None] > 0, np.rint(scale / np.where(d > 0, d, 1)[..., None]), 0).clip(-128, 127)
+        step = d[..., None] * sc
+        q = (np.rint(sub / np.where(step > 0, step, 1)[..., None]) + 32).clip(0, 63).astype(np.uint8).reshape(n, -1, 256)
+        ql, qh = [], []
+        for h in range(2):
+            a, b, c, e = (q[..., 128 * h + 32 * i: 128 * h + 32 * i + 32] for i in range(4))
+            ql += [(a & 15) | ((c & 15) << 4), (b & 15) | ((e & 15) << 4)]
+            qh.append((a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6))
+        parts = [*ql, *qh, sc.astype(np.int8).view(np.uint8), _f16(d)[..., None].view(np.uint8)]
+    elif qt == Q.Q4_K:
+        sub = x.reshape(n, -1, 8, 32)
+        mn = np.maximum(-sub.min(-1), 0.0)  # w = d sc q - dmin m, q in 0..15
+        scale = (sub.max(-1) + mn) / 15.0
+        d, dmin = (_f16(v.max(-1) / 63.0).astype(np.float32) for v in (scale, mn))
+        sc = np.where(d[..., None] > 0, np.rint(scale / np.where(d > 0, d, 1)[..., None]), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin[..., None] > 0, np.rint(mn / np.where(dmin > 0, dmin, 1)[..., None]), 0).clip(0, 63).astype(np.uint8)
+        step = d[..., None] * sc
+        q = np.rint((sub + (dmin[..., None] * m)[..., None]) / np.where(step > 0, step, 1)[..., None]).clip(0, 15)
+        q = q.astype(np.uint8)  # [n, sb, 8, 32]
+        packed_sc = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                                    (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+                                    (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
+        qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(n, -1, 128)
+        parts = [_f16(d)[..., None].view(np.uint8), _f16(dmin)[..., None].view(np.uint8), packed_sc, qs]
+    else:
+        raise ValueError(qt)
+    return np.concatenate([p.reshape(n, k // 256, -1).astype(np.uint8) for p in parts], axis=-1).reshape(n, -1)
+
+
 def write_tiny_gguf(hf_dir, path, qtypes):
     from safetensors.numpy import load_file
 
@@ -64,7 +106,8 @@ def write_tiny_gguf(hf_dir, path, qtypes):
         if qt == Q.F32:
             w.add_tensor(gname, t)
         else:
-            w.add_tensor(gname, quantize(t, qt), raw_dtype=qt)
+            raw = quantize_k(t, qt) if qt in (Q.Q4_K, Q.Q6_K) else quantize(t, qt)
+            w.add_tensor(gname, raw, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -405,6 +405,41 @@ def test_the_specedge_form_carries_gguf_blocks_with_offsets(tiny_llama, tmp_path
         assert dec.generate(PROMPTS[1], params, drafter="prompt-lookup", k=k).token_ids == plain
 
 
+def test_the_specedge_form_reads_k_quants_with_their_own_two_level_scales(tmp_path):
+    """A GGUF of Q4_K and Q6_K matrices (llama.cpp's Q4_K_M mix) goes into specedge's kernel as the file holds it:
+    SekMatMulSB nodes with 4- and 6-bit levels and integer block scales, nothing re-quantized; the logits are
+    those of the same GGUF dequantized to fp32 up to the kernel's 8-bit activations; speculation is exact."""
+    import onnx
+
+    from ..conftest import make_hf_model
+
+    hf = make_hf_model(tmp_path / "hf", "llama", hidden=256)  # K-quants need rows of whole 256-value super-blocks
+    gg = tmp_path / "m.gguf"
+    write_tiny_gguf(hf, gg, {**{name: Q.Q4_K for name in ALL_LINEAR}, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K,
+                             "output": Q.Q6_K})
+    dec = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "s",
+                                         _opts("int4", "ort-inplace", form="specedge")).out)
+    info = dec.manifest.target.quant
+    assert info["format"] == "SekMatMul" and info["repacked_from_gguf"] == 2 * 7 + 1 and info["requantized"] == 0
+    nodes = [n for n in onnx.load(str(dec.bundle_dir / "target.onnx"), load_external_data=False).graph.node
+             if n.op_type.startswith("SekMatMul")]
+    bits = sorted({next(a.i for a in n.attribute if a.name == "bits") for n in nodes})
+    assert {n.op_type for n in nodes} == {"SekMatMulSB"} and bits == [4, 6]
+    fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts("fp32", "ort-inplace")).out)
+    ids = fp32.encode_prompt(PROMPTS[1])
+    a, b = _logits(fp32, ids), _logits(dec, ids)
+    assert np.abs(a - b).max() / np.abs(a).max() < 0.05  # the same weights; activations at 8 bits per block
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.9, seed=4)
+    for prompt in PROMPTS:
+        plain = dec.generate(prompt, params, drafter="none")
+        assert plain.stats.guesses_accepted == 0  # width-1 plain rounds
+        seeded = dec.generate(prompt, sampled, drafter="none").token_ids
+        for k in (1, 4):
+            assert dec.generate(prompt, params, drafter="prompt-lookup", k=k).token_ids == plain.token_ids
+            assert dec.generate(prompt, sampled, drafter="prompt-lookup", k=k).token_ids == seeded
+
+
 def test_a_specedge_bundle_is_not_converted_for_tensorrt(q_bundles, tmp_path):
     from specedge.export.precision import convert_graph
 

@@ -54,6 +54,12 @@ def _reference(a: np.ndarray, p, block: int) -> np.ndarray:
     # the zero point's product with the scale: z * s in fp32, or with offsets (GGUF Q4_K) z * s - o rounded once
     zs_all = (np.float32(zp.astype(np.float32) * p.scales) if p.offsets is None
               else (zp * p.scales.astype(np.float64) - p.offsets.astype(np.float64)).astype(np.float32))
+    return _reference_blocks(a, q, p.scales, zs_all, block)
+
+
+def _reference_blocks(a: np.ndarray, q: np.ndarray, scales: np.ndarray, zs_all: np.ndarray, block: int) -> np.ndarray:
+    """_reference's arithmetic for levels q [N, kb, block], fp32 scales s and zero-point products zs [N, kb]."""
+    n, kb, _ = q.shape
     a_pad = np.zeros((a.shape[0], kb * block), np.float32)
     a_pad[:, : a.shape[1]] = a
     y = np.zeros((a.shape[0], n), np.float32)
@@ -67,7 +73,7 @@ def _reference(a: np.ndarray, p, block: int) -> np.ndarray:
             sasum = np.float32(sa * np.float32(qa.sum()))
             for c in range(n):
                 acc = int((qa * q[c, b]).sum())
-                s = p.scales[c, b]
+                s = scales[c, b]
                 y[r, c] = _f32(Fraction(float(np.float32(acc))) * Fraction(float(np.float32(s * sa)))
                                + Fraction(float(y[r, c])))
                 y[r, c] = _f32(-Fraction(float(zs_all[c, b])) * Fraction(float(sasum)) + Fraction(float(y[r, c])))
@@ -189,6 +195,83 @@ def test_gguf_blocks_with_offsets_run_exactly_through_the_kernel(kernel, type_na
         assert np.array_equal(kernel.gemm(a, b, s, zs, n_pad, p.k, 32, 4, isa)[:, :n], ref), isa
     y = _session(_model(b, s, zs, p.k, n_pad, 4, 32)).run(None, {"x": a[None]})[0][0]  # fp32 zero points in ORT
     assert np.array_equal(y[:, :n], ref)
+
+
+def _k_quant_rows(rng, type_name: str, n: int, superblocks: int) -> np.ndarray:
+    """Random valid GGUF rows of a K-quant (any bits are valid levels and scales; d and dmin finite fp16)."""
+    from specedge.export.quant import GGUF_REPACKABLE
+
+    _, nbytes, _ = GGUF_REPACKABLE[type_name]
+    raw = rng.integers(0, 256, size=(n, superblocks, nbytes), dtype=np.uint8)
+    for at in ((0, 2) if type_name == "Q4_K" else (208,)):
+        raw[..., at:at + 2] = np.frombuffer(rng.uniform(-0.02, 0.02, n * superblocks).astype(np.float16).tobytes(),
+                                            np.uint8).reshape(n, superblocks, 2)
+    return raw.reshape(n, superblocks * nbytes)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_name, tmp_path):
+    """GGUF Q4_K (w = d sc q - dmin m, 4-bit) and Q6_K (w = d sc (q - 32), 6-bit) through SekMatMulSB: the packed
+    levels and integer scales stand for exactly gguf's own dequantization (s = d sc and zs = dmin m are exact fp32
+    products), the kernel computes exactly the documented arithmetic with those s and zs on every ISA path, a row
+    never depends on the other rows, and ONNX Runtime's op gives the same bits."""
+    import gguf
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from specedge.export.quant import repack_gguf, sek_pack_sb
+
+    rng = np.random.default_rng(7)
+    n, nsb = 40, 2  # N not a whole tile
+    raw = _k_quant_rows(rng, type_name, n, nsb)
+    ref_w = gguf_dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, -1)  # fp32, rounded once
+    p = repack_gguf(type_name, raw)
+    b, sc, d, mn, dmin, n_pad = sek_pack_sb(p)
+    bits, block, zp = (4, 32, 0) if type_name == "Q4_K" else (6, 16, 32)
+    assert (mn is None) == (type_name == "Q6_K") and b.size == n_pad * p.k * bits // 8
+    assert b.nbytes + sc.nbytes + d.nbytes + (0 if mn is None else mn.nbytes + dmin.nbytes) < \
+        n_pad * p.k * (4.8 if bits == 4 else 6.7) / 8  # 4.75 / 6.625 bits a weight
+    # the weights the kernel stands for, from what it reads (its layout undone)
+    tiles = lambda v: v.transpose(0, 2, 1).reshape(n_pad, -1)[:n]  # noqa: E731  [N/16, blocks, 16] -> [N, blocks]
+    s_blk = np.float32(np.repeat(tiles(d), 256 // block, axis=1) * tiles(sc).astype(np.float32))
+    zs_blk = (np.float32(np.repeat(tiles(dmin), 256 // block, axis=1) * tiles(mn).astype(np.float32)) if mn is not None
+              else np.float32(np.float32(zp) * s_blk))
+    low = b.reshape(n_pad // 16, -1, block * 16 * bits // 8)[..., : block * 8].reshape(n_pad // 16, -1, block // 8, 16, 4)
+    q = np.stack([low & 15, low >> 4], axis=-2).reshape(n_pad // 16, -1, block // 8, 16, 8)  # [tile, kb, j, c, k8]
+    q = q.transpose(0, 3, 1, 2, 4).reshape(n_pad, -1, block).astype(np.int64)  # [N, kb, block] low nibbles
+    if bits == 6:
+        top = b.reshape(n_pad // 16, -1, block * 12)[..., block * 8:].reshape(n_pad // 16, -1, block // 16, 16, 4)
+        hi = np.stack([(top >> (2 * i)) & 3 for i in range(4)], axis=-2)  # [tile, kb, h, c, i, t]
+        q += (hi.transpose(0, 3, 1, 2, 4, 5).reshape(n_pad, -1, block) << 4).astype(np.int64)
+    q = q[:n]
+    w = q * s_blk[..., None].astype(np.float64) - zs_blk[..., None].astype(np.float64)
+    np.testing.assert_array_equal(w.reshape(n, -1).astype(np.float32), ref_w)  # exact products, one rounding
+    a = rng.standard_normal((3, p.k)).astype(np.float32)
+    a[1] *= 300.0
+    ref = _reference_blocks(a, q, s_blk, zs_blk, block)
+    for isa in kernel.isas():
+        y = kernel.gemm_sb(a, b, sc, d, mn, dmin, n_pad, p.k, block, bits, 256, zp, isa)
+        assert np.array_equal(y[:, :n], ref), (isa, np.abs(y[:, :n] - ref).max())
+    many = rng.standard_normal((11, p.k)).astype(np.float32)
+    full = kernel.gemm_sb(many, b, sc, d, mn, dmin, n_pad, p.k, block, bits, 256, zp)
+    for m in (1, 4, 10):
+        assert np.array_equal(kernel.gemm_sb(many[m - 1:m], b, sc, d, mn, dmin, n_pad, p.k, block, bits, 256, zp)[0],
+                              full[m - 1]), m
+    y = _session(_model_sb(b, sc, d, mn, dmin, p.k, n_pad, bits, block, zp)).run(None, {"x": a[None]})[0][0]
+    assert np.array_equal(y[:, :n], ref)
+
+
+def _model_sb(b, sc, d, mn, dmin, k: int, n: int, bits: int, block: int, zero_point: int, **attrs) -> bytes:
+    empty_i8, empty_f = np.zeros(0, np.int8), np.zeros(0, np.float32)
+    inits = ((b, "b"), (sc, "sc"), (d, "d"), (empty_i8 if mn is None else mn, "mn"),
+             (empty_f if dmin is None else dmin, "dmin"))
+    node = helper.make_node("SekMatMulSB", ["x", "b", "sc", "d", "mn", "dmin"], ["y"], domain="ai.specedge",
+                            **{"K": k, "N": n, "bits": bits, "block_size": block, "superblock": 256,
+                               "zero_point": zero_point, **attrs})
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", n])],
+                          [numpy_helper.from_array(v, name) for v, name in inits])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                               helper.make_opsetid("ai.specedge", 1)]).SerializeToString()
 
 
 def _model(b, s, z, k: int, n: int, bits: int, block: int, **attrs) -> bytes:

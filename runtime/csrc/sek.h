@@ -1,0 +1,48 @@
+/* The interface between specedge's kernel files (sek_gemm.c, sek_attn.c) and their ONNX Runtime glue (sek_ort.c). */
+#ifndef SEK_H
+#define SEK_H
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    const int8_t *qa;   /* [M][K] */
+    const float *sa;    /* [M][K/blk] */
+    const float *sasum; /* [M][K/blk]: sa * sum(qa) over the block */
+    int64_t m, k, blk;
+} sek_rows;
+
+typedef struct {
+    const uint8_t *b;  /* packed levels, laid out as sek_gemm.c's first comment says */
+    const float *s;    /* [N/16][K/blk][16] */
+    const uint8_t *z;  /* [N/16][K/blk][16] integer zero points, or NULL when zs is given */
+    const float *zs;   /* [N/16][K/blk][16] z * s as fp32, for blocks whose zero is not an integer level (GGUF
+                        * Q4_K / Q4_1: w = s q - dmin m); NULL when z is given */
+    int64_t n, k, blk;
+    int bits;
+    /* two-level scales (see the top): when sc is set, s, z and zs are not read */
+    const int8_t *sc;  /* [N/16][K/blk][16] integer block scales: s = d * sc */
+    const float *d;    /* [N/16][K/sblk][16] */
+    const int8_t *mn;  /* [N/16][K/blk][16] integer block mins: zs = dmin * mn; NULL: zs = zconst * s */
+    const float *dmin; /* [N/16][K/sblk][16] */
+    int64_t sblk;      /* a multiple of blk */
+    int zconst;
+} sek_weights;
+
+int sek_isa_mask(void);
+int sek_check(const sek_weights *w);
+size_t sek_scratch_bytes(int64_t m, int64_t k, int64_t blk);
+void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpad, int64_t blk, void *scratch,
+                  sek_rows *out, int isa);
+int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1, int isa);
+
+typedef struct {
+    const float *qkv;         /* [T][(hq + 2 hkv) d] */
+    float *k_cache, *v_cache; /* [hkv][s_max][d] */
+    const float *cos, *sin;   /* [positions][d/2] */
+    float *out;               /* [T][hq d] */
+    int64_t t, hq, hkv, d, s_max, past_len;
+    float scale;
+} sek_attn_args;
+void sek_attn_store(const sek_attn_args *a);
+void sek_attn_row(const sek_attn_args *a, int64_t item);
+#endif
