@@ -159,7 +159,7 @@ class _Linears:
         if packed.superblocks is not None:
             sb = packed.superblocks
             b, sc, d, mn, dmin, n_pad = sek_pack_sb(packed)
-            mins = (np.zeros(0, np.int8), np.zeros(0, np.float32)) if mn is None else (mn, dmin)
+            mins = (np.zeros(0, np.int8), np.zeros(0, np.float16)) if mn is None else (mn, dmin)
             y = self.g.op("SekMatMulSB", x, self.w.add(f"{name}.qweight", b), self.w.add(f"{name}.block_scales", sc),
                           self.w.add(f"{name}.scales", d), self.w.add(f"{name}.block_mins", mins[0]),
                           self.w.add(f"{name}.min_scales", mins[1]), domain=SEK_DOMAIN, K=packed.k, N=n_pad,

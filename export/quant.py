@@ -60,7 +60,7 @@ class SuperBlocks:
     fewer bytes than fp32 block scales, and no rounding of a product."""
 
     sc: np.ndarray  # int8 [N, k_blocks]
-    d: np.ndarray  # float32 [N, k_superblocks]
+    d: np.ndarray  # float32 [N, k_superblocks], fp16 values
     mn: np.ndarray | None  # int8 [N, k_blocks] (Q4_K), or None
     dmin: np.ndarray | None  # float32 [N, k_superblocks], with mn
     bits: int  # the levels' width: 4 (Q4_K), 6 (Q6_K)
@@ -394,8 +394,8 @@ def sek_pack_sb(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     """A matrix with two-level scales (p.superblocks: GGUF Q4_K, Q6_K) in the layout of specedge's kernel
     (SekMatMulSB): the levels as sek_pack lays them out at 4 bits; at 6 bits, their low nibbles so, followed per
     (tile, block) by block/16 chunks of their top two bits (chunk h, byte 4c+t, bits 2i..2i+1: column c's level at
-    k = 16h+4i+t, shifted down 4). Returns (b, sc, d, mn, dmin, padded N); sc/mn [N/16, k_blocks, 16], d/dmin
-    [N/16, k_superblocks, 16]."""
+    k = 16h+4i+t, shifted down 4). Returns (b, sc, d, mn, dmin, padded N); sc/mn int8 [N/16, k_blocks, 16], d/dmin
+    fp16 [N/16, k_superblocks, 16]."""
     sb = p.superblocks
     if sb is None:
         raise ValueError("sek_pack_sb needs a matrix with super-block scales (GGUF Q4_K / Q6_K)")
@@ -415,8 +415,16 @@ def sek_pack_sb(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     elif sb.bits != 4:
         raise ValueError(f"super-block levels are 4 or 6 bits, got {sb.bits}")
     b = np.concatenate(parts, axis=2).astype(np.uint8).reshape(-1)
-    mins = (None, None) if sb.mn is None else (_sek_tiles(sb.mn, n_pad), _sek_tiles(sb.dmin, n_pad))
-    return b, _sek_tiles(sb.sc, n_pad), _sek_tiles(sb.d, n_pad), *mins, n_pad
+    mins = (None, None) if sb.mn is None else (_sek_tiles(sb.mn, n_pad), _sek_tiles(_halves(sb.dmin), n_pad))
+    return b, _sek_tiles(sb.sc, n_pad), _sek_tiles(_halves(sb.d), n_pad), *mins, n_pad
+
+
+def _halves(x: np.ndarray) -> np.ndarray:
+    """GGUF's fp16 super-block scales, held as float32, back in fp16 (refused if any would round)."""
+    h = x.astype(np.float16)
+    if not np.array_equal(h.astype(np.float32), x, equal_nan=True):
+        raise ValueError("super-block scales must be fp16 values (GGUF's d and dmin)")
+    return h
 
 
 def rel_error(w: np.ndarray, approx: np.ndarray) -> float:

@@ -155,8 +155,8 @@ class Kernel:
 
     def gemm_sb(self, a, b, sc, d, mn, dmin, n: int, k_pad: int, block: int, bits: int, superblock: int,
                 zero_point: int = 0, isa: str = "best"):
-        """The same with two-level scales (quant.sek_pack of a matrix with super-blocks): sc int8, d fp32, and
-        mins mn int8 under dmin fp32, or None for both (then zs = zero_point * s)."""
+        """The same with two-level scales (quant.sek_pack_sb): sc int8, d fp16, and
+        mins mn int8 under dmin fp16, or None for both (then zs = zero_point * s)."""
         w = self._Weights(b.ctypes.data, None, None, None, n, k_pad, block, bits, sc.ctypes.data, d.ctypes.data,
                           None if mn is None else mn.ctypes.data, None if dmin is None else dmin.ctypes.data,
                           superblock, zero_point)

@@ -20,10 +20,10 @@ typedef struct {
     int64_t n, k, blk;
     int bits;
     /* two-level scales (see the top): when sc is set, s, z and zs are not read */
-    const int8_t *sc;  /* [N/16][K/blk][16] integer block scales: s = d * sc */
-    const float *d;    /* [N/16][K/sblk][16] */
-    const int8_t *mn;  /* [N/16][K/blk][16] integer block mins: zs = dmin * mn; NULL: zs = zconst * s */
-    const float *dmin; /* [N/16][K/sblk][16] */
+    const int8_t *sc;     /* [N/16][K/blk][16] integer block scales: s = d * sc */
+    const uint16_t *d;    /* [N/16][K/sblk][16] IEEE halves */
+    const int8_t *mn;     /* [N/16][K/blk][16] integer block mins: zs = dmin * mn; NULL: zs = zconst * s */
+    const uint16_t *dmin; /* [N/16][K/sblk][16] IEEE halves */
     int64_t sblk;      /* a multiple of blk */
     int zconst;
 } sek_weights;

@@ -25,11 +25,11 @@
  * broadcast. Scales: fp32 [N/16][K/blk][16]; zero points: uint8 (or zs: fp32) [N/16][K/blk][16].
  *
  * Two-level scales (GGUF's K-quants, carried without a rounding): instead of s and z/zs, integer block scales sc
- * (int8 [N/16][K/blk][16]) under an fp32 scale d per super-block of sblk values (fp32 [N/16][K/sblk][16]), and
+ * (int8 [N/16][K/blk][16]) under an fp16 scale d per super-block of sblk values (fp16 [N/16][K/sblk][16]), and
  * optionally integer block mins mn under dmin (same shapes): s = d * sc, zs = dmin * mn (or zconst * s without
- * mins), each one fp32 product in the block's epilogue, exact where d is an fp16 value as in GGUF (11 + 8 bits).
- * Q4_K is 4-bit with mins (w = d sc q - dmin mn), Q6_K 6-bit with zconst 32 (w = d sc (q - 32)): 4.75 and 6.625
- * bits a weight here instead of 6 and 10 with fp32 block scales, and the same arithmetic after the product.
+ * mins), each one exact fp32 product (11 + 8 significant bits) in the block's epilogue.
+ * Q4_K is 4-bit with mins (w = d sc q - dmin mn), Q6_K 6-bit with zconst 32 (w = d sc (q - 32)): 4.625 and 6.5625
+ * bits a weight here (GGUF: 4.5 and 6.5625) instead of 6 and 10 with fp32 block scales, the same arithmetic after.
  * Requires N % 16 == 0, blk % 16 == 0, blk <= 256; K is padded to whole blocks (zero weights, zero activations).
  */
 #include <math.h>
@@ -58,7 +58,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SEK_HAVE_VNNI512 1
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SEK_HAVE_AVX2 1
 #endif
 
@@ -70,11 +70,29 @@ static inline int64_t sblk_off(const sek_weights *w, int64_t tile, int64_t b) {
     return (tile * (w->k / w->sblk) + b * w->blk / w->sblk) * 16;
 }
 
+/* An IEEE half (GGUF's d and dmin) as a float: exact. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t bits;
+    if (e == 31) {
+        bits = sign | 0x7f800000u | m << 13; /* inf, NaN */
+    } else if (e) {
+        bits = sign | (e + 112) << 23 | m << 13;
+    } else { /* zero or subnormal: m * 2^-24, exact in fp32 */
+        const float v = (float)m * 5.9604644775390625e-8f;
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* Column c's s and zs for block b of a tile (o = blk_off, so = sblk_off): the one definition every path follows. */
 static inline void scalar_scales(const sek_weights *w, int64_t o, int64_t so, int c, float *s, float *zs) {
     if (w->sc) {
-        *s = w->d[so + c] * (float)w->sc[o + c];
-        *zs = w->mn ? w->dmin[so + c] * (float)w->mn[o + c] : (float)w->zconst * *s;
+        *s = half_to_float(w->d[so + c]) * (float)w->sc[o + c];
+        *zs = w->mn ? half_to_float(w->dmin[so + c]) * (float)w->mn[o + c] : (float)w->zconst * *s;
     } else {
         *s = w->s[o + c];
         *zs = w->zs ? w->zs[o + c] : (float)w->z[o + c] * *s;
@@ -295,10 +313,10 @@ static inline __attribute__((always_inline)) void scales512(const sek_weights *w
     if (w->sc) {
         const int64_t so = sblk_off(w, tile, b);
         const __m128i sc = _mm_loadu_si128((const __m128i *)(w->sc + o));
-        *s = _mm512_mul_ps(_mm512_loadu_ps(w->d + so), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        *s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + so))), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
         if (w->mn) {
             const __m128i mn = _mm_loadu_si128((const __m128i *)(w->mn + o));
-            *zs = _mm512_mul_ps(_mm512_loadu_ps(w->dmin + so), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(mn)));
+            *zs = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dmin + so))), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(mn)));
         } else {
             *zs = _mm512_mul_ps(_mm512_set1_ps((float)w->zconst), *s);
         }
@@ -451,10 +469,10 @@ static inline __attribute__((always_inline)) void scales256(const sek_weights *w
     if (w->sc) {
         const int64_t so = sblk_off(w, tile, b) + 8 * h;
         const __m128i sc = _mm_loadl_epi64((const __m128i *)(w->sc + o));
-        *s = _mm256_mul_ps(_mm256_loadu_ps(w->d + so), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        *s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + so))), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
         if (w->mn) {
             const __m128i mn = _mm_loadl_epi64((const __m128i *)(w->mn + o));
-            *zs = _mm256_mul_ps(_mm256_loadu_ps(w->dmin + so), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn)));
+            *zs = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->dmin + so))), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn)));
         } else {
             *zs = _mm256_mul_ps(_mm256_set1_ps((float)w->zconst), *s);
         }

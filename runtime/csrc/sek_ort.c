@@ -5,8 +5,8 @@
  *                         Z uint8 (zero points) or fp32 (z * s, for GGUF Q4_1 blocks))
  *   attributes: K (A's last dimension), N (a multiple of 16), bits (4 | 8), block_size (16..256, a multiple of 16)
  *
- *   Y[..., N] = SekMatMulSB(A[..., K] fp32, B uint8 (packed levels), SC int8 (block scales), D fp32 (super-block
- *                           scales), MN int8 (block mins, or no elements), DMIN fp32 (super-block min scales, or no
+ *   Y[..., N] = SekMatMulSB(A[..., K] fp32, B uint8 (packed levels), SC int8 (block scales), D fp16 (super-block
+ *                           scales), MN int8 (block mins, or no elements), DMIN fp16 (super-block min scales, or no
  *                           elements))                     two-level scales: GGUF Q4_K and Q6_K as they are
  *   attributes: K, N, bits (4 | 6 | 8), block_size, superblock (a multiple of block_size dividing K),
  *               zero_point (0..255: zs = zero_point * s where there are no mins)
@@ -45,7 +45,7 @@ typedef struct {
 
 enum { API_VERSION = 17 }; /* the table we ask for; every slot below exists from 17 on */
 enum { ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6 };
-enum { T_ANY = 0, T_FLOAT = 1, T_UINT8 = 2, T_INT8 = 3, T_INT64 = 7 };
+enum { T_ANY = 0, T_FLOAT = 1, T_UINT8 = 2, T_INT8 = 3, T_INT64 = 7, T_FLOAT16 = 10 };
 
 #define SLOT(api, i, T) ((T)((api)[i]))
 #define CreateStatus(api) SLOT(api, 0, OrtStatus * (*)(int, const char *))
@@ -136,7 +136,7 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
     }
     const int64_t kpad = k->blk > 0 && k->k > 0 && k->k < (1ll << 40) ? (k->k + k->blk - 1) / k->blk * k->blk : 0;
     static const int8_t one_sc = 1;
-    static const float one_d = 1.f;
+    static const uint16_t one_d = 0x3c00; /* 1.0 */
     /* a stand-in for the scales: sek_check judges the shapes */
     sek_weights w = {NULL, NULL, NULL, NULL, k->n, kpad, k->blk, (int)k->bits, NULL, NULL, NULL, NULL, 0, 0};
     if (sb) {
@@ -197,7 +197,7 @@ static OrtStatus *tensor_info(OrtApiTable api, const OrtValue *v, int want_type,
     ReleaseTensorTypeAndShapeInfo(api)(info);
     if (st) return st;
     if (type != want_type)
-        return fail(api, ORT_INVALID_ARGUMENT, "specedge op: input %lld has element type %lld (expected float32, uint8, int8 or int64 as documented)", (long long)(index), (long long)(type));
+        return fail(api, ORT_INVALID_ARGUMENT, "specedge op: input %lld has element type %lld (expected float32, float16, uint8, int8 or int64 as documented)", (long long)(index), (long long)(type));
     *type_out = type;
     *count = 1;
     for (size_t i = 0; i < *nd; i++) *count *= dims[i];
@@ -256,9 +256,9 @@ static OrtStatus *weights_of(const SekKernel *k, const Input *in, int64_t kpad, 
                     (long long)in[2].count, (long long)in[3].count, (long long)in[4].count, (long long)in[5].count,
                     (long long)(k->n * nb), (long long)(k->n * nsb));
     w->sc = (const int8_t *)in[2].data;
-    w->d = (const float *)in[3].data;
+    w->d = (const uint16_t *)in[3].data;
     w->mn = mins ? (const int8_t *)in[4].data : NULL;
-    w->dmin = mins ? (const float *)in[5].data : NULL;
+    w->dmin = mins ? (const uint16_t *)in[5].data : NULL;
     w->sblk = k->sblk;
     w->zconst = (int)k->zconst;
     return NULL;
@@ -269,7 +269,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     OrtApiTable api = k->api;
     const char *name = k->sblk ? "SekMatMulSB" : "SekMatMul";
     static const int types[4] = {T_FLOAT, T_UINT8, T_FLOAT, T_ANY};
-    static const int sb_types[6] = {T_FLOAT, T_UINT8, T_INT8, T_FLOAT, T_INT8, T_FLOAT};
+    static const int sb_types[6] = {T_FLOAT, T_UINT8, T_INT8, T_FLOAT16, T_INT8, T_FLOAT16};
     Input in[6];
     TRY(read_inputs(api, ctx, name, k->sblk ? 6 : 4, k->sblk ? sb_types : types, in));
     const Input *A = &in[0];
@@ -320,7 +320,7 @@ static int one(const void *op) { (void)op; return 1; }
 static const char *sb_name(const void *op) { (void)op; return "SekMatMulSB"; }
 static int sb_in_type(const void *op, size_t i) {
     (void)op;
-    return i == 1 ? T_UINT8 : i == 2 || i == 4 ? T_INT8 : T_FLOAT;
+    return i == 1 ? T_UINT8 : i == 2 || i == 4 ? T_INT8 : i == 0 ? T_FLOAT : T_FLOAT16;
 }
 static size_t sb_in_count(const void *op) { (void)op; return 6; }
 

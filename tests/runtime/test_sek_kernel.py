@@ -223,13 +223,16 @@ def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_
     rng = np.random.default_rng(7)
     n, nsb = 40, 2  # N not a whole tile
     raw = _k_quant_rows(rng, type_name, n, nsb)
+    at = 0 if type_name == "Q4_K" else 208  # d: subnormal and signed-zero fp16 values too (the C path converts them)
+    raw[0, at:at + 2] = np.frombuffer(np.float16(-3e-6).tobytes(), np.uint8)
+    raw[1, at:at + 2] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
     ref_w = gguf_dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, -1)  # fp32, rounded once
     p = repack_gguf(type_name, raw)
     b, sc, d, mn, dmin, n_pad = sek_pack_sb(p)
     bits, block, zp = (4, 32, 0) if type_name == "Q4_K" else (6, 16, 32)
-    assert (mn is None) == (type_name == "Q6_K") and b.size == n_pad * p.k * bits // 8
-    assert b.nbytes + sc.nbytes + d.nbytes + (0 if mn is None else mn.nbytes + dmin.nbytes) < \
-        n_pad * p.k * (4.8 if bits == 4 else 6.7) / 8  # 4.75 / 6.625 bits a weight
+    assert (mn is None) == (type_name == "Q6_K") and b.size == n_pad * p.k * bits // 8 and d.dtype == np.float16
+    assert b.nbytes + sc.nbytes + d.nbytes + (0 if mn is None else mn.nbytes + dmin.nbytes) == \
+        n_pad * p.k * (4.625 if bits == 4 else 6.5625) / 8  # bits a weight (GGUF: 4.5 / 6.5625)
     # the weights the kernel stands for, from what it reads (its layout undone)
     tiles = lambda v: v.transpose(0, 2, 1).reshape(n_pad, -1)[:n]  # noqa: E731  [N/16, blocks, 16] -> [N, blocks]
     s_blk = np.float32(np.repeat(tiles(d), 256 // block, axis=1) * tiles(sc).astype(np.float32))
@@ -261,7 +264,7 @@ def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_
 
 
 def _model_sb(b, sc, d, mn, dmin, k: int, n: int, bits: int, block: int, zero_point: int, **attrs) -> bytes:
-    empty_i8, empty_f = np.zeros(0, np.int8), np.zeros(0, np.float32)
+    empty_i8, empty_f = np.zeros(0, np.int8), np.zeros(0, np.float16)
     inits = ((b, "b"), (sc, "sc"), (d, "d"), (empty_i8 if mn is None else mn, "mn"),
              (empty_f if dmin is None else dmin, "dmin"))
     node = helper.make_node("SekMatMulSB", ["x", "b", "sc", "d", "mn", "dmin"], ["y"], domain="ai.specedge",
