@@ -83,9 +83,16 @@ PLANTS = {
         "runtime/csrc/sek_gemm.c", "const __m256i thi = half ? _mm256_srli_epi16(hb[h], 2) : _mm256_slli_epi16(hb[h], 2);",
         "const __m256i thi = half ? _mm256_srli_epi16(hb[h], 4) : _mm256_slli_epi16(hb[h], 2);",
         ["tests/runtime/test_sek_kernel.py"]),
-    "specedge kernel: two-level block mins scaled by d instead of dmin": (
-        "runtime/csrc/sek_gemm.c", "*zs = w->mn ? w->dmin[so + c] * (float)w->mn[o + c]",
-        "*zs = w->mn ? w->d[so + c] * (float)w->mn[o + c]", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: two-level block mins scaled by d instead of dmin (AVX512)": (
+        "runtime/csrc/sek_gemm.c",
+        "const __m512 dmv = w->mn ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dmin + so))) : dv;",
+        "const __m512 dmv = dv;", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: two-level block pairs' mins swapped (AVX2)": (
+        "runtime/csrc/sek_gemm.c", "_mm256_set_m128i(_mm_unpackhi_epi16(m0, m1), _mm_unpacklo_epi16(m0, m1))",
+        "_mm256_set_m128i(_mm_unpackhi_epi16(m1, m0), _mm_unpacklo_epi16(m1, m0))", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a block's integer scale skipped (scalar)": (
+        "runtime/csrc/sek_gemm.c", "i1[c] += acc[c] * w->sc[o + c];", "i1[c] += acc[c];",
+        ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
         "runtime/csrc/sek_attn.c", "const int64_t pos = a->past_len + t, n = pos + 1;",
         "const int64_t pos = a->past_len + t, n = pos;", ["tests/runtime/test_sek_kernel.py"]),

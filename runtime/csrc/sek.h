@@ -9,6 +9,8 @@ typedef struct {
     const float *sa;    /* [M][K/blk] */
     const float *sasum; /* [M][K/blk]: sa * sum(qa) over the block */
     int64_t m, k, blk;
+    const int16_t *bsum; /* two-level scales: [M][K/bblk] sums of qa over each weight block (blk: the super-block) */
+    int64_t bblk;
 } sek_rows;
 
 typedef struct {
@@ -33,6 +35,9 @@ int sek_check(const sek_weights *w);
 size_t sek_scratch_bytes(int64_t m, int64_t k, int64_t blk);
 void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpad, int64_t blk, void *scratch,
                   sek_rows *out, int isa);
+size_t sek_sb_scratch_bytes(int64_t m, int64_t k, int64_t sblk, int64_t blk);
+void sek_quantize_sb(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpad, int64_t sblk, int64_t blk,
+                     void *scratch, sek_rows *out, int isa);
 int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1, int isa);
 
 typedef struct {

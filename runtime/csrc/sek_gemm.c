@@ -2,9 +2,9 @@
  *
  * Y[M, N] = A[M, K] @ W[N, K]^T, for the few rows of a decode or verify step (M = 1..16; more works).
  *
- * Weights: b-bit unsigned levels q (b = 4 or 8) in blocks of `blk` along K, with a per-(column, block) fp32
- * scale s and uint8 zero point z: w = s * (q - z) — or, for blocks whose zero is not an integer level (GGUF
- * Q4_K, Q4_1), the fp32 product zs standing for z * s: w = s * q - zs.
+ * Weights: b-bit unsigned levels q (b = 4 or 8; 4 or 6 with two-level scales, below) in blocks of `blk` along K,
+ * with a per-(column, block) fp32 scale s and uint8 zero point z: w = s * (q - z) — or, for blocks whose zero is
+ * not an integer level (GGUF Q4_1), the fp32 product zs standing for z * s: w = s * q - zs.
  * Activations: quantized per (row, block) to int8, symmetric: sa = max|a| / 127, qa = round-half-even(a / sa)
  * (computed as a * (127 / max|a|), clamped to +-127, rounded whatever the FP rounding mode; a block with a NaN or
  * infinity makes its row's outputs NaN; a block below 1e-30 counts as zero).
@@ -24,12 +24,12 @@
  * so one 64-byte chunk feeds a 512-bit dot-product instruction (16 columns x 4 k) against 4 activation bytes
  * broadcast. Scales: fp32 [N/16][K/blk][16]; zero points: uint8 (or zs: fp32) [N/16][K/blk][16].
  *
- * Two-level scales (GGUF's K-quants, carried without a rounding): instead of s and z/zs, integer block scales sc
+ * Two-level scales (GGUF's K-quants as the file holds them; sek_gemm_tiles with w->sc set): integer block scales sc
  * (int8 [N/16][K/blk][16]) under an fp16 scale d per super-block of sblk values (fp16 [N/16][K/sblk][16]), and
- * optionally integer block mins mn under dmin (same shapes): s = d * sc, zs = dmin * mn (or zconst * s without
- * mins), each one exact fp32 product (11 + 8 significant bits) in the block's epilogue.
- * Q4_K is 4-bit with mins (w = d sc q - dmin mn), Q6_K 6-bit with zconst 32 (w = d sc (q - 32)): 4.625 and 6.5625
- * bits a weight here (GGUF: 4.5 and 6.5625) instead of 6 and 10 with fp32 block scales, the same arithmetic after.
+ * optionally integer block mins mn under dmin (same shapes): w = d sc q - dmin mn (GGUF Q4_K, 4-bit, 4.625 bits a
+ * weight here; GGUF 4.5) or w = d sc (q - zconst) (Q6_K, 6-bit, zconst 32, 6.5625 bits as in GGUF). Activations
+ * are then quantized per (row, super-block), and each block's exact dot product is scaled by its sc in int32:
+ * the fp32 operations run once per super-block, not per block of 16 or 32 (tile_sb_scalar documents them).
  * Requires N % 16 == 0, blk % 16 == 0, blk <= 256; K is padded to whole blocks (zero weights, zero activations).
  */
 #include <math.h>
@@ -86,17 +86,6 @@ static inline float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
-}
-
-/* Column c's s and zs for block b of a tile (o = blk_off, so = sblk_off): the one definition every path follows. */
-static inline void scalar_scales(const sek_weights *w, int64_t o, int64_t so, int c, float *s, float *zs) {
-    if (w->sc) {
-        *s = half_to_float(w->d[so + c]) * (float)w->sc[o + c];
-        *zs = w->mn ? half_to_float(w->dmin[so + c]) * (float)w->mn[o + c] : (float)w->zconst * *s;
-    } else {
-        *s = w->s[o + c];
-        *zs = w->zs ? w->zs[o + c] : (float)w->z[o + c] * *s;
-    }
 }
 
 /* Which ISA paths this build has, as a bit mask of 1 << SEK_ISA_*. */
@@ -251,12 +240,64 @@ void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpa
     out->qa = qa;
     out->sa = sa;
     out->sasum = sasum;
+    out->bsum = NULL;
+    out->bblk = 0;
     out->m = m;
     out->k = kpad;
     out->blk = blk;
 }
 
+/* Two-level scales (SekMatMulSB): activations per (row, super-block), and their exact sums per weight block (the
+ * min or zero-point term needs them) after the rows in scratch (sek_sb_scratch_bytes). */
+size_t sek_sb_scratch_bytes(int64_t m, int64_t k, int64_t sblk, int64_t blk) {
+    return sek_scratch_bytes(m, k, sblk) + sizeof(int16_t) * (size_t)(m * (k / blk));
+}
+
+void sek_quantize_sb(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpad, int64_t sblk, int64_t blk,
+                     void *scratch, sek_rows *out, int isa) {
+    sek_quantize(a, m, k, lda, kpad, sblk, scratch, out, isa);
+    const int64_t nb = kpad / blk;
+    int16_t *bsum = (int16_t *)(out->qa + m * kpad); /* m * kpad is even: kpad is whole blocks of 16 */
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < blk; i++) sum += out->qa[r * kpad + b * blk + i];
+            bsum[r * nb + b] = (int16_t)sum; /* |sum| <= 256 * 127 */
+        }
+    out->bsum = bsum;
+    out->bblk = blk;
+}
+
 /* ---------------------------------------------------------------- scalar (the reference) */
+
+/* acc[c] += the exact integer dot products of one block (levels at bp) with activations a, columns c of a tile. */
+static void dot_scalar(const sek_weights *w, const uint8_t *bp, const int8_t *a, int32_t acc[SEK_TILE]) {
+    const int64_t blk = w->blk;
+    if (w->bits == 4) {
+        for (int64_t j = 0; j < blk / 8; j++)
+            for (int c = 0; c < SEK_TILE; c++)
+                for (int t = 0; t < 4; t++) {
+                    uint8_t v = bp[j * 64 + 4 * c + t];
+                    acc[c] += (int32_t)(v & 15) * a[8 * j + t] + (int32_t)(v >> 4) * a[8 * j + 4 + t];
+                }
+    } else if (w->bits == 6) {
+        const uint8_t *top = bp + blk * 8; /* after the blk/8 chunks of low nibbles */
+        for (int64_t h = 0; h < blk / 16; h++)
+            for (int c = 0; c < SEK_TILE; c++)
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t l0 = bp[2 * h * 64 + 4 * c + t], l1 = bp[(2 * h + 1) * 64 + 4 * c + t];
+                    const uint8_t hb = top[h * 64 + 4 * c + t];
+                    acc[c] += (int32_t)((l0 & 15) | (hb & 3) << 4) * a[16 * h + t] +
+                              (int32_t)((l0 >> 4) | (hb >> 2 & 3) << 4) * a[16 * h + 4 + t] +
+                              (int32_t)((l1 & 15) | (hb >> 4 & 3) << 4) * a[16 * h + 8 + t] +
+                              (int32_t)((l1 >> 4) | (hb >> 6) << 4) * a[16 * h + 12 + t];
+                }
+    } else {
+        for (int64_t g = 0; g < blk / 4; g++)
+            for (int c = 0; c < SEK_TILE; c++)
+                for (int t = 0; t < 4; t++) acc[c] += (int32_t)bp[g * 64 + 4 * c + t] * a[4 * g + t];
+    }
+}
 
 static void tile_scalar(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t tile) {
     const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
@@ -266,35 +307,11 @@ static void tile_scalar(const sek_rows *x, const sek_weights *w, float *y, int64
             const uint8_t *bp = w->b + (tile * nb + b) * bstride;
             const int8_t *a = x->qa + r * x->k + b * blk;
             int32_t acc[SEK_TILE] = {0};
-            if (w->bits == 4) {
-                for (int64_t j = 0; j < blk / 8; j++)
-                    for (int c = 0; c < SEK_TILE; c++)
-                        for (int t = 0; t < 4; t++) {
-                            uint8_t v = bp[j * 64 + 4 * c + t];
-                            acc[c] += (int32_t)(v & 15) * a[8 * j + t] + (int32_t)(v >> 4) * a[8 * j + 4 + t];
-                        }
-            } else if (w->bits == 6) {
-                const uint8_t *top = bp + blk * 8; /* after the blk/8 chunks of low nibbles */
-                for (int64_t h = 0; h < blk / 16; h++)
-                    for (int c = 0; c < SEK_TILE; c++)
-                        for (int t = 0; t < 4; t++) {
-                            const uint8_t l0 = bp[2 * h * 64 + 4 * c + t], l1 = bp[(2 * h + 1) * 64 + 4 * c + t];
-                            const uint8_t hb = top[h * 64 + 4 * c + t];
-                            acc[c] += (int32_t)((l0 & 15) | (hb & 3) << 4) * a[16 * h + t] +
-                                      (int32_t)((l0 >> 4) | (hb >> 2 & 3) << 4) * a[16 * h + 4 + t] +
-                                      (int32_t)((l1 & 15) | (hb >> 4 & 3) << 4) * a[16 * h + 8 + t] +
-                                      (int32_t)((l1 >> 4) | (hb >> 6) << 4) * a[16 * h + 12 + t];
-                        }
-            } else {
-                for (int64_t g = 0; g < blk / 4; g++)
-                    for (int c = 0; c < SEK_TILE; c++)
-                        for (int t = 0; t < 4; t++) acc[c] += (int32_t)bp[g * 64 + 4 * c + t] * a[4 * g + t];
-            }
-            const int64_t o = blk_off(w, tile, b), so = w->sc ? sblk_off(w, tile, b) : 0;
+            dot_scalar(w, bp, a, acc);
+            const int64_t o = blk_off(w, tile, b);
             const float sa = x->sa[r * nb + b], sasum = x->sasum[r * nb + b];
             for (int c = 0; c < SEK_TILE; c++) {
-                float s, zs;
-                scalar_scales(w, o, so, c, &s, &zs);
+                const float s = w->s[o + c], zs = w->zs ? w->zs[o + c] : (float)w->z[o + c] * s;
                 acc_f[c] = fmaf((float)acc[c], s * sa, acc_f[c]);
                 acc_f[c] = fmaf(-zs, sasum, acc_f[c]);
             }
@@ -303,28 +320,135 @@ static void tile_scalar(const sek_rows *x, const sek_weights *w, float *y, int64
     }
 }
 
+/* Two-level scales, the reference: per (row, column, super-block) the exact integers
+ *     I = sum_j sc_j * dot_j        M = sum_j m_j * bsum_j      (m = mn, or sc where there are no mins)
+ * then in fp32, super-block after super-block:
+ *     with mins:    y = fma(I, d * sa, y);   y = fma(-M, dmin * sa, y)
+ *     without:      y = fma(I - zconst * M, d * sa, y)
+ * d and dmin converted from fp16 exactly, sa the row's activation scale for the super-block. */
+static void tile_sb_scalar(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t tile) {
+    const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
+    const int64_t per = w->sblk / blk, nsb = w->k / w->sblk;
+    for (int64_t r = 0; r < x->m; r++) {
+        float yf[SEK_TILE] = {0};
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            int32_t i1[SEK_TILE] = {0}, mm[SEK_TILE] = {0};
+            for (int64_t b = sb * per; b < (sb + 1) * per; b++) {
+                int32_t acc[SEK_TILE] = {0};
+                dot_scalar(w, w->b + (tile * nb + b) * bstride, x->qa + r * x->k + b * blk, acc);
+                const int64_t o = blk_off(w, tile, b);
+                const int32_t bs = x->bsum[r * nb + b];
+                for (int c = 0; c < SEK_TILE; c++) {
+                    i1[c] += acc[c] * w->sc[o + c];
+                    mm[c] += (w->mn ? w->mn[o + c] : w->sc[o + c]) * bs;
+                }
+            }
+            const float sa = x->sa[r * nsb + sb];
+            const int64_t so = (tile * nsb + sb) * SEK_TILE;
+            for (int c = 0; c < SEK_TILE; c++) {
+                const float ds = half_to_float(w->d[so + c]) * sa;
+                if (w->mn) {
+                    yf[c] = fmaf((float)i1[c], ds, yf[c]);
+                    yf[c] = fmaf(-(float)mm[c], half_to_float(w->dmin[so + c]) * sa, yf[c]);
+                } else {
+                    yf[c] = fmaf((float)(i1[c] - w->zconst * mm[c]), ds, yf[c]);
+                }
+            }
+        }
+        memcpy(y + r * ldy + tile * SEK_TILE, yf, sizeof yf);
+    }
+}
+
 /* ---------------------------------------------------------------- AVX512-VNNI */
 
 #ifdef SEK_HAVE_VNNI512
-/* scalar_scales for a tile's 16 columns: the same products */
+/* A tile's block scales and zero-point products (as tile_scalar forms them). */
 static inline __attribute__((always_inline)) void scales512(const sek_weights *w, int64_t tile, int64_t b, __m512 *s,
                                                            __m512 *zs) {
     const int64_t o = blk_off(w, tile, b);
-    if (w->sc) {
-        const int64_t so = sblk_off(w, tile, b);
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(w->sc + o));
-        *s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + so))), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-        if (w->mn) {
-            const __m128i mn = _mm_loadu_si128((const __m128i *)(w->mn + o));
-            *zs = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dmin + so))), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(mn)));
-        } else {
-            *zs = _mm512_mul_ps(_mm512_set1_ps((float)w->zconst), *s);
+    *s = _mm512_loadu_ps(w->s + o);
+    *zs = w->zs ? _mm512_loadu_ps(w->zs + o)
+                : _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->z + o)))), *s);
+}
+
+/* acc[r][t] += the exact integer dot products of block b for R rows (qa, row stride K) and NT tiles from `tile`:
+ * each 64-byte chunk of weights unpacked once for every row. */
+static inline __attribute__((always_inline)) void dots512(const sek_weights *w, const int8_t *qa, int64_t K, int64_t b,
+                                                         const int R, int64_t tile, const int NT,
+                                                         __m512i acc[SEK_RMAX][2]) {
+    const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
+    const __m512i mask = _mm512_set1_epi8(15);
+    const uint8_t *bp[2] = {w->b + (tile * nb + b) * bstride, NT == 2 ? w->b + ((tile + 1) * nb + b) * bstride : NULL};
+    if (w->bits == 4) {
+        for (int64_t j = 0; j < blk / 8; j++) {
+            __m512i lo[2], hi[2];
+            SEK_UNROLL
+            for (int t = 0; t < NT; t++) {
+                __m512i v = _mm512_loadu_si512(bp[t] + j * 64);
+                lo[t] = _mm512_and_si512(v, mask);
+                hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            }
+            SEK_UNROLL
+            for (int r = 0; r < R; r++) {
+                const int8_t *a = qa + r * K + b * blk + 8 * j;
+                int32_t a0, a1;
+                memcpy(&a0, a, 4);
+                memcpy(&a1, a + 4, 4);
+                const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
+                SEK_UNROLL
+                for (int t = 0; t < NT; t++) {
+                    acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], va0);
+                    acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], va1);
+                }
+            }
+        }
+    } else if (w->bits == 6) {
+        const __m512i top2 = _mm512_set1_epi8(0x30);
+        for (int64_t h = 0; h < blk / 16; h++) {
+            __m512i hb[2];
+            SEK_UNROLL
+            for (int t = 0; t < NT; t++) hb[t] = _mm512_loadu_si512(bp[t] + blk * 8 + h * 64);
+            SEK_UNROLL
+            for (int half = 0; half < 2; half++) { /* k = 16h + 8 half + 0..7 */
+                __m512i lo[2], hi[2];
+                SEK_UNROLL
+                for (int t = 0; t < NT; t++) {
+                    const __m512i v = _mm512_loadu_si512(bp[t] + (2 * h + half) * 64);
+                    /* the top bits of k = 16h+8half+t at bits 4-5: from bits 4half.. and 4half+2.. of hb */
+                    const __m512i tlo = half ? hb[t] : _mm512_slli_epi16(hb[t], 4);
+                    const __m512i thi = half ? _mm512_srli_epi16(hb[t], 2) : _mm512_slli_epi16(hb[t], 2);
+                    lo[t] = _mm512_or_si512(_mm512_and_si512(v, mask), _mm512_and_si512(tlo, top2));
+                    hi[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), _mm512_and_si512(thi, top2));
+                }
+                SEK_UNROLL
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = qa + r * K + b * blk + 16 * h + 8 * half;
+                    int32_t a0, a1;
+                    memcpy(&a0, a, 4);
+                    memcpy(&a1, a + 4, 4);
+                    const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
+                    SEK_UNROLL
+                    for (int t = 0; t < NT; t++) {
+                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], va0);
+                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], va1);
+                    }
+                }
+            }
         }
     } else {
-        *s = _mm512_loadu_ps(w->s + o);
-        *zs = w->zs ? _mm512_loadu_ps(w->zs + o)
-                    : _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->z + o)))),
-                                    *s);
+        for (int64_t g = 0; g < blk / 4; g++) {
+            __m512i v[2];
+            SEK_UNROLL
+            for (int t = 0; t < NT; t++) v[t] = _mm512_loadu_si512(bp[t] + g * 64);
+            SEK_UNROLL
+            for (int r = 0; r < R; r++) {
+                int32_t a0;
+                memcpy(&a0, qa + r * K + b * blk + 4 * g, 4);
+                const __m512i va = _mm512_set1_epi32(a0);
+                SEK_UNROLL
+                for (int t = 0; t < NT; t++) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], v[t], va);
+            }
+        }
     }
 }
 
@@ -332,8 +456,7 @@ static inline __attribute__((always_inline)) void scales512(const sek_weights *w
 static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *x, const sek_weights *w, float *y,
                                                                int64_t ldy, int64_t r0, const int R, int64_t tile,
                                                                const int NT) {
-    const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8, K = x->k;
-    const __m512i mask = _mm512_set1_epi8(15);
+    const int64_t nb = w->k / w->blk, K = x->k;
     const int8_t *qa = x->qa + r0 * K;
     const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
     /* the fp32 sums live in memory between blocks: the hot loop keeps only R x NT int32 accumulators, 2 x NT
@@ -346,78 +469,7 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
         for (int r = 0; r < R; r++)
             SEK_UNROLL
             for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_si512();
-        const uint8_t *bp[2] = {w->b + (tile * nb + b) * bstride, NT == 2 ? w->b + ((tile + 1) * nb + b) * bstride : NULL};
-        if (w->bits == 4) {
-            for (int64_t j = 0; j < blk / 8; j++) {
-                __m512i lo[2], hi[2];
-                SEK_UNROLL
-                for (int t = 0; t < NT; t++) {
-                    __m512i v = _mm512_loadu_si512(bp[t] + j * 64);
-                    lo[t] = _mm512_and_si512(v, mask);
-                    hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-                }
-                SEK_UNROLL
-                for (int r = 0; r < R; r++) {
-                    const int8_t *a = qa + r * K + b * blk + 8 * j;
-                    int32_t a0, a1;
-                    memcpy(&a0, a, 4);
-                    memcpy(&a1, a + 4, 4);
-                    const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
-                    SEK_UNROLL
-                    for (int t = 0; t < NT; t++) {
-                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], va0);
-                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], va1);
-                    }
-                }
-            }
-        } else if (w->bits == 6) {
-            const __m512i top2 = _mm512_set1_epi8(0x30);
-            for (int64_t h = 0; h < blk / 16; h++) {
-                __m512i hb[2];
-                SEK_UNROLL
-                for (int t = 0; t < NT; t++) hb[t] = _mm512_loadu_si512(bp[t] + blk * 8 + h * 64);
-                SEK_UNROLL
-                for (int half = 0; half < 2; half++) { /* k = 16h + 8 half + 0..7 */
-                    __m512i lo[2], hi[2];
-                    SEK_UNROLL
-                    for (int t = 0; t < NT; t++) {
-                        const __m512i v = _mm512_loadu_si512(bp[t] + (2 * h + half) * 64);
-                        /* the top bits of k = 16h+8half+t at bits 4-5: from bits 4half.. and 4half+2.. of hb */
-                        const __m512i tlo = half ? hb[t] : _mm512_slli_epi16(hb[t], 4);
-                        const __m512i thi = half ? _mm512_srli_epi16(hb[t], 2) : _mm512_slli_epi16(hb[t], 2);
-                        lo[t] = _mm512_or_si512(_mm512_and_si512(v, mask), _mm512_and_si512(tlo, top2));
-                        hi[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), _mm512_and_si512(thi, top2));
-                    }
-                    SEK_UNROLL
-                    for (int r = 0; r < R; r++) {
-                        const int8_t *a = qa + r * K + b * blk + 16 * h + 8 * half;
-                        int32_t a0, a1;
-                        memcpy(&a0, a, 4);
-                        memcpy(&a1, a + 4, 4);
-                        const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
-                        SEK_UNROLL
-                        for (int t = 0; t < NT; t++) {
-                            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], va0);
-                            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], va1);
-                        }
-                    }
-                }
-            }
-        } else {
-            for (int64_t g = 0; g < blk / 4; g++) {
-                __m512i v[2];
-                SEK_UNROLL
-                for (int t = 0; t < NT; t++) v[t] = _mm512_loadu_si512(bp[t] + g * 64);
-                SEK_UNROLL
-                for (int r = 0; r < R; r++) {
-                    int32_t a0;
-                    memcpy(&a0, qa + r * K + b * blk + 4 * g, 4);
-                    const __m512i va = _mm512_set1_epi32(a0);
-                    SEK_UNROLL
-                    for (int t = 0; t < NT; t++) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], v[t], va);
-                }
-            }
-        }
+        dots512(w, qa, K, b, R, tile, NT, acc);
         SEK_UNROLL
         for (int t = 0; t < NT; t++) {
             __m512 s, zs;
@@ -434,6 +486,103 @@ static inline __attribute__((always_inline)) void strip_vnni512(const sek_rows *
     for (int r = 0; r < R; r++)
         SEK_UNROLL
         for (int t = 0; t < NT; t++) memcpy(y + (r0 + r) * ldy + (tile + t) * SEK_TILE, yv[r][t], sizeof yv[r][t]);
+}
+
+/* Two-level scales: tile_sb_scalar's arithmetic for R rows (R <= SEK_RMAX_SB) of NT tiles (1 or 2): the integer
+ * sums I and M in registers, each block's dot products fed to I through one vpmulld. */
+#define SEK_RMAX_SB 5 /* R x NT x (dot products + I) + unpacked chunks + broadcasts <= 32 zmm registers */
+static inline __attribute__((always_inline)) void strip_sb_vnni512(const sek_rows *x, const sek_weights *w, float *y,
+                                                                  int64_t ldy, int64_t r0, const int R, int64_t tile,
+                                                                  const int NT) {
+    const int64_t nb = w->k / w->blk, per = w->sblk / w->blk, nsb = w->k / w->sblk, K = x->k;
+    const int8_t *qa = x->qa + r0 * K;
+    const int16_t *bsum = x->bsum + r0 * nb;
+    const float *sa = x->sa + r0 * nsb;
+    static const int16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                           8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i idx = _mm512_loadu_si512(interleave);
+    const int8_t *mv = w->mn ? w->mn : w->sc;
+    float yv[SEK_RMAX_SB][2][SEK_TILE] __attribute__((aligned(64)));
+    memset(yv, 0, sizeof yv);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        __m512i i1[SEK_RMAX_SB][2], mm[SEK_RMAX_SB][2];
+        SEK_UNROLL
+        for (int r = 0; r < R; r++)
+            SEK_UNROLL
+            for (int t = 0; t < NT; t++) i1[r][t] = mm[r][t] = _mm512_setzero_si512();
+        for (int64_t b = sb * per; b < (sb + 1) * per; b++) {
+            __m512i acc[SEK_RMAX][2];
+            SEK_UNROLL
+            for (int r = 0; r < R; r++)
+                SEK_UNROLL
+                for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_si512();
+            dots512(w, qa, K, b, R, tile, NT, acc);
+            SEK_UNROLL
+            for (int t = 0; t < NT; t++) {
+                const __m512i scv =
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sc + blk_off(w, tile + t, b))));
+                SEK_UNROLL
+                for (int r = 0; r < R; r++) i1[r][t] = _mm512_add_epi32(i1[r][t], _mm512_mullo_epi32(acc[r][t], scv));
+            }
+        }
+        for (int64_t b = sb * per; b < (sb + 1) * per; b += 2) { /* M: blocks in pairs, one vpmaddwd per pair */
+            SEK_UNROLL
+            for (int t = 0; t < NT; t++) {
+                const __m256i m0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(mv + blk_off(w, tile + t, b))));
+                const __m256i m1 =
+                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(mv + blk_off(w, tile + t, b + 1))));
+                const __m512i m2 = _mm512_permutex2var_epi16(_mm512_castsi256_si512(m0), idx, _mm512_castsi256_si512(m1));
+                SEK_UNROLL
+                for (int r = 0; r < R; r++) {
+                    const uint32_t pair =
+                        (uint32_t)(uint16_t)bsum[r * nb + b] | (uint32_t)(uint16_t)bsum[r * nb + b + 1] << 16;
+                    mm[r][t] = _mm512_add_epi32(mm[r][t], _mm512_madd_epi16(m2, _mm512_set1_epi32((int32_t)pair)));
+                }
+            }
+        }
+        SEK_UNROLL
+        for (int t = 0; t < NT; t++) {
+            const int64_t so = ((tile + t) * nsb + sb) * SEK_TILE;
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + so)));
+            const __m512 dmv = w->mn ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dmin + so))) : dv;
+            const __m512i zc = _mm512_set1_epi32(w->zconst);
+            SEK_UNROLL
+            for (int r = 0; r < R; r++) {
+                const __m512 sar = _mm512_set1_ps(sa[r * nsb + sb]);
+                __m512 v = _mm512_load_ps(yv[r][t]);
+                if (w->mn) {
+                    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r][t]), _mm512_mul_ps(dv, sar), v);
+                    v = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mm[r][t]), _mm512_mul_ps(dmv, sar), v);
+                } else {
+                    const __m512i acc = _mm512_sub_epi32(i1[r][t], _mm512_mullo_epi32(mm[r][t], zc));
+                    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dv, sar), v);
+                }
+                _mm512_store_ps(yv[r][t], v);
+            }
+        }
+    }
+    SEK_UNROLL
+    for (int r = 0; r < R; r++)
+        SEK_UNROLL
+        for (int t = 0; t < NT; t++) memcpy(y + (r0 + r) * ldy + (tile + t) * SEK_TILE, yv[r][t], sizeof yv[r][t]);
+}
+
+static void tiles_sb_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t += 2) {
+        const int two = t1 - t >= 2;
+        for (int64_t r0 = 0; r0 < x->m; r0 += SEK_RMAX_SB) {
+            const int R = x->m - r0 < SEK_RMAX_SB ? (int)(x->m - r0) : SEK_RMAX_SB;
+#define SEK_CASE(RR)                                        \
+    case RR:                                                \
+        if (two)                                            \
+            strip_sb_vnni512(x, w, y, ldy, r0, RR, t, 2);   \
+        else                                                \
+            strip_sb_vnni512(x, w, y, ldy, r0, RR, t, 1);   \
+        break;
+            switch (R) { SEK_CASE(1) SEK_CASE(2) SEK_CASE(3) SEK_CASE(4) SEK_CASE(5) }
+#undef SEK_CASE
+        }
+    }
 }
 
 static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
@@ -462,34 +611,106 @@ static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int
 
 #ifdef SEK_HAVE_AVX2
 #define SEK_R2 4 /* rows per pass: 16 ymm registers */
-/* scalar_scales for columns 8h..8h+7 of a tile: the same products */
+/* Columns 8h..8h+7 of a tile's block scales and zero-point products (as tile_scalar forms them). */
 static inline __attribute__((always_inline)) void scales256(const sek_weights *w, int64_t tile, int64_t b, int h,
                                                            __m256 *s, __m256 *zs) {
     const int64_t o = blk_off(w, tile, b) + 8 * h;
-    if (w->sc) {
-        const int64_t so = sblk_off(w, tile, b) + 8 * h;
-        const __m128i sc = _mm_loadl_epi64((const __m128i *)(w->sc + o));
-        *s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + so))), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-        if (w->mn) {
-            const __m128i mn = _mm_loadl_epi64((const __m128i *)(w->mn + o));
-            *zs = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->dmin + so))), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn)));
-        } else {
-            *zs = _mm256_mul_ps(_mm256_set1_ps((float)w->zconst), *s);
+    *s = _mm256_loadu_ps(w->s + o);
+    *zs = w->zs ? _mm256_loadu_ps(w->zs + o)
+                : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->z + o)))), *s);
+}
+/* acc[r][h] += the exact integer dot products of block b for R rows (qa, row stride K), columns 8h..8h+7 of a
+ * tile. maddubs (u8 x s8 pairs -> s16) cannot saturate here: 4-bit levels give pairs <= 2 * 15 * 127, 6-bit ones
+ * 2 * 63 * 127 (two such pairs added: 4 * 63 * 127 < 2^15), and 8-bit levels are split into their two nibbles. */
+static inline __attribute__((always_inline)) void dots256(const sek_weights *w, const int8_t *qa, int64_t K, int64_t b,
+                                                         const int R, int64_t tile, __m256i acc[SEK_R2][2]) {
+    const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const uint8_t *bp = w->b + (tile * nb + b) * bstride;
+    if (w->bits == 4) {
+        for (int64_t j = 0; j < blk / 8; j++) {
+            __m256i lo[2], hi[2];
+            SEK_UNROLL
+            for (int h = 0; h < 2; h++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(bp + j * 64 + 32 * h));
+                lo[h] = _mm256_and_si256(v, mask);
+                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            }
+            SEK_UNROLL
+            for (int r = 0; r < R; r++) {
+                const int8_t *a = qa + r * K + b * blk + 8 * j;
+                int32_t a0, a1;
+                memcpy(&a0, a, 4);
+                memcpy(&a1, a + 4, 4);
+                const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
+                SEK_UNROLL
+                for (int h = 0; h < 2; h++) {
+                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va0), _mm256_maddubs_epi16(hi[h], va1));
+                    acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+    } else if (w->bits == 6) {
+        const __m256i top2 = _mm256_set1_epi8(0x30);
+        for (int64_t hh = 0; hh < blk / 16; hh++) {
+            __m256i hb[2];
+            SEK_UNROLL
+            for (int h = 0; h < 2; h++) hb[h] = _mm256_loadu_si256((const __m256i *)(bp + blk * 8 + hh * 64 + 32 * h));
+            SEK_UNROLL
+            for (int half = 0; half < 2; half++) { /* k = 16hh + 8 half + 0..7 */
+                __m256i lo[2], hi[2];
+                SEK_UNROLL
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + (2 * hh + half) * 64 + 32 * h));
+                    const __m256i tlo = half ? hb[h] : _mm256_slli_epi16(hb[h], 4);
+                    const __m256i thi = half ? _mm256_srli_epi16(hb[h], 2) : _mm256_slli_epi16(hb[h], 2);
+                    lo[h] = _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(tlo, top2));
+                    hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), _mm256_and_si256(thi, top2));
+                }
+                SEK_UNROLL
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = qa + r * K + b * blk + 16 * hh + 8 * half;
+                    int32_t a0, a1;
+                    memcpy(&a0, a, 4);
+                    memcpy(&a1, a + 4, 4);
+                    const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
+                    SEK_UNROLL
+                    for (int h = 0; h < 2; h++) { /* 6-bit levels: 4 * 63 * 127 < 2^15, no saturation */
+                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va0), _mm256_maddubs_epi16(hi[h], va1));
+                        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            }
         }
     } else {
-        *s = _mm256_loadu_ps(w->s + o);
-        *zs = w->zs ? _mm256_loadu_ps(w->zs + o)
-                    : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w->z + o)))),
-                                    *s);
+        for (int64_t g = 0; g < blk / 4; g++) {
+            __m256i lo[2], hi[2];
+            SEK_UNROLL
+            for (int h = 0; h < 2; h++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(bp + g * 64 + 32 * h));
+                lo[h] = _mm256_and_si256(v, mask);
+                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            }
+            SEK_UNROLL
+            for (int r = 0; r < R; r++) {
+                int32_t a0;
+                memcpy(&a0, qa + r * K + b * blk + 4 * g, 4);
+                const __m256i va = _mm256_set1_epi32(a0);
+                SEK_UNROLL
+                for (int h = 0; h < 2; h++) {
+                    __m256i dlo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], va), ones);
+                    __m256i dhi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], va), ones);
+                    acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_add_epi32(dlo, _mm256_slli_epi32(dhi, 4)));
+                }
+            }
+        }
     }
 }
-/* R rows x one tile (two 8-column halves). maddubs (u8 x s8 pairs -> s16) cannot saturate here: 4-bit
- * levels give pairs <= 2 * 15 * 127, 6-bit ones 2 * 63 * 127 (two such pairs added: 4 * 63 * 127 < 2^15), and
- * 8-bit levels are split into their two nibbles. */
+
+/* R rows x one tile (two 8-column halves). */
 static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, const sek_weights *w, float *y,
                                                            int64_t ldy, int64_t r0, const int R, int64_t tile) {
-    const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8, K = x->k;
-    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int64_t nb = w->k / w->blk, K = x->k;
     const int8_t *qa = x->qa + r0 * K;
     const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
     __m256 yv[SEK_R2][2];
@@ -499,85 +720,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
         __m256i acc[SEK_R2][2];
         SEK_UNROLL
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-        const uint8_t *bp = w->b + (tile * nb + b) * bstride;
-        if (w->bits == 4) {
-            for (int64_t j = 0; j < blk / 8; j++) {
-                __m256i lo[2], hi[2];
-                SEK_UNROLL
-                for (int h = 0; h < 2; h++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(bp + j * 64 + 32 * h));
-                    lo[h] = _mm256_and_si256(v, mask);
-                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                }
-                SEK_UNROLL
-                for (int r = 0; r < R; r++) {
-                    const int8_t *a = qa + r * K + b * blk + 8 * j;
-                    int32_t a0, a1;
-                    memcpy(&a0, a, 4);
-                    memcpy(&a1, a + 4, 4);
-                    const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
-                    SEK_UNROLL
-                    for (int h = 0; h < 2; h++) {
-                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va0), _mm256_maddubs_epi16(hi[h], va1));
-                        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
-                    }
-                }
-            }
-        } else if (w->bits == 6) {
-            const __m256i top2 = _mm256_set1_epi8(0x30);
-            for (int64_t hh = 0; hh < blk / 16; hh++) {
-                __m256i hb[2];
-                SEK_UNROLL
-                for (int h = 0; h < 2; h++) hb[h] = _mm256_loadu_si256((const __m256i *)(bp + blk * 8 + hh * 64 + 32 * h));
-                SEK_UNROLL
-                for (int half = 0; half < 2; half++) { /* k = 16hh + 8 half + 0..7 */
-                    __m256i lo[2], hi[2];
-                    SEK_UNROLL
-                    for (int h = 0; h < 2; h++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + (2 * hh + half) * 64 + 32 * h));
-                        const __m256i tlo = half ? hb[h] : _mm256_slli_epi16(hb[h], 4);
-                        const __m256i thi = half ? _mm256_srli_epi16(hb[h], 2) : _mm256_slli_epi16(hb[h], 2);
-                        lo[h] = _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(tlo, top2));
-                        hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), _mm256_and_si256(thi, top2));
-                    }
-                    SEK_UNROLL
-                    for (int r = 0; r < R; r++) {
-                        const int8_t *a = qa + r * K + b * blk + 16 * hh + 8 * half;
-                        int32_t a0, a1;
-                        memcpy(&a0, a, 4);
-                        memcpy(&a1, a + 4, 4);
-                        const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
-                        SEK_UNROLL
-                        for (int h = 0; h < 2; h++) { /* 6-bit levels: 4 * 63 * 127 < 2^15, no saturation */
-                            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va0), _mm256_maddubs_epi16(hi[h], va1));
-                            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
-                        }
-                    }
-                }
-            }
-        } else {
-            for (int64_t g = 0; g < blk / 4; g++) {
-                __m256i lo[2], hi[2];
-                SEK_UNROLL
-                for (int h = 0; h < 2; h++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(bp + g * 64 + 32 * h));
-                    lo[h] = _mm256_and_si256(v, mask);
-                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                }
-                SEK_UNROLL
-                for (int r = 0; r < R; r++) {
-                    int32_t a0;
-                    memcpy(&a0, qa + r * K + b * blk + 4 * g, 4);
-                    const __m256i va = _mm256_set1_epi32(a0);
-                    SEK_UNROLL
-                    for (int h = 0; h < 2; h++) {
-                        __m256i dlo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], va), ones);
-                        __m256i dhi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], va), ones);
-                        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_add_epi32(dlo, _mm256_slli_epi32(dhi, 4)));
-                    }
-                }
-            }
-        }
+        dots256(w, qa, K, b, R, tile, acc);
         SEK_UNROLL
         for (int h = 0; h < 2; h++) {
             __m256 s, zs;
@@ -594,6 +737,86 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
     for (int r = 0; r < R; r++)
         SEK_UNROLL
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (r0 + r) * ldy + tile * SEK_TILE + 8 * h, yv[r][h]);
+}
+
+/* Two-level scales: tile_sb_scalar's arithmetic for R rows of one tile (the integer sums in memory: 16 registers). */
+static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x, const sek_weights *w, float *y,
+                                                              int64_t ldy, int64_t r0, const int R, int64_t tile) {
+    const int64_t nb = w->k / w->blk, per = w->sblk / w->blk, nsb = w->k / w->sblk, K = x->k;
+    const int8_t *qa = x->qa + r0 * K;
+    const int16_t *bsum = x->bsum + r0 * nb;
+    const float *sa = x->sa + r0 * nsb;
+    const int8_t *mv = w->mn ? w->mn : w->sc;
+    float yv[SEK_R2][SEK_TILE] __attribute__((aligned(32)));
+    int32_t i1[SEK_R2][SEK_TILE] __attribute__((aligned(32)));
+    memset(yv, 0, sizeof yv);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        memset(i1, 0, sizeof i1);
+        for (int64_t b = sb * per; b < (sb + 1) * per; b++) {
+            __m256i acc[SEK_R2][2];
+            SEK_UNROLL
+            for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+            dots256(w, qa, K, b, R, tile, acc);
+            SEK_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const __m256i scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w->sc + blk_off(w, tile, b) + 8 * h)));
+                SEK_UNROLL
+                for (int r = 0; r < R; r++) {
+                    __m256i *dst = (__m256i *)(i1[r] + 8 * h);
+                    _mm256_store_si256(dst, _mm256_add_epi32(_mm256_load_si256(dst), _mm256_mullo_epi32(acc[r][h], scv)));
+                }
+            }
+        }
+        const int64_t so = (tile * nsb + sb) * SEK_TILE;
+        SEK_UNROLL
+        for (int h = 0; h < 2; h++) {
+            __m256i mm[SEK_R2];
+            SEK_UNROLL
+            for (int r = 0; r < R; r++) mm[r] = _mm256_setzero_si256();
+            for (int64_t b = sb * per; b < (sb + 1) * per; b += 2) { /* M: blocks in pairs, one vpmaddwd per pair */
+                const __m128i m0 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b) + 8 * h)));
+                const __m128i m1 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b + 1) + 8 * h)));
+                const __m256i m2 = _mm256_set_m128i(_mm_unpackhi_epi16(m0, m1), _mm_unpacklo_epi16(m0, m1));
+                SEK_UNROLL
+                for (int r = 0; r < R; r++) {
+                    const uint32_t pair = (uint32_t)(uint16_t)bsum[r * nb + b] | (uint32_t)(uint16_t)bsum[r * nb + b + 1] << 16;
+                    mm[r] = _mm256_add_epi32(mm[r], _mm256_madd_epi16(m2, _mm256_set1_epi32((int32_t)pair)));
+                }
+            }
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + so + 8 * h)));
+            const __m256 dmv = w->mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->dmin + so + 8 * h))) : dv;
+            const __m256i zc = _mm256_set1_epi32(w->zconst);
+            SEK_UNROLL
+            for (int r = 0; r < R; r++) {
+                const __m256 sar = _mm256_set1_ps(sa[r * nsb + sb]);
+                const __m256i ii = _mm256_load_si256((const __m256i *)(i1[r] + 8 * h));
+                __m256 v = _mm256_load_ps(yv[r] + 8 * h);
+                if (w->mn) {
+                    v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii), _mm256_mul_ps(dv, sar), v);
+                    v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm[r]), _mm256_mul_ps(dmv, sar), v);
+                } else {
+                    const __m256i acc = _mm256_sub_epi32(ii, _mm256_mullo_epi32(mm[r], zc));
+                    v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv, sar), v);
+                }
+                _mm256_store_ps(yv[r] + 8 * h, v);
+            }
+        }
+    }
+    SEK_UNROLL
+    for (int r = 0; r < R; r++) memcpy(y + (r0 + r) * ldy + tile * SEK_TILE, yv[r], sizeof yv[r]);
+}
+
+static void tiles_sb_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t r0 = 0; r0 < x->m; r0 += SEK_R2) {
+            const int R = x->m - r0 < SEK_R2 ? (int)(x->m - r0) : SEK_R2;
+            switch (R) {
+            case 1: tile_sb_avx2(x, w, y, ldy, r0, 1, t); break;
+            case 2: tile_sb_avx2(x, w, y, ldy, r0, 2, t); break;
+            case 3: tile_sb_avx2(x, w, y, ldy, r0, 3, t); break;
+            default: tile_sb_avx2(x, w, y, ldy, r0, 4, t); break;
+            }
+        }
 }
 
 static void tiles_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
@@ -617,15 +840,16 @@ int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ld
         const int m = sek_isa_mask();
         isa = (m & (1 << SEK_ISA_VNNI512)) ? SEK_ISA_VNNI512 : (m & (1 << SEK_ISA_AVX2)) ? SEK_ISA_AVX2 : SEK_ISA_SCALAR;
     }
+    const int sb = w->sc != NULL;
     switch (isa) {
 #ifdef SEK_HAVE_VNNI512
-    case SEK_ISA_VNNI512: tiles_vnni512(x, w, y, ldy, t0, t1); return 0;
+    case SEK_ISA_VNNI512: (sb ? tiles_sb_vnni512 : tiles_vnni512)(x, w, y, ldy, t0, t1); return 0;
 #endif
 #ifdef SEK_HAVE_AVX2
-    case SEK_ISA_AVX2: tiles_avx2(x, w, y, ldy, t0, t1); return 0;
+    case SEK_ISA_AVX2: (sb ? tiles_sb_avx2 : tiles_avx2)(x, w, y, ldy, t0, t1); return 0;
 #endif
     case SEK_ISA_SCALAR:
-        for (int64_t t = t0; t < t1; t++) tile_scalar(x, w, y, ldy, t);
+        for (int64_t t = t0; t < t1; t++) (sb ? tile_sb_scalar : tile_scalar)(x, w, y, ldy, t);
         return 0;
     default: return -1;
     }
@@ -636,8 +860,10 @@ int sek_check(const sek_weights *w) {
     if (w->n <= 0 || w->n % SEK_TILE || w->blk < 16 || w->blk > SEK_BLK_MAX || w->blk % 16 || w->k <= 0 ||
         w->k % w->blk || (w->bits != 4 && w->bits != 6 && w->bits != 8))
         return -2;
-    if (w->sc && (!w->d || (!w->mn) != (!w->dmin) || w->sblk < w->blk || w->sblk % w->blk || w->k % w->sblk ||
-                  w->zconst < 0 || w->zconst > 255))
+    /* two-level scales: the bounds that keep the integer sums I and M exact in int32 (super-blocks <= 256 values,
+     * levels <= 6 bits, int8 scales and mins, zconst <= 64), and blocks in pairs */
+    if (w->sc && (!w->d || (!w->mn) != (!w->dmin) || (w->bits != 4 && w->bits != 6) || w->sblk > SEK_BLK_MAX ||
+                  w->sblk % w->blk || (w->sblk / w->blk) % 2 || w->k % w->sblk || w->zconst < 0 || w->zconst > 64))
         return -2;
     if (!w->sc && w->bits == 6) return -2; /* 6-bit levels come with two-level scales (GGUF Q6_K) only */
     return 0;
@@ -647,11 +873,15 @@ int sek_check(const sek_weights *w) {
  * Returns 0, -1 (ISA), -2 (shapes), -3 (out of memory). */
 __attribute__((visibility("default"))) int sek_gemm(const float *a, int64_t m, int64_t k, const sek_weights *w,
                                                      float *y, int isa) {
-    if (sek_check(w) || k > w->k || w->k - k >= w->blk) return -2;
-    void *scratch = malloc(sek_scratch_bytes(m, w->k, w->blk));
+    const int64_t ablk = w->sc ? w->sblk : w->blk; /* activation blocks */
+    if (sek_check(w) || k > w->k || w->k - k >= ablk) return -2;
+    void *scratch = malloc(w->sc ? sek_sb_scratch_bytes(m, w->k, w->sblk, w->blk) : sek_scratch_bytes(m, w->k, w->blk));
     if (!scratch) return -3;
     sek_rows x;
-    sek_quantize(a, m, k, k, w->k, w->blk, scratch, &x, isa);
+    if (w->sc)
+        sek_quantize_sb(a, m, k, k, w->k, w->sblk, w->blk, scratch, &x, isa);
+    else
+        sek_quantize(a, m, k, k, w->k, w->blk, scratch, &x, isa);
     int rc = sek_gemm_tiles(&x, w, y, w->n, 0, w->n / SEK_TILE, isa);
     free(scratch);
     return rc;

@@ -8,8 +8,10 @@
  *   Y[..., N] = SekMatMulSB(A[..., K] fp32, B uint8 (packed levels), SC int8 (block scales), D fp16 (super-block
  *                           scales), MN int8 (block mins, or no elements), DMIN fp16 (super-block min scales, or no
  *                           elements))                     two-level scales: GGUF Q4_K and Q6_K as they are
- *   attributes: K, N, bits (4 | 6 | 8), block_size, superblock (a multiple of block_size dividing K),
- *               zero_point (0..255: zs = zero_point * s where there are no mins)
+ *   attributes: K, N, bits (4 | 6), block_size, superblock (up to 256, an even number of blocks, dividing K),
+ *               zero_point (0..64: w = d sc (q - zero_point) where there are no mins)
+ *   Activations are quantized per (row, super-block) here, and each block's integer dot product is scaled by its
+ *   integer sc before any fp32 operation (sek_gemm.c, tile_sb_scalar).
  *
  * A's rows are quantized once in the calling thread; column tiles are spread over the session's intra-op
  * thread pool (KernelContext_ParallelFor). The column split never changes a row's numbers (sek_gemm.c).
@@ -149,8 +151,8 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
                             "%s: unsupported shape (N %lld must be a multiple of 16, K %lld > 0; bits %s; block_size a "
                             "multiple of 16 up to 256%s)", name, (long long)(k->n), (long long)(k->k),
-                            sb ? "4, 6 or 8" : "4 or 8",
-                            sb ? "; superblock a multiple of block_size dividing K; zero_point 0..255" : "");
+                            sb ? "4 or 6" : "4 or 8",
+                            sb ? "; superblock up to 256, an even number of blocks, dividing K; zero_point 0..64" : "");
         free(k);
         return e;
     }
@@ -292,7 +294,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     /* the quantized rows live in a per-thread buffer grown as needed: no allocation per call in a decode loop */
     static _Thread_local void *scratch = NULL;
     static _Thread_local size_t scratch_size = 0;
-    const size_t need = sek_scratch_bytes(m, kpad, k->blk);
+    const size_t need = k->sblk ? sek_sb_scratch_bytes(m, kpad, k->sblk, k->blk) : sek_scratch_bytes(m, kpad, k->blk);
     if (need > scratch_size) {
         void *bigger = realloc(scratch, need);
         if (!bigger) return fail(api, ORT_FAIL, "%s: out of memory", name);
@@ -300,7 +302,10 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
         scratch_size = need;
     }
     sek_rows x;
-    sek_quantize((const float *)A->data, m, k->k, k->k, kpad, k->blk, scratch, &x, k->isa);
+    if (k->sblk) /* activations per super-block, with their sums per block */
+        sek_quantize_sb((const float *)A->data, m, k->k, k->k, kpad, k->sblk, k->blk, scratch, &x, k->isa);
+    else
+        sek_quantize((const float *)A->data, m, k->k, k->k, kpad, k->blk, scratch, &x, k->isa);
     Job job = {&x, &w, (float *)y, k->isa, k->n / 16};
     const size_t items = (size_t)((job.ntiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM);
     return KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job);

@@ -212,9 +212,9 @@ def _k_quant_rows(rng, type_name: str, n: int, superblocks: int) -> np.ndarray:
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_name, tmp_path):
     """GGUF Q4_K (w = d sc q - dmin m, 4-bit) and Q6_K (w = d sc (q - 32), 6-bit) through SekMatMulSB: the packed
-    levels and integer scales stand for exactly gguf's own dequantization (s = d sc and zs = dmin m are exact fp32
-    products), the kernel computes exactly the documented arithmetic with those s and zs on every ISA path, a row
-    never depends on the other rows, and ONNX Runtime's op gives the same bits."""
+    levels and integer scales stand for exactly gguf's own dequantization (d sc and dmin m are exact fp32
+    products), the kernel computes exactly its documented two-level arithmetic (_reference_sb) on every ISA path,
+    a row never depends on the other rows, and ONNX Runtime's op gives the same bits."""
     import gguf
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -250,7 +250,9 @@ def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_
     np.testing.assert_array_equal(w.reshape(n, -1).astype(np.float32), ref_w)  # exact products, one rounding
     a = rng.standard_normal((3, p.k)).astype(np.float32)
     a[1] *= 300.0
-    ref = _reference_blocks(a, q, s_blk, zs_blk, block)
+    ref = _reference_sb(a, q, tiles(sc), None if mn is None else tiles(mn), tiles(d), None if mn is None else tiles(dmin),
+                        block, zp)
+    assert np.abs(ref - a @ w.reshape(n, -1).T).max() < 0.02 * np.abs(a @ w.reshape(n, -1).T).max()
     for isa in kernel.isas():
         y = kernel.gemm_sb(a, b, sc, d, mn, dmin, n_pad, p.k, block, bits, 256, zp, isa)
         assert np.array_equal(y[:, :n], ref), (isa, np.abs(y[:, :n] - ref).max())
@@ -261,6 +263,37 @@ def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_
                               full[m - 1]), m
     y = _session(_model_sb(b, sc, d, mn, dmin, p.k, n_pad, bits, block, zp)).run(None, {"x": a[None]})[0][0]
     assert np.array_equal(y[:, :n], ref)
+
+
+def _reference_sb(a, q, sc, mn, d, dmin, block: int, zconst: int, sblk: int = 256) -> np.ndarray:
+    """SekMatMulSB's documented arithmetic (tile_sb_scalar), in exact integers and rationals rounded where the C code
+    rounds: activations to int8 per (row, super-block) as in _reference; per super-block the exact sums
+    I = sum_j sc_j dot_j and M = sum_j m_j bsum_j (m = mn, or sc without mins), then
+    y = fma(I, d sa, y); y = fma(-M, dmin sa, y) — or, without mins, y = fma(I - zconst M, d sa, y)."""
+    n, kb, _ = q.shape
+    per = sblk // block
+    y = np.zeros((a.shape[0], n), np.float32)
+    for r in range(a.shape[0]):
+        for sb in range(kb // per):
+            x = a[r, sb * sblk:(sb + 1) * sblk]
+            mx = np.float32(np.abs(x).max())
+            inv = np.float32(np.float32(127) / mx) if mx > 0 else np.float32(0)
+            qa = np.rint(x * inv).astype(np.int64).reshape(per, block)
+            sa = np.float32(mx / np.float32(127))
+            for c in range(n):
+                bj = range(sb * per, (sb + 1) * per)
+                i1 = sum(int(sc[c, j]) * int((qa[j - sb * per] * q[c, j]).sum()) for j in bj)
+                m = mn if mn is not None else sc
+                mm = sum(int(m[c, j]) * int(qa[j - sb * per].sum()) for j in bj)
+                ds = np.float32(np.float32(d[c, sb]) * sa)
+                if mn is not None:
+                    y[r, c] = _f32(Fraction(float(np.float32(i1))) * Fraction(float(ds)) + Fraction(float(y[r, c])))
+                    dms = np.float32(np.float32(dmin[c, sb]) * sa)
+                    y[r, c] = _f32(-Fraction(float(np.float32(mm))) * Fraction(float(dms)) + Fraction(float(y[r, c])))
+                else:
+                    y[r, c] = _f32(Fraction(float(np.float32(i1 - zconst * mm))) * Fraction(float(ds))
+                                   + Fraction(float(y[r, c])))
+    return y
 
 
 def _model_sb(b, sc, d, mn, dmin, k: int, n: int, bits: int, block: int, zero_point: int, **attrs) -> bytes:
