@@ -11,8 +11,10 @@ Each round the :class:`AutoDrafter` predicts tokens per second for every option 
 draft step, and alpha the running per-token acceptance of each drafter — and proposes with
 the best. ``hybrid`` takes prompt lookup whenever it has a match and the draft model
 otherwise. When no speculative option beats plain decoding the round is plain ("auto-off");
-after ``probe_every`` plain rounds the best option under an optimistic acceptance is tried
-once (if even that would not pay, nothing is), and the gap to the next probe doubles. The
+after ``FIRST_PROBE`` plain rounds of a request the best option under an optimistic acceptance is
+tried (if even that would not pay, nothing is), and the gap to the next probe doubles (it starts
+at ``probe_every`` again after a round that drafted). A draft-model probe is ``PROBE_ROUNDS``
+rounds of at most ``PROBE_K`` tokens, extended while its drafts all pass. The
 draft model's catch-up (the committed tokens it has not seen, priced per step of the plan
 ``feed`` will run: prefill chunks for a prompt, a single step for a round's leftover token) is
 charged to the round that would use it, and a model round must be predicted ``MODEL_MARGIN``
@@ -237,7 +239,7 @@ class AutoDrafter:
     OPTIMISTIC_ALPHA = 0.9  # what a re-probe assumes: is the option worth trying if its drafts were good?
     HORIZON_CAP = 256  # tokens a request is assumed to still run at most, when spreading the draft's catch-up
     CARRY_WEIGHT = 8.0  # tokens of evidence a request inherits about the draft's acceptance
-    FIRST_PROBE = 4  # plain rounds before a decoder's draft model is probed for the first time (then probe_every)
+    FIRST_PROBE = 4  # plain rounds before a request's first re-probe (then the gap doubles; probe_every after drafting)
     PROBE_ROUNDS = 3  # rounds a draft-model probe runs before its acceptance decides again
     PROBE_K = 2  # a probe's draft length (at most): enough to measure acceptance, cheap where the draft fails
 
@@ -263,9 +265,12 @@ class AutoDrafter:
         self._last: tuple[str, int] = ("none", 0)
         self._confs: list[float] = []
         self._plain_streak = 0
-        self._probe_gap = self.probe_every
+        # each request probes the draft early: what the earlier ones measured (carried at CARRY_WEIGHT tokens) may be
+        # another kind of text (a chat answer's failures kept a 47-token JSON answer plain to its end)
+        self._probe_gap = self.FIRST_PROBE
         self._probe_model_next = True
         self._probe_left = 0
+        self._probing = False
         self.rounds = {}
         self._start: int | None = None  # context length at the request's first round
 
@@ -283,11 +288,14 @@ class AutoDrafter:
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
         d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,
                    model_overhead=catchup, horizon=horizon)
+        self._probing = False
         if self._probe_left > 0 and self.model is not None:  # a draft-model probe runs PROBE_ROUNDS rounds
             self._probe_left -= 1
-            hope = self.OPTIMISTIC_ALPHA
-            d = self._probe_size(decide(self.costs, hope, 0, hope, k, self.mode, model_overhead=catchup,
-                                        horizon=horizon))
+            if d.kind != "model":  # (once the estimate itself says draft, the rounds are no longer probes)
+                hope = self.OPTIMISTIC_ALPHA
+                d = self._probe_size(decide(self.costs, hope, 0, hope, k, self.mode, model_overhead=catchup,
+                                            horizon=horizon))
+                self._probing = d.kind == "model"
         elif d.kind == "none":
             self._plain_streak += 1
             untried = self.model is not None and not self.costs.model_tried
@@ -307,6 +315,7 @@ class AutoDrafter:
                 if d.kind == "model":  # one round is weak evidence (code's first draft round: 1 of 5 accepted)
                     self._probe_left = self.PROBE_ROUNDS - 1
                     d = self._probe_size(d)
+                    self._probing = True
         else:
             self._plain_streak, self._probe_gap = 0, self.probe_every
         self.rounds[d.kind] = self.rounds.get(d.kind, 0) + 1
@@ -339,6 +348,10 @@ class AutoDrafter:
         if kind == "none":
             return
         self.alpha[kind].update(n, n_accepted)
+        if kind == "model" and self._probing and 0 < n == n_accepted:
+            # a probe whose drafts all pass goes on: three 2-token rounds cannot outweigh the acceptance an earlier
+            # request carried over (a JSON answer after a chat one went back to plain with the draft at 6/6)
+            self._probe_left = max(self._probe_left, 1)
         if kind == "model":
             assert self.model is not None
             self.gate.record(self._confs, n_accepted)

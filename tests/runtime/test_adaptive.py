@@ -210,3 +210,27 @@ def test_what_the_draft_passed_carries_over_to_the_next_request():
     for _ in range(5):
         second.alpha["model"].update(4, 0)
     assert second.alpha["model"].alpha < 0.6
+
+
+def test_every_request_probes_the_draft_early_whatever_the_last_one_measured():
+    """A decoder's requests share the draft's acceptance at the weight of a few tokens, so a request after one whose
+    drafts failed (a chat answer) starts out believing the draft does not pay. A short request where it does (a
+    47-token JSON answer, model:4 1.46x plain) then ran plain to its end: the first re-probe came after probe_every
+    plain rounds. Each request probes the draft after FIRST_PROBE plain rounds, then the gap doubles."""
+    c = CostModel({1: 0.036, 2: 0.039, 4: 0.045, 5: 0.047, 9: 0.070}, 0.0137)  # the specedge Qwen pair's costs
+    tokens = np.arange(10, 40, dtype=np.int64)  # no repeated n-gram: prompt lookup has nothing
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    chat = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel(), probe_every=16)
+    for _ in range(40):  # the draft fails throughout the first request
+        prop = chat.propose(tokens, 8, params, rng)
+        chat.commit(0)
+    assert c.model_tried and c.model_acceptance.alpha < 0.3
+    model = ScriptedModel()
+    json_request = AutoDrafter(c, PromptLookupDrafter(), model, probe_every=16)
+    kinds = []
+    for _ in range(12):  # now the draft is right every time
+        prop = json_request.propose(tokens, 8, params, rng)
+        kinds.append(json_request._last[0])
+        json_request.commit(len(prop.tokens))
+    assert "model" in kinds[: AutoDrafter.FIRST_PROBE + 1], kinds
+    assert kinds[-4:] == ["model"] * 4, kinds
