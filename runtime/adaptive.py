@@ -14,7 +14,8 @@ otherwise. When no speculative option beats plain decoding the round is plain ("
 after ``FIRST_PROBE`` plain rounds of a request the best option under an optimistic acceptance is
 tried (if even that would not pay, nothing is), and the gap to the next probe doubles (it starts
 at ``probe_every`` again after a round that drafted). A draft-model probe is ``PROBE_ROUNDS``
-rounds of at most ``PROBE_K`` tokens, extended while its drafts all pass. The
+rounds of at most ``PROBE_K`` tokens, past the confidence gate, extended while its drafts all pass (each
+such round twice as long as the last). The
 draft model's catch-up (the committed tokens it has not seen, priced per step of the plan
 ``feed`` will run: prefill chunks for a prompt, a single step for a round's leftover token) is
 charged to the round that would use it, and a model round must be predicted ``MODEL_MARGIN``
@@ -270,6 +271,7 @@ class AutoDrafter:
         self._probe_gap = self.FIRST_PROBE
         self._probe_model_next = True
         self._probe_left = 0
+        self._probe_k = self.PROBE_K
         self._probing = False
         self.rounds = {}
         self._start: int | None = None  # context length at the request's first round
@@ -313,7 +315,7 @@ class AutoDrafter:
                            hope if self.model is not None else None, k, self.mode, model_overhead=catchup,
                            horizon=horizon)
                 if d.kind == "model":  # one round is weak evidence (code's first draft round: 1 of 5 accepted)
-                    self._probe_left = self.PROBE_ROUNDS - 1
+                    self._probe_left, self._probe_k = self.PROBE_ROUNDS - 1, self.PROBE_K
                     d = self._probe_size(d)
                     self._probing = True
         else:
@@ -327,8 +329,10 @@ class AutoDrafter:
             assert self.model is not None
             threshold = self.costs.break_even_acceptance(k)
             t0 = self.model.time_catch_up
-            prop = self.model.propose(tokens, d.k, params, rng,
-                                      keep=lambda conf: self.gate.acceptance(conf) >= threshold)
+            # a probe drafts its whole (short) length: it is there to measure, and the confidence gate, shared with
+            # the earlier requests, would cut it to one token where their drafts failed
+            keep = None if self._probing else (lambda conf: self.gate.acceptance(conf) >= threshold)
+            prop = self.model.propose(tokens, d.k, params, rng, keep=keep)
             self.costs.observe_catchup(plan, self.model.time_catch_up - t0)
             self.costs.model_tried = True
             self._confs = self.model.confidences
@@ -340,8 +344,10 @@ class AutoDrafter:
 
     def _probe_size(self, d: Decision) -> Decision:
         """A probe is chosen at the draft length that would pay if the draft were good, and run shorter: it is there
-        to measure the acceptance, which a 2-token round measures as well, at half the cost where it fails."""
-        return Decision(d.kind, min(d.k, self.PROBE_K), d.rate) if d.kind == "model" else d
+        to measure the acceptance, which a 2-token round measures as well, at half the cost where it fails. Each
+        probe round whose drafts all pass doubles the next one's length (a 2-token round also pays an extra draft
+        step for the bonus token the draft has not seen: half again the drafting of a 4-token round)."""
+        return Decision(d.kind, min(d.k, self._probe_k), d.rate) if d.kind == "model" else d
 
     def commit(self, n_accepted: int) -> None:
         kind, n = self._last
@@ -349,9 +355,10 @@ class AutoDrafter:
             return
         self.alpha[kind].update(n, n_accepted)
         if kind == "model" and self._probing and 0 < n == n_accepted:
-            # a probe whose drafts all pass goes on: three 2-token rounds cannot outweigh the acceptance an earlier
-            # request carried over (a JSON answer after a chat one went back to plain with the draft at 6/6)
+            # a probe whose drafts all pass goes on, longer: three 2-token rounds cannot outweigh the acceptance an
+            # earlier request carried over (a JSON answer after a chat one went back to plain with the draft at 6/6)
             self._probe_left = max(self._probe_left, 1)
+            self._probe_k = min(2 * self._probe_k, 16)
         if kind == "model":
             assert self.model is not None
             self.gate.record(self._confs, n_accepted)

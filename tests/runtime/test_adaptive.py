@@ -227,10 +227,14 @@ def test_every_request_probes_the_draft_early_whatever_the_last_one_measured():
     assert c.model_tried and c.model_acceptance.alpha < 0.3
     model = ScriptedModel()
     json_request = AutoDrafter(c, PromptLookupDrafter(), model, probe_every=16)
-    kinds = []
+    kinds, sizes = [], []
     for _ in range(12):  # now the draft is right every time
         prop = json_request.propose(tokens, 8, params, rng)
         kinds.append(json_request._last[0])
+        sizes += [len(prop.tokens)] if kinds[-1] == "model" else []
         json_request.commit(len(prop.tokens))
     assert "model" in kinds[: AutoDrafter.FIRST_PROBE + 1], kinds
     assert kinds[-4:] == ["model"] * 4, kinds
+    # a passing probe grows: 2-token rounds cost an extra draft step per round (the bonus token the draft has not
+    # seen), half again the drafting of a 4-token round, so a request that stayed in them drafted at ~1.4x the cost
+    assert sizes[0] <= AutoDrafter.PROBE_K and max(sizes[:3]) >= 2 * AutoDrafter.PROBE_K, sizes
