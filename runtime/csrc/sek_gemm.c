@@ -567,35 +567,27 @@ static inline __attribute__((always_inline)) void strip_sb_vnni512(const sek_row
         for (int t = 0; t < NT; t++) memcpy(y + (r0 + r) * ldy + (tile + t) * SEK_TILE, yv[r][t], sizeof yv[r][t]);
 }
 
-static void tiles_sb_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t += 2) {
-        const int two = t1 - t >= 2;
-        for (int64_t r0 = 0; r0 < x->m; r0 += SEK_RMAX_SB) {
-            const int R = x->m - r0 < SEK_RMAX_SB ? (int)(x->m - r0) : SEK_RMAX_SB;
-#define SEK_CASE(RR)                                        \
-    case RR:                                                \
-        if (two)                                            \
-            strip_sb_vnni512(x, w, y, ldy, r0, RR, t, 2);   \
-        else                                                \
-            strip_sb_vnni512(x, w, y, ldy, r0, RR, t, 1);   \
-        break;
-            switch (R) { SEK_CASE(1) SEK_CASE(2) SEK_CASE(3) SEK_CASE(4) SEK_CASE(5) }
-#undef SEK_CASE
-        }
-    }
-}
-
+/* Tiles [t0, t1) in pairs, the rows in passes of up to SEK_RMAX (SEK_RMAX_SB with two-level scales). */
 static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
+    const int sb = w->sc != NULL, rmax = sb ? SEK_RMAX_SB : SEK_RMAX;
     for (int64_t t = t0; t < t1; t += 2) {
-        const int two = t1 - t >= 2;
-        for (int64_t r0 = 0; r0 < x->m; r0 += SEK_RMAX) {
-            const int R = x->m - r0 < SEK_RMAX ? (int)(x->m - r0) : SEK_RMAX;
-#define SEK_CASE(RR)                                        \
-    case RR:                                                \
-        if (two)                                            \
-            strip_vnni512(x, w, y, ldy, r0, RR, t, 2);      \
-        else                                                \
-            strip_vnni512(x, w, y, ldy, r0, RR, t, 1);      \
+        const int nt = t1 - t >= 2 ? 2 : 1;
+        for (int64_t r0 = 0; r0 < x->m; r0 += rmax) {
+            const int R = x->m - r0 < rmax ? (int)(x->m - r0) : rmax;
+#define SEK_CASE(RR)                                                                                       \
+    case RR:                                                                                               \
+        if (sb && RR <= SEK_RMAX_SB) {                                                                     \
+            const int rs = RR <= SEK_RMAX_SB ? RR : SEK_RMAX_SB; /* (constant: other values never run) */ \
+            if (nt == 2)                                                                                   \
+                strip_sb_vnni512(x, w, y, ldy, r0, rs, t, 2);                                              \
+            else                                                                                           \
+                strip_sb_vnni512(x, w, y, ldy, r0, rs, t, 1);                                              \
+        } else if (!sb) {                                                                                  \
+            if (nt == 2)                                                                                   \
+                strip_vnni512(x, w, y, ldy, r0, RR, t, 2);                                                 \
+            else                                                                                           \
+                strip_vnni512(x, w, y, ldy, r0, RR, t, 1);                                                 \
+        }                                                                                                  \
         break;
             switch (R) {
                 SEK_CASE(1) SEK_CASE(2) SEK_CASE(3) SEK_CASE(4) SEK_CASE(5) SEK_CASE(6) SEK_CASE(7) SEK_CASE(8)
@@ -806,29 +798,21 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
     for (int r = 0; r < R; r++) memcpy(y + (r0 + r) * ldy + tile * SEK_TILE, yv[r], sizeof yv[r]);
 }
 
-static void tiles_sb_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-        for (int64_t r0 = 0; r0 < x->m; r0 += SEK_R2) {
-            const int R = x->m - r0 < SEK_R2 ? (int)(x->m - r0) : SEK_R2;
-            switch (R) {
-            case 1: tile_sb_avx2(x, w, y, ldy, r0, 1, t); break;
-            case 2: tile_sb_avx2(x, w, y, ldy, r0, 2, t); break;
-            case 3: tile_sb_avx2(x, w, y, ldy, r0, 3, t); break;
-            default: tile_sb_avx2(x, w, y, ldy, r0, 4, t); break;
-            }
-        }
-}
-
+/* Tiles [t0, t1), the rows in passes of up to SEK_R2. */
 static void tiles_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
+    const int sb = w->sc != NULL;
     for (int64_t t = t0; t < t1; t++)
         for (int64_t r0 = 0; r0 < x->m; r0 += SEK_R2) {
             const int R = x->m - r0 < SEK_R2 ? (int)(x->m - r0) : SEK_R2;
-            switch (R) {
-            case 1: tile_avx2(x, w, y, ldy, r0, 1, t); break;
-            case 2: tile_avx2(x, w, y, ldy, r0, 2, t); break;
-            case 3: tile_avx2(x, w, y, ldy, r0, 3, t); break;
-            default: tile_avx2(x, w, y, ldy, r0, 4, t); break;
-            }
+#define SEK_CASE(RR)                                      \
+    case RR:                                              \
+        if (sb)                                           \
+            tile_sb_avx2(x, w, y, ldy, r0, RR, t);        \
+        else                                              \
+            tile_avx2(x, w, y, ldy, r0, RR, t);           \
+        break;
+            switch (R) { SEK_CASE(1) SEK_CASE(2) SEK_CASE(3) SEK_CASE(4) }
+#undef SEK_CASE
         }
 }
 #endif
@@ -843,10 +827,10 @@ int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ld
     const int sb = w->sc != NULL;
     switch (isa) {
 #ifdef SEK_HAVE_VNNI512
-    case SEK_ISA_VNNI512: (sb ? tiles_sb_vnni512 : tiles_vnni512)(x, w, y, ldy, t0, t1); return 0;
+    case SEK_ISA_VNNI512: tiles_vnni512(x, w, y, ldy, t0, t1); return 0;
 #endif
 #ifdef SEK_HAVE_AVX2
-    case SEK_ISA_AVX2: (sb ? tiles_sb_avx2 : tiles_avx2)(x, w, y, ldy, t0, t1); return 0;
+    case SEK_ISA_AVX2: tiles_avx2(x, w, y, ldy, t0, t1); return 0;
 #endif
     case SEK_ISA_SCALAR:
         for (int64_t t = t0; t < t1; t++) (sb ? tile_sb_scalar : tile_scalar)(x, w, y, ldy, t);
