@@ -392,9 +392,9 @@ def _sek_tiles(a: np.ndarray, n_pad: int) -> np.ndarray:
 
 def sek_pack_sb(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, int]:
     """A matrix with two-level scales (p.superblocks: GGUF Q4_K, Q6_K) in the layout of specedge's kernel
-    (SekMatMulSB): the levels as sek_pack lays them out at 4 bits; at 6 bits, their low nibbles so, followed per
-    (tile, block) by block/16 chunks of their top two bits (chunk h, byte 4c+t, bits 2i..2i+1: column c's level at
-    k = 16h+4i+t, shifted down 4). Returns (b, sc, d, mn, dmin, padded N); sc/mn int8 [N/16, k_blocks, 16], d/dmin
+    (SekMatMulSB): the levels as sek_pack lays them out at 4 bits; at 6 bits, per (tile, block), block/16 groups of
+    three 64-byte chunks X, Y, Z: group h, byte 4c+t holds in bits 0-5 column c's level at k = 16h+t (X), 16h+4+t
+    (Y), 16h+8+t (Z), and in bits 6-7 the top, middle and low two bits of its level at k = 16h+12+t. Returns (b, sc, d, mn, dmin, padded N); sc/mn int8 [N/16, k_blocks, 16], d/dmin
     fp16 [N/16, k_superblocks, 16]."""
     sb = p.superblocks
     if sb is None:
@@ -407,12 +407,15 @@ def sek_pack_sb(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     if n_pad != n:
         q = np.concatenate([q, np.zeros((n_pad - n, kb, blk), np.uint8)])
     tiles = n_pad // SEK_TILE
-    low = (q & 15).reshape(tiles, SEK_TILE, kb, blk // 8, 2, 4).transpose(0, 2, 3, 1, 5, 4)  # [tile, kb, j, c, t, half]
-    parts = [(low[..., 0] | (low[..., 1] << 4)).reshape(tiles, kb, -1)]
-    if sb.bits == 6:
-        top = (q >> 4).reshape(tiles, SEK_TILE, kb, blk // 16, 4, 4).transpose(0, 2, 3, 1, 5, 4)  # [.., h, c, t, i]
-        parts.append((top[..., 0] | top[..., 1] << 2 | top[..., 2] << 4 | top[..., 3] << 6).reshape(tiles, kb, -1))
-    elif sb.bits != 4:
+    if sb.bits == 4:
+        low = q.reshape(tiles, SEK_TILE, kb, blk // 8, 2, 4).transpose(0, 2, 3, 1, 5, 4)  # [tile, kb, j, c, t, half]
+        parts = [(low[..., 0] | (low[..., 1] << 4)).reshape(tiles, kb, -1)]
+    elif sb.bits == 6:  # [tile, kb, h, i, c, t]: level i of group h at k = 16h + 4i + t
+        v = q.reshape(tiles, SEK_TILE, kb, blk // 16, 4, 4).transpose(0, 2, 3, 4, 1, 5).astype(np.uint8)
+        x, y, z, w = v[:, :, :, 0], v[:, :, :, 1], v[:, :, :, 2], v[:, :, :, 3]
+        xyz = np.stack([x | ((w >> 4) << 6), y | (((w >> 2) & 3) << 6), z | ((w & 3) << 6)], axis=3)
+        parts = [xyz.reshape(tiles, kb, -1)]
+    else:
         raise ValueError(f"super-block levels are 4 or 6 bits, got {sb.bits}")
     b = np.concatenate(parts, axis=2).astype(np.uint8).reshape(-1)
     mins = (None, None) if sb.mn is None else (_sek_tiles(sb.mn, n_pad), _sek_tiles(_halves(sb.dmin), n_pad))

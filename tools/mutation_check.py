@@ -76,13 +76,12 @@ PLANTS = {
     "specedge kernel: AVX2 activation levels truncated instead of rounded": (
         "runtime/csrc/sek_gemm.c", "_mm256_cvttps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))",
         "_mm256_cvttps_epi32(x)", ["tests/runtime/test_sek_kernel.py"]),
-    "specedge kernel: a 6-bit level's top bits taken from the other half's pair (AVX512)": (
-        "runtime/csrc/sek_gemm.c", "const __m512i tlo = half ? hb[t] : _mm512_slli_epi16(hb[t], 4);",
-        "const __m512i tlo = half ? _mm512_slli_epi16(hb[t], 4) : hb[t];", ["tests/runtime/test_sek_kernel.py"]),
-    "specedge kernel: a 6-bit level's top bits shifted from the wrong place (AVX2)": (
-        "runtime/csrc/sek_gemm.c", "const __m256i thi = half ? _mm256_srli_epi16(hb[h], 2) : _mm256_slli_epi16(hb[h], 2);",
-        "const __m256i thi = half ? _mm256_srli_epi16(hb[h], 4) : _mm256_slli_epi16(hb[h], 2);",
-        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a 6-bit level's middle bits taken from the wrong place (AVX512)": (
+        "runtime/csrc/sek_gemm.c", "_mm512_and_si512(_mm512_srli_epi16(y, 4), m0c)",
+        "_mm512_and_si512(_mm512_srli_epi16(y, 2), m0c)", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a 6-bit level's low bits taken from the wrong place (AVX2)": (
+        "runtime/csrc/sek_gemm.c", "_mm256_and_si256(_mm256_srli_epi16(z, 6), m03)",
+        "_mm256_and_si256(_mm256_srli_epi16(z, 4), m03)", ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: two-level block mins scaled by d instead of dmin (AVX512)": (
         "runtime/csrc/sek_gemm.c",
         "const __m512 dmv = w->mn ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dmin + so))) : dv;",

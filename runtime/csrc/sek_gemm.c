@@ -18,8 +18,9 @@
  *
  * Packed weights, one layout for every ISA: tiles of 16 columns; per tile, per block, 64-byte chunks:
  *   4-bit: blk/8 chunks; chunk j, byte 4c+t: low nibble q[c][8j+t], high nibble q[c][8j+4+t]
- *   6-bit: the 4-bit chunks of the levels' low nibbles, then blk/16 chunks of their top two bits; chunk h,
- *          byte 4c+t, bits 2i..2i+1: q[c][16h+4i+t] >> 4
+ *   6-bit: blk/16 groups of 3 chunks X, Y, Z; group h, byte 4c+t of each: bits 0-5 q[c][16h+t] (X),
+ *          q[c][16h+4+t] (Y), q[c][16h+8+t] (Z), and bits 6-7 the top, middle and low two bits of q[c][16h+12+t]:
+ *          three levels need only a mask
  *   8-bit: blk/4 chunks; chunk g, byte 4c+t: q[c][4g+t]
  * so one 64-byte chunk feeds a 512-bit dot-product instruction (16 columns x 4 k) against 4 activation bytes
  * broadcast. Scales: fp32 [N/16][K/blk][16]; zero points: uint8 (or zs: fp32) [N/16][K/blk][16].
@@ -281,16 +282,14 @@ static void dot_scalar(const sek_weights *w, const uint8_t *bp, const int8_t *a,
                     acc[c] += (int32_t)(v & 15) * a[8 * j + t] + (int32_t)(v >> 4) * a[8 * j + 4 + t];
                 }
     } else if (w->bits == 6) {
-        const uint8_t *top = bp + blk * 8; /* after the blk/8 chunks of low nibbles */
         for (int64_t h = 0; h < blk / 16; h++)
             for (int c = 0; c < SEK_TILE; c++)
                 for (int t = 0; t < 4; t++) {
-                    const uint8_t l0 = bp[2 * h * 64 + 4 * c + t], l1 = bp[(2 * h + 1) * 64 + 4 * c + t];
-                    const uint8_t hb = top[h * 64 + 4 * c + t];
-                    acc[c] += (int32_t)((l0 & 15) | (hb & 3) << 4) * a[16 * h + t] +
-                              (int32_t)((l0 >> 4) | (hb >> 2 & 3) << 4) * a[16 * h + 4 + t] +
-                              (int32_t)((l1 & 15) | (hb >> 4 & 3) << 4) * a[16 * h + 8 + t] +
-                              (int32_t)((l1 >> 4) | (hb >> 6) << 4) * a[16 * h + 12 + t];
+                    const uint8_t x = bp[3 * h * 64 + 4 * c + t], y = bp[(3 * h + 1) * 64 + 4 * c + t],
+                                  z = bp[(3 * h + 2) * 64 + 4 * c + t];
+                    acc[c] += (int32_t)(x & 63) * a[16 * h + t] + (int32_t)(y & 63) * a[16 * h + 4 + t] +
+                              (int32_t)(z & 63) * a[16 * h + 8 + t] +
+                              (int32_t)((x >> 6) << 4 | (y >> 6) << 2 | z >> 6) * a[16 * h + 12 + t];
                 }
     } else {
         for (int64_t g = 0; g < blk / 4; g++)
@@ -403,22 +402,27 @@ static inline __attribute__((always_inline)) void dots512(const sek_weights *w, 
             }
         }
     } else if (w->bits == 6) {
-        const __m512i top2 = _mm512_set1_epi8(0x30);
+        const __m512i m63 = _mm512_set1_epi8(63), m30 = _mm512_set1_epi8(0x30), m0c = _mm512_set1_epi8(0x0c),
+                      m03 = _mm512_set1_epi8(0x03);
         for (int64_t h = 0; h < blk / 16; h++) {
-            __m512i hb[2];
+            __m512i q[2][2], top[2]; /* per tile: two levels' vectors at a time, the fourth's top four bits */
             SEK_UNROLL
-            for (int t = 0; t < NT; t++) hb[t] = _mm512_loadu_si512(bp[t] + blk * 8 + h * 64);
+            for (int t = 0; t < NT; t++) {
+                const __m512i x = _mm512_loadu_si512(bp[t] + 3 * h * 64), y = _mm512_loadu_si512(bp[t] + (3 * h + 1) * 64);
+                q[t][0] = _mm512_and_si512(x, m63);
+                q[t][1] = _mm512_and_si512(y, m63);
+                top[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(x, 2), m30),
+                                         _mm512_and_si512(_mm512_srli_epi16(y, 4), m0c));
+            }
             SEK_UNROLL
             for (int half = 0; half < 2; half++) { /* k = 16h + 8 half + 0..7 */
-                __m512i lo[2], hi[2];
-                SEK_UNROLL
-                for (int t = 0; t < NT; t++) {
-                    const __m512i v = _mm512_loadu_si512(bp[t] + (2 * h + half) * 64);
-                    /* the top bits of k = 16h+8half+t at bits 4-5: from bits 4half.. and 4half+2.. of hb */
-                    const __m512i tlo = half ? hb[t] : _mm512_slli_epi16(hb[t], 4);
-                    const __m512i thi = half ? _mm512_srli_epi16(hb[t], 2) : _mm512_slli_epi16(hb[t], 2);
-                    lo[t] = _mm512_or_si512(_mm512_and_si512(v, mask), _mm512_and_si512(tlo, top2));
-                    hi[t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), _mm512_and_si512(thi, top2));
+                if (half) {
+                    SEK_UNROLL
+                    for (int t = 0; t < NT; t++) {
+                        const __m512i z = _mm512_loadu_si512(bp[t] + (3 * h + 2) * 64);
+                        q[t][0] = _mm512_and_si512(z, m63);
+                        q[t][1] = _mm512_or_si512(top[t], _mm512_and_si512(_mm512_srli_epi16(z, 6), m03));
+                    }
                 }
                 SEK_UNROLL
                 for (int r = 0; r < R; r++) {
@@ -429,8 +433,8 @@ static inline __attribute__((always_inline)) void dots512(const sek_weights *w, 
                     const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
                     SEK_UNROLL
                     for (int t = 0; t < NT; t++) {
-                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], va0);
-                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], va1);
+                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], q[t][0], va0);
+                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], q[t][1], va1);
                     }
                 }
             }
@@ -643,21 +647,26 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
             }
         }
     } else if (w->bits == 6) {
-        const __m256i top2 = _mm256_set1_epi8(0x30);
+        const __m256i m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30), m0c = _mm256_set1_epi8(0x0c),
+                      m03 = _mm256_set1_epi8(0x03);
         for (int64_t hh = 0; hh < blk / 16; hh++) {
-            __m256i hb[2];
-            SEK_UNROLL
-            for (int h = 0; h < 2; h++) hb[h] = _mm256_loadu_si256((const __m256i *)(bp + blk * 8 + hh * 64 + 32 * h));
             SEK_UNROLL
             for (int half = 0; half < 2; half++) { /* k = 16hh + 8 half + 0..7 */
                 __m256i lo[2], hi[2];
                 SEK_UNROLL
                 for (int h = 0; h < 2; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + (2 * hh + half) * 64 + 32 * h));
-                    const __m256i tlo = half ? hb[h] : _mm256_slli_epi16(hb[h], 4);
-                    const __m256i thi = half ? _mm256_srli_epi16(hb[h], 2) : _mm256_slli_epi16(hb[h], 2);
-                    lo[h] = _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(tlo, top2));
-                    hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), _mm256_and_si256(thi, top2));
+                    const uint8_t *c0 = bp + 3 * hh * 64 + 32 * h;
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)c0), y = _mm256_loadu_si256((const __m256i *)(c0 + 64));
+                    if (!half) {
+                        lo[h] = _mm256_and_si256(x, m63);
+                        hi[h] = _mm256_and_si256(y, m63);
+                    } else {
+                        const __m256i z = _mm256_loadu_si256((const __m256i *)(c0 + 128));
+                        lo[h] = _mm256_and_si256(z, m63);
+                        hi[h] = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x, 2), m30),
+                                                                _mm256_and_si256(_mm256_srli_epi16(y, 4), m0c)),
+                                                _mm256_and_si256(_mm256_srli_epi16(z, 6), m03));
+                    }
                 }
                 SEK_UNROLL
                 for (int r = 0; r < R; r++) {

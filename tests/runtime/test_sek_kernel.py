@@ -238,13 +238,15 @@ def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_
     s_blk = np.float32(np.repeat(tiles(d), 256 // block, axis=1) * tiles(sc).astype(np.float32))
     zs_blk = (np.float32(np.repeat(tiles(dmin), 256 // block, axis=1) * tiles(mn).astype(np.float32)) if mn is not None
               else np.float32(np.float32(zp) * s_blk))
-    low = b.reshape(n_pad // 16, -1, block * 16 * bits // 8)[..., : block * 8].reshape(n_pad // 16, -1, block // 8, 16, 4)
-    q = np.stack([low & 15, low >> 4], axis=-2).reshape(n_pad // 16, -1, block // 8, 16, 8)  # [tile, kb, j, c, k8]
-    q = q.transpose(0, 3, 1, 2, 4).reshape(n_pad, -1, block).astype(np.int64)  # [N, kb, block] low nibbles
-    if bits == 6:
-        top = b.reshape(n_pad // 16, -1, block * 12)[..., block * 8:].reshape(n_pad // 16, -1, block // 16, 16, 4)
-        hi = np.stack([(top >> (2 * i)) & 3 for i in range(4)], axis=-2)  # [tile, kb, h, c, i, t]
-        q += (hi.transpose(0, 3, 1, 2, 4, 5).reshape(n_pad, -1, block) << 4).astype(np.int64)
+    if bits == 4:
+        low = b.reshape(n_pad // 16, -1, block // 8, 16, 4)  # [tile, kb, j, c, t]
+        q = np.stack([low & 15, low >> 4], axis=-2).reshape(n_pad // 16, -1, block // 8, 16, 8)  # [.., j, c, k8]
+        q = q.transpose(0, 3, 1, 2, 4).reshape(n_pad, -1, block).astype(np.int64)  # [N, kb, block]
+    else:  # groups of three chunks: bits 0-5 three levels, bits 6-7 two bits each of the fourth
+        g = b.reshape(n_pad // 16, -1, block // 16, 3, 16, 4).astype(np.int64)  # [tile, kb, h, X/Y/Z, c, t]
+        fourth = (g[:, :, :, 0] >> 6) << 4 | (g[:, :, :, 1] >> 6) << 2 | g[:, :, :, 2] >> 6
+        q = np.concatenate([g & 63, fourth[:, :, :, None]], axis=3)  # [tile, kb, h, i, c, t]: k = 16h + 4i + t
+        q = q.transpose(0, 4, 1, 2, 3, 5).reshape(n_pad, -1, block)
     q = q[:n]
     w = q * s_blk[..., None].astype(np.float64) - zs_blk[..., None].astype(np.float64)
     np.testing.assert_array_equal(w.reshape(n, -1).astype(np.float32), ref_w)  # exact products, one rounding
