@@ -362,6 +362,24 @@ def test_onnx_runtime_reports_bad_shapes_clearly():
     assert _session(good).run(None, {"x": np.zeros((1, 2, 128), np.float32)})[0].shape == (1, 2, n_pad)
 
 
+def test_onnx_runtime_reports_bad_two_level_inputs_clearly():
+    """SekMatMulSB refuses attributes its integer sums cannot hold and tensors that do not match them, by name."""
+    from specedge.export.quant import repack_gguf, sek_pack_sb
+
+    rng = np.random.default_rng(9)
+    b, sc, d, mn, dmin, n_pad = sek_pack_sb(repack_gguf("Q4_K", _k_quant_rows(rng, "Q4_K", 32, 1)))
+    x = np.zeros((1, 2, 256), np.float32)
+    with pytest.raises(Exception, match="SekMatMulSB: unsupported shape.*zero_point 0..64"):
+        _session(_model_sb(b, sc, d, None, None, 256, n_pad, 4, 32, 200))  # zero point past the int32 bound
+    with pytest.raises(Exception, match="SekMatMulSB: unsupported shape"):
+        _session(_model_sb(b, sc, d, mn, dmin, 256, n_pad, 8, 32, 0))  # 8-bit levels: not a K-quant form here
+    with pytest.raises(Exception, match="mins and their scales both or neither"):
+        _session(_model_sb(b, sc, d, mn, None, 256, n_pad, 4, 32, 0)).run(None, {"x": x})
+    with pytest.raises(Exception, match="SekMatMulSB: packed weights hold"):
+        _session(_model_sb(b, sc, d, mn, dmin, 256, 2 * n_pad, 4, 32, 0)).run(None, {"x": x})
+    assert _session(_model_sb(b, sc, d, mn, dmin, 256, n_pad, 4, 32, 0)).run(None, {"x": x})[0].shape == (1, 2, n_pad)
+
+
 def test_every_isa_path_gives_onnx_runtime_the_same_bits(kernel, tmp_path):
     """SPECEDGE_SEK_ISA forces one path in the op (read when a session is created): run each in a fresh process."""
     rng = np.random.default_rng(9)
