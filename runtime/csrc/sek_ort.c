@@ -145,7 +145,7 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
         w.sc = &one_sc;
         w.d = &one_d;
         w.sblk = k->sblk;
-        w.zconst = k->zconst >= 0 && k->zconst <= 255 ? (int)k->zconst : -1;
+        w.zconst = k->zconst >= 0 && k->zconst <= 64 ? (int)k->zconst : -1; /* sek_check's bound */
     }
     if (k->k <= 0 || k->n > (1ll << 40) || k->sblk > (1ll << 40) || sek_check(&w)) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
@@ -322,6 +322,13 @@ static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }
 static int mem_default(const void *op, size_t i) { (void)op; (void)i; return 0; }
 static int one(const void *op) { (void)op; return 1; }
 
+/* What every op here shares: CPU, one output per declared type, plain inputs, no variadic arity, no end version. */
+#define SEK_OP_COMMON                                                                                             \
+    .version = API_VERSION, .GetExecutionProviderType = op_ep, .GetOutputType = out_type, .KernelDestroy = destroy, \
+    .GetInputCharacteristic = required, .GetOutputCharacteristic = required, .GetInputMemoryType = mem_default,    \
+    .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one,         \
+    .GetVariadicOutputHomogeneity = one, .GetStartVersion = one
+
 static const char *sb_name(const void *op) { (void)op; return "SekMatMulSB"; }
 static int sb_in_type(const void *op, size_t i) {
     (void)op;
@@ -330,49 +337,23 @@ static int sb_in_type(const void *op, size_t i) {
 static size_t sb_in_count(const void *op) { (void)op; return 6; }
 
 static const SekCustomOp sek_matmul_sb_op = {
-    .version = API_VERSION,
+    SEK_OP_COMMON,
     .GetName = sb_name,
-    .GetExecutionProviderType = op_ep,
     .GetInputType = sb_in_type,
     .GetInputTypeCount = sb_in_count,
-    .GetOutputType = out_type,
     .GetOutputTypeCount = out_count,
-    .KernelDestroy = destroy,
-    .GetInputCharacteristic = required,
-    .GetOutputCharacteristic = required,
-    .GetInputMemoryType = mem_default,
-    .GetVariadicInputMinArity = one,
-    .GetVariadicInputHomogeneity = one,
-    .GetVariadicOutputMinArity = one,
-    .GetVariadicOutputHomogeneity = one,
     .CreateKernelV2 = create_kernel,
     .KernelComputeV2 = compute,
-    .GetStartVersion = one,
 };
 
 static const SekCustomOp sek_matmul_op = {
-    .version = API_VERSION,
-    .CreateKernel = NULL,
+    SEK_OP_COMMON,
     .GetName = op_name,
-    .GetExecutionProviderType = op_ep,
     .GetInputType = in_type,
     .GetInputTypeCount = in_count,
-    .GetOutputType = out_type,
     .GetOutputTypeCount = out_count,
-    .KernelCompute = NULL,
-    .KernelDestroy = destroy,
-    .GetInputCharacteristic = required,
-    .GetOutputCharacteristic = required,
-    .GetInputMemoryType = mem_default,
-    .GetVariadicInputMinArity = one,
-    .GetVariadicInputHomogeneity = one,
-    .GetVariadicOutputMinArity = one,
-    .GetVariadicOutputHomogeneity = one,
     .CreateKernelV2 = create_kernel,
     .KernelComputeV2 = compute,
-    .InferOutputShapeFn = NULL,
-    .GetStartVersion = one,
-    .GetEndVersion = NULL,
 };
 
 /* ---------------------------------------------------------------- SekAttention
@@ -457,24 +438,13 @@ static size_t attn_in_count(const void *op) { (void)op; return 6; }
 static size_t attn_out_count(const void *op) { (void)op; return 3; }
 
 static const SekCustomOp sek_attention_op = {
-    .version = API_VERSION,
+    SEK_OP_COMMON,
     .GetName = attn_name,
-    .GetExecutionProviderType = op_ep,
     .GetInputType = attn_in_type,
     .GetInputTypeCount = attn_in_count,
-    .GetOutputType = out_type,
     .GetOutputTypeCount = attn_out_count,
-    .KernelDestroy = destroy,
-    .GetInputCharacteristic = required,
-    .GetOutputCharacteristic = required,
-    .GetInputMemoryType = mem_default,
-    .GetVariadicInputMinArity = one,
-    .GetVariadicInputHomogeneity = one,
-    .GetVariadicOutputMinArity = one,
-    .GetVariadicOutputHomogeneity = one,
     .CreateKernelV2 = attn_create,
     .KernelComputeV2 = attn_compute,
-    .GetStartVersion = one,
 };
 
 /* Called by ONNX Runtime (SessionOptions.register_custom_ops_library). The op and its domain live as long as
