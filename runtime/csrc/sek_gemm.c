@@ -65,6 +65,19 @@
 
 enum { SEK_ISA_BEST = 0, SEK_ISA_SCALAR = 1, SEK_ISA_AVX2 = 2, SEK_ISA_VNNI512 = 3 };
 
+/* The weights stream from DRAM once per step, and the hot loops do enough work per 64-byte line that the core's
+ * out-of-order window alone keeps too few lines in flight: one thread read Q4_K blocks at ~15 GB/s where a bare
+ * read loop reaches 21-25. Each block first asks for the lines SEK_AHEAD bytes further on in its tile, into L2 (a
+ * hint: it never faults, past the end of the weights included). Measured on an AVX512-VNNI EPYC, one process
+ * alternating the distance per burst (0 / 2048 / 3072 / 4096 / 6144 bytes): the exact Qwen2.5-Coder-1.5B step
+ * at T = 1 went from 37.1 to 35.2 ms, at T = 5 from 52.6 to 43.9, at T = 9 from 77.1 to 71.1; the AVX2 path's
+ * T = 5 from 90.6 to 72.2. 3072 was the best distance at every width. */
+#define SEK_AHEAD 3072
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int64_t bytes) {
+    /* integer arithmetic: a pointer past the end of the weights would be undefined behaviour, a hint is not */
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)((uintptr_t)p + (uintptr_t)(o + SEK_AHEAD)), 0, 2);
+}
+
 /* Block b of tile `tile`: where its scale parts are. */
 static inline int64_t blk_off(const sek_weights *w, int64_t tile, int64_t b) { return (tile * (w->k / w->blk) + b) * 16; }
 static inline int64_t sblk_off(const sek_weights *w, int64_t tile, int64_t b) {
@@ -378,6 +391,8 @@ static inline __attribute__((always_inline)) void dots512(const sek_weights *w, 
     const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
     const __m512i mask = _mm512_set1_epi8(15);
     const uint8_t *bp[2] = {w->b + (tile * nb + b) * bstride, NT == 2 ? w->b + ((tile + 1) * nb + b) * bstride : NULL};
+    SEK_UNROLL
+    for (int t = 0; t < NT; t++) prefetch_block(bp[t], bstride);
     if (w->bits == 4) {
         for (int64_t j = 0; j < blk / 8; j++) {
             __m512i lo[2], hi[2];
@@ -623,6 +638,7 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
     const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const uint8_t *bp = w->b + (tile * nb + b) * bstride;
+    prefetch_block(bp, bstride);
     if (w->bits == 4) {
         for (int64_t j = 0; j < blk / 8; j++) {
             __m256i lo[2], hi[2];
