@@ -148,7 +148,8 @@ class ModelDrafter:
 
     def propose(self, tokens, k, params, rng, keep=None) -> Proposal:  # noqa: ANN001
         """Draft up to k tokens. ``keep(confidence)``, if given, is asked after each draw with the draft's
-        top probability at that step; a False stops drafting and drops that draw (at least one is kept).
+        top probability at that step, the first included; a False stops drafting and drops that draw (the first
+        draw is always kept); ``self.dropped`` is then (the dropped token, its confidence), else None.
         ``self.confidences`` holds the kept tokens' confidences."""
         n = len(tokens)
         t0 = time.perf_counter()
@@ -160,6 +161,7 @@ class ModelDrafter:
         self.time_catch_up += time.perf_counter() - t0
         self._base, self._k = n, k
         self.confidences: list[float] = []
+        self.dropped: tuple[int, float] | None = None
         if k <= 0:
             return EMPTY
         draft = np.zeros(k, dtype=np.int64)
@@ -182,8 +184,9 @@ class ModelDrafter:
                 # keyed: the same noise the target's token at this position will be drawn with (n + i)
                 last = keyed_sample(q[i], params.seed, n + i) if params.sampler == "keyed" else sample(q[i], rng)
                 conf = float(q[i].max())
-            if keep is not None and i > 0 and not keep(conf):
+            if keep is not None and not keep(conf) and i > 0:
                 kept = i
+                self.dropped = (last, conf)  # (a round that passes whole verifies it anyway: its bonus token)
                 break
             draft[i] = last
             self.confidences.append(conf)

@@ -295,3 +295,29 @@ def test_feed_runs_its_plan_and_the_draft_prices_its_catch_up_by_it(decoders, n)
         assert drafter.catchup_plan(1) == []
     finally:
         runner.step = step
+
+
+def test_the_draft_reports_the_draw_its_gate_dropped(decoders):
+    """keep(conf) is asked after every draw, the first included (whose answer is ignored); the draw that stops a
+    round is not proposed, but named in ``dropped`` with its confidence, so auto can check it against the target's
+    next token. The kept drafts are the ungated ones' prefix."""
+    from specedge.runtime.drafters import ModelDrafter
+
+    dec = decoders["model"]
+    tokens = np.arange(3, 20, dtype=np.int64)
+    params = SamplingParams(max_new_tokens=8)
+
+    def fresh():
+        return ModelDrafter(dec.draft_runner, dec.manifest.target.dims.vocab, dec.manifest.prefill_chunk)
+
+    full = fresh().propose(tokens, 4, params, None)
+    asked: list[float] = []
+    gated = fresh()
+    prop = gated.propose(tokens, 4, params, None, keep=lambda c: asked.append(c) or len(asked) < 3)
+    assert prop.tokens.tolist() == full.tokens[:2].tolist()
+    assert len(asked) == 3 and all(0.0 < c <= 1.0 for c in asked)
+    assert gated.dropped == (int(full.tokens[2]), asked[2]) and gated.confidences == asked[:2]
+    never = fresh()
+    assert len(never.propose(tokens, 4, params, None, keep=lambda c: False).tokens) == 1 and never.dropped[0] == \
+        int(full.tokens[1])
+    assert fresh().propose(tokens, 4, params, None, keep=lambda c: True).tokens.tolist() == full.tokens.tolist()
