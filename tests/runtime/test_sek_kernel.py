@@ -505,3 +505,23 @@ print(json.dumps(dict(isas=k.isas(), rel=float(np.abs(o - r).max() / np.abs(r).m
     assert "vnni512" not in out["isas"] and "avx2" in out["isas"], out
     assert out["rel"] < 1e-5, out
     assert np.array_equal(np.load(tmp_path / "y.npy"), kernel.gemm(a, b, s, z, n_pad, k_pad, 128, 4))
+
+
+def test_the_memory_bench_builds_against_the_kernel_and_runs(tmp_path):
+    """tools/kernel_membench.c (the kernel over DRAM next to a bare read loop) compiles against the kernel's own
+    header and runs: a tool the benchmarks page quotes must not rot."""
+    from pathlib import Path
+
+    from specedge.runtime.kernels import _compiler, _march
+
+    root = Path(__file__).resolve().parents[2]
+    exe = tmp_path / "membench"
+    csrc = root / "runtime" / "csrc"
+    subprocess.run([*_compiler(), "-O3", _march(), "-std=c11", "-D_GNU_SOURCE", "-pthread", "-I", str(csrc),
+                    str(root / "tools" / "kernel_membench.c"), str(csrc / "sek_gemm.c"), "-o", str(exe), "-lm"],
+                   check=True, capture_output=True)
+    for bits in ("4", "6"):
+        out = subprocess.run([str(exe), "1600", bits, "2", "3", "1"], check=True, capture_output=True, text=True).stdout
+        assert f"{bits}-bit, 3 row(s), 2 thread(s)" in out and "kernel GB/s:" in out and "bare read GB/s:" in out
+    bad = subprocess.run([str(exe), "1600", "5", "1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "BITS is 4 or 6" in bad.stderr
