@@ -94,6 +94,24 @@ def test_the_kernel_computes_exactly_the_documented_arithmetic_on_every_isa(kern
         assert np.array_equal(y, ref), (isa, np.abs(y - ref).max())
 
 
+@pytest.mark.parametrize("block", [128, 256])
+def test_extreme_blocks_sum_exactly_on_every_isa(kernel, block):
+    """Levels at 15 and activations at +-127 throughout: the largest integer sums the 4-bit paths form (the AVX2
+    path adds u8 x s8 pairs in int16 before widening them: a layout that sums more of them there would wrap here)."""
+    n, k = 16, 2 * block
+    w = np.ones((n, k), np.float32)
+    w[:, ::block] = -1.0
+    p = quantize(w, QuantSpec(4, block, False))
+    p.b[:] = 0xFF  # every level 15 (two per byte), under the scales and zero points the quantizer chose
+    b, s, z, n_pad = sek_pack(p)
+    a = np.ones((2, k), np.float32)
+    a[1] = -1.0
+    ref = _reference(a, p, block)
+    for isa in kernel.isas():
+        y = kernel.gemm(a, b, s, z, n_pad, k, block, 4, isa)[:, :n]
+        assert np.array_equal(y, ref), (isa, np.abs(y - ref).max())
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rows_never_depend_on_the_other_rows_or_the_isa(kernel, bits):
     rng = np.random.default_rng(bits)
