@@ -378,7 +378,7 @@ class AutoDrafter:
             # bin whose prior sits below break-even never learns, as its draws are never verified: on chat the
             # Qwen 0.5B draft's tokens at 40-70 % confidence passed 67-100 % of the time (model:4), the prior
             # said 45-65 %, and auto's rounds mostly drafted one token.
-            dropped = getattr(self.model, "dropped", None)
+            dropped = self.model.dropped
             if dropped is not None and n_accepted == n:
                 self._unverified = (dropped[1], dropped[0], self._round_start + n)
             self.model.commit(n_accepted)

@@ -120,6 +120,7 @@ class ModelDrafter:
         if self._keep is not None:
             self.head_ids = self.head_ids[self._keep]
         self.rows = 0
+        self.dropped: tuple[int, float] | None = None  # the draw the last proposal's keep() stopped at, if any
         self._base = 0  # committed tokens when the last proposal was made
         self._k = 0
         self.time_catch_up = 0.0
@@ -161,7 +162,7 @@ class ModelDrafter:
         self.time_catch_up += time.perf_counter() - t0
         self._base, self._k = n, k
         self.confidences: list[float] = []
-        self.dropped: tuple[int, float] | None = None
+        self.dropped = None
         if k <= 0:
             return EMPTY
         draft = np.zeros(k, dtype=np.int64)

@@ -73,6 +73,7 @@ class ScriptedModel:
 
     def __init__(self, confidence: float = 0.9):
         self.calls, self.rows, self.time_catch_up, self.confidence = 0, 0, 0.0, confidence
+        self.dropped = None  # ModelDrafter's: the draw a gate stopped at (this one never names one)
 
     def reset(self):
         pass
