@@ -86,12 +86,16 @@ def presets() -> None:
 @click.option("--asymmetric", is_flag=True, help="int8/int4 with uint8 zero points (default symmetric).")
 @click.option("--accuracy-level", type=int, default=4, show_default=True,
               help="MatMulNBits accuracy_level: 4 = int8 compute (the fast CPU path), 0 = fp32 compute.")
-@click.option("--lm-head", type=click.Choice(["auto", "fp32", "int8", "int4"]), default="auto", show_default=True,
-              help="lm_head format for int8/int4 bundles (auto: int8).")
-@click.option("--draft-lm-head", type=click.Choice(["auto", "fp32", "int8", "int4"]), default="auto",
+@click.option("--lm-head", type=click.Choice(["auto", "fp32", "int8", "int4", "gguf"]), default="auto",
               show_default=True,
-              help="The draft's lm_head format (auto: int4 for an int4 draft, else as --lm-head). The draft only "
-                   "proposes: a coarser head changes which tokens it proposes, never the output (README, Draft head).")
+              help="lm_head format for int8/int4 bundles (auto: int8). gguf: a GGUF's own output.weight blocks as the "
+                   "file holds them (Q6_K in Q4_K_M files), whatever --gguf-exact/--quant-block say for the rest: "
+                   "exact, and smaller than an int8 head.")
+@click.option("--draft-lm-head", type=click.Choice(["auto", "fp32", "int8", "int4", "gguf"]), default="auto",
+              show_default=True,
+              help="The draft's lm_head format (auto: int4 for an int4 draft, else as --lm-head, gguf excepted). The "
+                   "draft only proposes: a coarser head changes which tokens it proposes, never the output (README, "
+                   "Draft head).")
 @click.option("--gguf-exact/--no-gguf-exact", default=True, show_default=True,
               help="int8/int4 from a GGUF: carry its blocks exactly wherever MatMulNBits can hold them (Q4_0, and "
                    "Q4_1/Q4_K as int4 + a per-block float offset; Q8_0 and Q6_K as int8, even in an int4 bundle) "
@@ -156,7 +160,10 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weig
                              # the draft is smoothed only where it is an integer-GEMM int8 model too
                              draft_weights=fmt(draft_weights or weights,
                                                intgemm_smooth if (draft_weights or weights) == "int8" else 0.0,
-                                               lm_head if draft_lm_head == "auto" else draft_lm_head), max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
+                                               # a draft inherits --lm-head gguf only when asked: small models
+                                               # tie their head to the embedding (no output.weight to carry)
+                                               ("auto" if lm_head == "gguf" else lm_head) if draft_lm_head == "auto"
+                                               else draft_lm_head), max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
                              overwrite=overwrite, cache_dir=cache_dir)
         rep = export_bundle(target, draft, out, opts, progress=_say)
     except SpecEdgeError as e:

@@ -114,6 +114,7 @@ class _Linears:
         self._zp: str | None = None
         self._err_num = self._err_den = 0.0
         self._worst = 0.0
+        self.head_type = ""  # --lm-head gguf: the GGUF type the head was carried as
 
     def __call__(self, x: str, name: str, parts: list[str], spec: QuantSpec | None = None,
                  weights: np.ndarray | None = None) -> str:
@@ -126,8 +127,9 @@ class _Linears:
             return self.g.op("MatMul", x, self.w.add(f"{name}.weight", w_cat.T))  # [in, out]
         # an explicit --lm-head width is what the head gets (and what the manifest says), even when the GGUF's own
         # blocks could be carried at another width
-        exact_width = name == "lm_head" and self.fmt.lm_head != "auto"
-        groups = self._pack_groups(parts, spec, weights, exact_width)
+        exact_width = name == "lm_head" and self.fmt.lm_head not in ("auto", "gguf")
+        groups = (self._gguf_head(weights) if name == "lm_head" and self.fmt.lm_head == "gguf"
+                  else self._pack_groups(parts, spec, weights, exact_width))
         outs = [self._emit(x, name if len(groups) == 1 else f"{name}.{i}", packed, spec)
                 for i, packed in enumerate(groups)]
         return outs[0] if len(outs) == 1 else self.g.op("Concat", *outs, axis=-1)  # parts in order, [.., out]
@@ -278,6 +280,26 @@ class _Linears:
             return not exact_width or GGUF_REPACKABLE[raw[0]][2] == spec.bits
         return raw[0] in ("Q4_0", "Q8_0") and GGUF_REPACKABLE[raw[0]][2] == spec.bits
 
+    def _gguf_head(self, weights: np.ndarray | None) -> list[Packed]:
+        """--lm-head gguf: the source's own output.weight blocks, whatever --gguf-exact, --quant-block and
+        --asymmetric say for the other matrices (Q4_K_M files hold it as Q6_K: 6.56 bits a weight, where a
+        re-quantized int8 head at block 128 takes 8.3)."""
+        raw = self.src.raw("lm_head") if weights is None else None
+        if weights is not None:
+            why = "this head is the token embedding (tied weights) or a partial draft head (--draft-vocab)"
+        elif raw is None:
+            why = "the source has no block-quantized output.weight (not a GGUF, or a float one)"
+        elif raw[0] not in GGUF_REPACKABLE:
+            why = f"its output.weight is {raw[0]}; the blocks carried as they are: {', '.join(GGUF_REPACKABLE)}"
+        else:
+            why = ""
+        if why:
+            raise UnsupportedModelError(f"--lm-head gguf carries a GGUF's own output.weight blocks, and {why}: "
+                                        "use --lm-head int8 (or auto)")
+        self.repacked += 1
+        self.head_type = raw[0]
+        return [repack_gguf(*raw)]
+
     def _pack_groups(self, parts: list[str], spec: QuantSpec, weights: np.ndarray | None,
                      exact_width: bool = False) -> list[Packed]:
         """The matrix in MatMulNBits form, as few groups as the parts allow: consecutive parts that end up with
@@ -331,7 +353,9 @@ class _Linears:
         return {"format": form, "bits": int(self.fmt.name[3:]),
                 "block": self.fmt.block,
                 "symmetric": self.fmt.symmetric, "accuracy_level": self.fmt.accuracy_level,
-                "lm_head": f"int{lm.bits}" if lm else "fp32", "embedding": self.fmt.embedding,
+                "lm_head": ("gguf" if self.fmt.lm_head == "gguf" else f"int{lm.bits}" if lm else "fp32"),
+                **({"lm_head_gguf_type": self.head_type} if self.head_type else {}),
+                "embedding": self.fmt.embedding,
                 "gguf_exact": self.fmt.gguf_exact,
                 **({"activation_bits": self.fmt.intgemm_activation_bits, "weight_bits": self.fmt.intgemm_weight_bits,
                     "pair_sum_bound": self.fmt.intgemm_pair_bound} if self.fmt.intgemm else {}),

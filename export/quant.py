@@ -452,15 +452,16 @@ class WeightFormat:
 
     fp32: plain MatMul. int8 / int4: every linear layer is a MatMulNBits; the lm_head is int8
     unless ``lm_head`` says otherwise (it is the largest matrix, and its error goes straight into
-    the logits the acceptance rule compares); the embedding table is stored fp16 and gathered
-    row by row (a lookup reads one row per token, so it costs memory, not bandwidth).
+    the logits the acceptance rule compares; "gguf": a GGUF source's own output.weight blocks, as
+    the file holds them, whatever the rest of the format); the embedding table is stored fp16 and
+    gathered row by row (a lookup reads one row per token, so it costs memory, not bandwidth).
     """
 
     name: str = "fp32"
     block: int = 32
     symmetric: bool = True
     accuracy_level: int = 4
-    lm_head: str = "auto"  # auto | fp32 | int8 | int4
+    lm_head: str = "auto"  # auto | fp32 | int8 | int4 | gguf
     embedding: str = "fp16"  # quantized formats: fp16 | fp32 gather table
     # carry GGUF blocks exactly where MatMulNBits can hold them (Q4_0, Q4_1, Q4_K as int4 (+ float offsets),
     # Q8_0 and Q6_K as int8, whatever width was asked) vs carry only Q4_0/Q8_0 at the asked width, re-quantize rest
@@ -496,8 +497,11 @@ class WeightFormat:
             raise UnsupportedModelError(
                 "--weights fp16 is not implemented: fp16 graphs belong to the TensorRT build (its own issue); "
                 "ONNX Runtime on CPU has no fast fp16 MatMul — use fp32, int8 or int4")
-        if self.lm_head not in ("auto", "fp32", "int8", "int4"):
-            raise UnsupportedModelError(f"lm_head format {self.lm_head!r}: choose auto, fp32, int8 or int4")
+        if self.lm_head not in ("auto", "fp32", "int8", "int4", "gguf"):
+            raise UnsupportedModelError(f"lm_head format {self.lm_head!r}: choose auto, fp32, int8, int4 or gguf")
+        if self.lm_head == "gguf" and not self.quantized:
+            raise UnsupportedModelError("--lm-head gguf carries a GGUF's own quantized output.weight blocks: it needs "
+                                        "--weights int8 or int4 (an fp32 bundle's head is fp32)")
         if self.embedding not in ("fp16", "fp32"):
             raise UnsupportedModelError(f"embedding format {self.embedding!r}: choose fp16 or fp32")
         if self.form not in QUANT_FORMS:
@@ -572,5 +576,6 @@ class WeightFormat:
         return self._spec(int(self.name[3:])) if self.quantized else None
 
     def lm_head_spec(self) -> QuantSpec | None:
-        name = ("int8" if self.quantized else "fp32") if self.lm_head == "auto" else self.lm_head
+        """The head's spec; "gguf" runs under the int8 one (its carried blocks keep their own bits and block)."""
+        name = ("int8" if self.quantized else "fp32") if self.lm_head in ("auto", "gguf") else self.lm_head
         return None if name == "fp32" else self._spec(int(name[3:]))

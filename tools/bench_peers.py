@@ -249,7 +249,9 @@ def run_ortgenai(manifest, ids_list, specs, max_new: int, rows: list[dict], ngra
             cmd += ["--precision", entry.precision, "--block", str(q.get("block", 32)),
                     "--accuracy-level", str(q.get("accuracy_level", 4))]
             cmd += [] if q.get("symmetric", True) else ["--asymmetric"]
-            cmd += ["--genai-defaults"] if genai_defaults else ["--lm-head", q.get("lm_head") or "int8"]
+            # (our "gguf" head: the GGUF's Q6_K blocks, which the builder's int4/int8 choice cannot hold; its int8)
+            head = q.get("lm_head") or "int8"
+            cmd += ["--genai-defaults"] if genai_defaults else ["--lm-head", "int8" if head == "gguf" else head]
         else:
             cmd += ["--precision", "fp32"]
         say(f"onnxruntime-genai: building (cached) {Path(entry.source['path']).name} {entry.precision} …")

@@ -443,6 +443,47 @@ def test_the_specedge_form_reads_k_quants_with_their_own_two_level_scales(tmp_pa
             assert dec.generate(prompt, sampled, drafter="prompt-lookup", k=k).token_ids == seeded
 
 
+def test_lm_head_gguf_carries_the_files_own_head_blocks_whatever_the_rest_of_the_format(tmp_path):
+    """--lm-head gguf: the GGUF's output.weight goes in as the file holds it (Q6_K: SekMatMulSB at 6 bits in the
+    specedge form, 8-bit blocks of 16 in MatMulNBits) while the other matrices are re-quantized at block 128,
+    asymmetric; the manifest says so, and speculation stays exact. Where there is no such head to carry, the
+    export says why."""
+    import onnx
+
+    from ..conftest import make_hf_model
+
+    hf = make_hf_model(tmp_path / "hf", "llama", hidden=256)
+    gg = tmp_path / "m.gguf"
+    write_tiny_gguf(hf, gg, {**{name: Q.Q4_K for name in ALL_LINEAR}, "output": Q.Q6_K})
+    for form, op, head_bits in (("specedge", "SekMatMulSB", 6), ("matmulnbits", "MatMulNBits", 8)):
+        kv = "ort-inplace" if form == "specedge" else "portable"
+        out = export_bundle(gg, "prompt-lookup", tmp_path / form, ExportOptions(
+            k=4, max_context=128, prefill_chunk=16, verify_widths=(2, 3, 5), kv_mode=kv,
+            weights=WeightFormat("int4", 128, False, lm_head="gguf", gguf_exact=False, form=form))).out
+        dec = SpecDecoder.load(out)
+        info = dec.manifest.target.quant
+        assert (info["lm_head"], info["lm_head_gguf_type"], info["repacked_from_gguf"]) == ("gguf", "Q6_K", 1)
+        nodes = onnx.load(str(out / "target.onnx"), load_external_data=False).graph.node
+        attrs = {n.input[1].split(".")[0]: {a.name: a.i for a in n.attribute} for n in nodes
+                 if n.op_type.startswith(("SekMatMul", "MatMulNBits"))}
+        head = [n for n in nodes if n.input[1:] and n.input[1].startswith("lm_head")]
+        assert [n.op_type for n in head] == [op] and attrs["lm_head"]["bits"] == head_bits
+        assert all(a.get("block_size") == 128 for name, a in attrs.items() if name != "lm_head")
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        for prompt in PROMPTS:
+            plain = dec.generate(prompt, params, drafter="none").token_ids
+            assert dec.generate(prompt, params, drafter="prompt-lookup", k=4).token_ids == plain
+    tied = make_hf_model(tmp_path / "tied", "llama", hidden=256, tie=True)
+    gt = tmp_path / "tied.gguf"
+    write_tiny_gguf(tied, gt, {name: Q.Q4_K for name in ALL_LINEAR})
+    with pytest.raises(UnsupportedModelError, match="token embedding"):
+        export_bundle(gt, "prompt-lookup", tmp_path / "t", _opts("int4", lm_head="gguf"))
+    with pytest.raises(UnsupportedModelError, match="no block-quantized output.weight"):
+        export_bundle(hf, "prompt-lookup", tmp_path / "h", _opts("int4", lm_head="gguf"))
+    with pytest.raises(UnsupportedModelError, match="needs --weights int8 or int4"):
+        WeightFormat("fp32", lm_head="gguf")
+
+
 def test_a_specedge_bundle_is_not_converted_for_tensorrt(q_bundles, tmp_path):
     from specedge.export.precision import convert_graph
 
