@@ -160,8 +160,8 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], weig
                              # the draft is smoothed only where it is an integer-GEMM int8 model too
                              draft_weights=fmt(draft_weights or weights,
                                                intgemm_smooth if (draft_weights or weights) == "int8" else 0.0,
-                                               # a draft inherits --lm-head gguf only when asked: small models
-                                               # tie their head to the embedding (no output.weight to carry)
+                                               # a draft takes gguf only from --draft-lm-head: its file's head
+                                               # (Q8_0 for the 0.5B Qwen) can be twice its default int4 one
                                                ("auto" if lm_head == "gguf" else lm_head) if draft_lm_head == "auto"
                                                else draft_lm_head), max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
                              overwrite=overwrite, cache_dir=cache_dir)
