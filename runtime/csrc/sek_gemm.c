@@ -67,15 +67,17 @@ enum { SEK_ISA_BEST = 0, SEK_ISA_SCALAR = 1, SEK_ISA_AVX2 = 2, SEK_ISA_VNNI512 =
 
 /* The weights stream from DRAM once per step, and the hot loops do enough work per 64-byte line that the core's
  * out-of-order window alone keeps too few lines in flight: one thread read Q4_K blocks at ~15 GB/s where a bare
- * read loop reaches 21-25 (tools/kernel_membench.c). Each block first asks for the lines SEK_AHEAD bytes further on in its tile, into L2 (a
- * hint: it never faults, past the end of the weights included). Measured on an AVX512-VNNI EPYC, one process
- * alternating the distance per burst (0 / 2048 / 3072 / 4096 / 6144 bytes): the exact Qwen2.5-Coder-1.5B step
- * at T = 1 went from 37.1 to 35.2 ms, at T = 5 from 52.6 to 43.9, at T = 9 from 77.1 to 71.1; the AVX2 path's
- * T = 5 from 90.6 to 72.2 (3072 was the best of those distances at T = 1; 0 against 3072 at the other widths). */
+ * read loop reaches 21-25 (tools/kernel_membench.c). Each block first asks for the lines SEK_AHEAD bytes further
+ * on in its tile, into L2 (a hint: it never faults, past the end of the weights included). Measured on an
+ * AVX512-VNNI EPYC, one process alternating the distance per burst (0 / 2048 / 3072 / 4096 / 6144 bytes): the exact
+ * Qwen2.5-Coder-1.5B step at T = 1 went from 37.1 to 35.2 ms, at T = 5 from 52.6 to 43.9, at T = 9 from 77.1 to
+ * 71.1; the AVX2 path's T = 5 from 90.6 to 72.2 (3072 was the best of those distances at T = 1; 0 against 3072 at
+ * the other widths). */
 #define SEK_AHEAD 3072
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int64_t bytes) {
     /* integer arithmetic: a pointer past the end of the weights would be undefined behaviour, a hint is not */
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)((uintptr_t)p + (uintptr_t)(o + SEK_AHEAD)), 0, 2);
+    const uintptr_t at = (uintptr_t)p + SEK_AHEAD;
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(at + (uintptr_t)o), 0, 2);
 }
 
 /* Block b of tile `tile`: where its scale parts are. */
