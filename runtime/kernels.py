@@ -9,11 +9,12 @@ is unpacked once and used for up to 10 rows. ``csrc/sek_ort.c`` exposes it to ON
 needed.
 
 Nothing is compiled at ``pip install``: the first session that needs the op runs the C compiler (``cc``, or
-``$CC``) once, with ``-O3 -march=native`` (the kernels are tuned to this CPU: AVX512-VNNI, AVX2 + FMA, or
-portable C elsewhere), into ``~/.cache/specedge/kernels/<hash>/`` (``SPECEDGE_CACHE`` moves it). The hash
-covers the sources, the compiler's version, the flags and the CPU's flags, so a home directory shared by two
-machines never loads a build made for the other (a new specedge version builds anew; older builds in that directory
-can be deleted). A bundle in this form on a machine without a C compiler is
+``$CC``) once, with ``-O3 -march=native`` (``-mcpu=native`` on Arm: the kernels are tuned to this CPU: AVX512-VNNI,
+AVX2 + FMA, Arm NEON with or without dot products, or portable C elsewhere), into
+``~/.cache/specedge/kernels/<hash>/`` (``SPECEDGE_CACHE`` moves it). The hash covers the sources, the compiler's
+version, the flags and the CPU's flags, so a home directory shared by two machines never loads a build made for the
+other (a new specedge version builds anew; older builds in that directory can be deleted). A bundle in this form
+on a machine without a C compiler is
 refused with the way out (re-export with ``--quant-form matmulnbits``).
 """
 
@@ -36,16 +37,21 @@ from .errors import BackendUnavailableError
 
 DOMAIN = "ai.specedge"
 OP = "SekMatMul"
-SOURCES = ("sek_gemm.c", "sek_attn.c", "sek_ort.c")
-HEADERS = ("sek.h",)
+SOURCES = ("sek_gemm.c", "sek_gemm_neon.c", "sek_attn.c", "sek_ort.c")
+HEADERS = ("sek.h", "sek_gemm_impl.h")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-std=c11", "-D_GNU_SOURCE")
 
 
 def _march() -> str:
-    """-march for the build: native (this CPU), or SPECEDGE_KERNEL_MARCH (e.g. haswell: AVX2 + FMA, no AVX-512 —
-    how the tests exercise the AVX2 paths on an AVX-512 machine)."""
-    return "-march=" + (os.environ.get("SPECEDGE_KERNEL_MARCH") or "native")
-ISA_NAMES = {1: "scalar", 2: "avx2", 3: "vnni512"}  # SPECEDGE_SEK_ISA values, bit positions of the ISA mask
+    """The target flag of the build: this CPU (-march=native; -mcpu=native on Arm, which GCC and Clang both take
+    there: Clang refused -march=native on Arm before version 15), or -march=SPECEDGE_KERNEL_MARCH (e.g. haswell:
+    AVX2 + FMA, no AVX-512 — how the tests exercise the AVX2 paths on an AVX-512 machine)."""
+    if os.environ.get("SPECEDGE_KERNEL_MARCH"):
+        return "-march=" + os.environ["SPECEDGE_KERNEL_MARCH"]
+    return "-mcpu=native" if platform.machine().lower() in ("aarch64", "arm64") else "-march=native"
+
+
+ISA_NAMES = {1: "scalar", 2: "avx2", 3: "vnni512", 4: "neon"}  # SPECEDGE_SEK_ISA values, bit positions of the ISA mask
 
 _built: Path | None = None
 

@@ -3,7 +3,7 @@
  * memory delivers. Random GGUF-like Q4_K / Q6_K blocks; the numbers are not checked here (tests do that).
  *
  *   cc -O3 -march=native -std=c11 -D_GNU_SOURCE -pthread -I runtime/csrc tools/kernel_membench.c \
- *      runtime/csrc/sek_gemm.c -o /tmp/kernel_membench -lm
+ *      runtime/csrc/sek_gemm.c runtime/csrc/sek_gemm_neon.c -o /tmp/kernel_membench -lm
  *   /tmp/kernel_membench N BITS THREADS [ROWS] [REPEATS]     e.g. 160000 4 2 1 5
  *
  * Prints GB/s of weight bytes (levels and scales) per repeat, for the kernel and for the bare read loop. Compare

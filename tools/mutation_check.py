@@ -89,6 +89,12 @@ PLANTS = {
     "specedge kernel: two-level block pairs' mins swapped (AVX2)": (
         "runtime/csrc/sek_gemm.c", "_mm256_set_m128i(_mm_unpackhi_epi16(m0, m1), _mm_unpacklo_epi16(m0, m1))",
         "_mm256_set_m128i(_mm_unpackhi_epi16(m1, m0), _mm_unpacklo_epi16(m1, m0))", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a 4-bit chunk's high nibbles dotted with the low nibbles' activations (Arm NEON)": (
+        "runtime/csrc/sek_gemm_neon.c", "acc[r][i] = SEK_SDOT(acc[r][i], hi, a[r], 2 * jj + 1);",
+        "acc[r][i] = SEK_SDOT(acc[r][i], hi, a[r], 2 * jj);", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a Q6_K zero point added instead of subtracted (Arm NEON)": (
+        "runtime/csrc/sek_gemm_neon.c", "vmlsq_n_s32(ii, m, w->zconst)", "vmlaq_n_s32(ii, m, w->zconst)",
+        ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: a block's integer scale skipped (scalar)": (
         "runtime/csrc/sek_gemm.c", "i1[c] += acc[c] * w->sc[o + c];", "i1[c] += acc[c];",
         ["tests/runtime/test_sek_kernel.py"]),

@@ -39,21 +39,9 @@
 #include <string.h>
 
 #include "sek.h"
+#include "sek_gemm_impl.h"
 #if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
-#endif
-
-#define SEK_TILE 16
-#define SEK_RMAX 10 /* rows per pass (AVX512): a verify step of up to 10 rows unpacks each weight chunk once */
-#define SEK_BLK_MAX 256
-/* the row and tile loops run a constant number of times per inlined copy: unrolled, their accumulators stay in
- * registers (GCC's default peeling stops short of 9-10 rows, and a 9-row step then cost ~2x per row) */
-#if defined(__clang__)
-#define SEK_UNROLL _Pragma("unroll")
-#elif defined(__GNUC__)
-#define SEK_UNROLL _Pragma("GCC unroll 16")
-#else
-#define SEK_UNROLL
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -63,46 +51,7 @@
 #define SEK_HAVE_AVX2 1
 #endif
 
-enum { SEK_ISA_BEST = 0, SEK_ISA_SCALAR = 1, SEK_ISA_AVX2 = 2, SEK_ISA_VNNI512 = 3 };
-
-/* The weights stream from DRAM once per step, and the hot loops do enough work per 64-byte line that the core's
- * out-of-order window alone keeps too few lines in flight: one thread read Q4_K blocks at ~15 GB/s where a bare
- * read loop reaches 21-25 (tools/kernel_membench.c). Each block first asks for the lines SEK_AHEAD bytes further
- * on in its tile, into L2 (a hint: it never faults, past the end of the weights included). Measured on an
- * AVX512-VNNI EPYC, one process alternating the distance per burst (0 / 2048 / 3072 / 4096 / 6144 bytes): the exact
- * Qwen2.5-Coder-1.5B step at T = 1 went from 37.1 to 35.2 ms, at T = 5 from 52.6 to 43.9, at T = 9 from 77.1 to
- * 71.1; the AVX2 path's T = 5 from 90.6 to 72.2 (3072 was the best of those distances at T = 1; 0 against 3072 at
- * the other widths). */
-#define SEK_AHEAD 3072
-static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int64_t bytes) {
-    /* integer arithmetic: a pointer past the end of the weights would be undefined behaviour, a hint is not */
-    const uintptr_t at = (uintptr_t)p + SEK_AHEAD;
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(at + (uintptr_t)o), 0, 2);
-}
-
-/* Block b of tile `tile`: where its scale parts are. */
-static inline int64_t blk_off(const sek_weights *w, int64_t tile, int64_t b) { return (tile * (w->k / w->blk) + b) * 16; }
-static inline int64_t sblk_off(const sek_weights *w, int64_t tile, int64_t b) {
-    return (tile * (w->k / w->sblk) + b * w->blk / w->sblk) * 16;
-}
-
-/* An IEEE half (GGUF's d and dmin) as a float: exact. */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
-    uint32_t bits;
-    if (e == 31) {
-        bits = sign | 0x7f800000u | m << 13; /* inf, NaN */
-    } else if (e) {
-        bits = sign | (e + 112) << 23 | m << 13;
-    } else { /* zero or subnormal: m * 2^-24, exact in fp32 */
-        const float v = (float)m * 5.9604644775390625e-8f;
-        memcpy(&bits, &v, 4);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+#define SEK_RMAX 10 /* rows per pass (AVX512): a verify step of up to 10 rows unpacks each weight chunk once */
 
 /* Which ISA paths this build has, as a bit mask of 1 << SEK_ISA_*. */
 int sek_isa_mask(void) {
@@ -113,7 +62,19 @@ int sek_isa_mask(void) {
 #ifdef SEK_HAVE_VNNI512
     m |= 1 << SEK_ISA_VNNI512;
 #endif
+#ifdef SEK_HAVE_NEON
+    m |= 1 << SEK_ISA_NEON;
+#endif
     return m;
+}
+
+/* The path SEK_ISA_BEST stands for: the widest this build has. */
+static int best_isa(int isa) {
+    if (isa != SEK_ISA_BEST) return isa;
+    const int m = sek_isa_mask();
+    return (m & (1 << SEK_ISA_VNNI512)) ? SEK_ISA_VNNI512 : (m & (1 << SEK_ISA_AVX2)) ? SEK_ISA_AVX2
+           : (m & (1 << SEK_ISA_NEON))  ? SEK_ISA_NEON
+                                        : SEK_ISA_SCALAR;
 }
 
 size_t sek_scratch_bytes(int64_t m, int64_t k, int64_t blk) {
@@ -238,10 +199,7 @@ void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpa
     float *sa = (float *)scratch, *sasum = sa + m * nb;
     int8_t *qa = (int8_t *)(sasum + m * nb);
     float tail[SEK_BLK_MAX];
-    if (isa == SEK_ISA_BEST) {
-        const int mask = sek_isa_mask();
-        isa = (mask & (1 << SEK_ISA_VNNI512)) ? SEK_ISA_VNNI512 : (mask & (1 << SEK_ISA_AVX2)) ? SEK_ISA_AVX2 : SEK_ISA_SCALAR;
-    }
+    isa = best_isa(isa);
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
             const float *src = a + r * lda + b * blk;
@@ -847,10 +805,7 @@ static void tiles_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_
 /* Columns [16 * t0, 16 * t1) of Y (row stride ldy) for every row of x. isa: SEK_ISA_*; BEST picks the widest
  * path this build has. Returns 0, or -1 for an ISA this build does not have. */
 int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1, int isa) {
-    if (isa == SEK_ISA_BEST) {
-        const int m = sek_isa_mask();
-        isa = (m & (1 << SEK_ISA_VNNI512)) ? SEK_ISA_VNNI512 : (m & (1 << SEK_ISA_AVX2)) ? SEK_ISA_AVX2 : SEK_ISA_SCALAR;
-    }
+    isa = best_isa(isa);
     const int sb = w->sc != NULL;
     switch (isa) {
 #ifdef SEK_HAVE_VNNI512
@@ -858,6 +813,9 @@ int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ld
 #endif
 #ifdef SEK_HAVE_AVX2
     case SEK_ISA_AVX2: tiles_avx2(x, w, y, ldy, t0, t1); return 0;
+#endif
+#ifdef SEK_HAVE_NEON
+    case SEK_ISA_NEON: sek_tiles_neon(x, w, y, ldy, t0, t1); return 0;
 #endif
     case SEK_ISA_SCALAR:
         for (int64_t t = t0; t < t1; t++) (sb ? tile_sb_scalar : tile_scalar)(x, w, y, ldy, t);

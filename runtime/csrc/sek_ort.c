@@ -21,7 +21,7 @@
  * from API version 17, ONNX Runtime 1.17, to the newest). The header itself is not needed to build this file,
  * so a plain `cc` builds it on any machine that has the onnxruntime wheel (runtime/kernels.py).
  *
- * Environment: SPECEDGE_SEK_ISA=scalar|avx2|vnni512 forces one code path (tests compare them bitwise).
+ * Environment: SPECEDGE_SEK_ISA=scalar|avx2|vnni512|neon forces one code path (tests compare them bitwise).
  */
 #include <stdarg.h>
 #include <stdint.h>
@@ -157,11 +157,14 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
         return e;
     }
     const char *isa = getenv("SPECEDGE_SEK_ISA");
-    k->isa = !isa || !*isa ? 0 : !strcmp(isa, "scalar") ? 1 : !strcmp(isa, "avx2") ? 2 : !strcmp(isa, "vnni512") ? 3 : -1;
+    static const char *const isa_names[] = {"scalar", "avx2", "vnni512", "neon"}; /* SEK_ISA_* 1.. */
+    k->isa = !isa || !*isa ? 0 : -1;
+    for (int i = 0; i < 4 && k->isa < 0; i++)
+        if (!strcmp(isa, isa_names[i])) k->isa = i + 1;
     if (k->isa < 0 || (k->isa > 0 && !(sek_isa_mask() & (1 << k->isa)))) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
                             "%s: SPECEDGE_SEK_ISA names a path this build lacks (mask %lld; 2 scalar, 4 avx2, "
-                            "8 vnni512)", name, (long long)(sek_isa_mask()));
+                            "8 vnni512, 16 neon)", name, (long long)(sek_isa_mask()));
         free(k);
         return e;
     }
@@ -465,5 +468,5 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     return st;
 }
 
-/* ctypes entry for tools and tests: which ISA paths this build has (bit 1 scalar, 2 avx2, 3 vnni512). */
+/* ctypes entry for tools and tests: which ISA paths this build has (bit 1 scalar, 2 avx2, 3 vnni512, 4 neon). */
 __attribute__((visibility("default"))) int specedge_kernels_isa_mask(void) { return sek_isa_mask(); }

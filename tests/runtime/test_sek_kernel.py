@@ -5,6 +5,7 @@ Runtime runs it as ai.specedge::SekMatMul with clear errors for bad shapes."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from fractions import Fraction
@@ -536,10 +537,63 @@ def test_the_memory_bench_builds_against_the_kernel_and_runs(tmp_path):
     exe = tmp_path / "membench"
     csrc = root / "runtime" / "csrc"
     subprocess.run([*_compiler(), "-O3", _march(), "-std=c11", "-D_GNU_SOURCE", "-pthread", "-I", str(csrc),
-                    str(root / "tools" / "kernel_membench.c"), str(csrc / "sek_gemm.c"), "-o", str(exe), "-lm"],
+                    str(root / "tools" / "kernel_membench.c"), str(csrc / "sek_gemm.c"), str(csrc / "sek_gemm_neon.c"),
+                    "-o", str(exe), "-lm"],
                    check=True, capture_output=True)
     for bits in ("4", "6"):
         out = subprocess.run([str(exe), "1600", bits, "2", "3", "1"], check=True, capture_output=True, text=True).stdout
         assert f"{bits}-bit, 3 row(s), 2 thread(s)" in out and "kernel GB/s:" in out and "bare read GB/s:" in out
     bad = subprocess.run([str(exe), "1600", "5", "1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "BITS is 4 or 6" in bad.stderr
+
+
+def _isa_check(cc: list[str], flags: list[str], exe, runner: list[str] = ()) -> tuple[str, str]:
+    """Build tools/sek_isa_check.c against the kernel and run it: (the ISA paths it compared, the reference's
+    digest)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    csrc = root / "runtime" / "csrc"
+    sources = [root / "tools" / "sek_isa_check.c", csrc / "sek_gemm.c", csrc / "sek_gemm_neon.c"]
+    subprocess.run([*cc, "-O2", *flags, "-std=c11", "-D_GNU_SOURCE", "-I", str(csrc), *map(str, sources), "-o", str(exe),
+                    "-lm"], check=True, capture_output=True)
+    r = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), r.stdout + r.stderr
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.startswith(("isas ", "digest ")))
+    return lines["isas"], lines["digest"]
+
+
+def test_every_isa_path_of_this_cpu_equals_the_c_reference_in_every_weight_format(tmp_path):
+    """tools/sek_isa_check.c on this CPU: every path this build has, at 1..12 rows, bitwise the portable reference
+    (one- and two-level scales, 4/6/8-bit, zero points as bytes and as fp32 products, a partial last block, extreme
+    activation blocks), and every row the same alone as among the others."""
+    from specedge.runtime.kernels import _compiler, _march
+
+    isas, digest = _isa_check(_compiler(), [_march()], tmp_path / "isa_check")
+    assert "scalar" in isas.split() and len(digest) == 16
+
+
+_CROSS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
+
+
+@pytest.mark.skipif(not all(shutil.which(t) for t in _CROSS),
+                    reason="the Arm check needs a cross compiler and an emulator: aarch64-linux-gnu-gcc and "
+                           "qemu-aarch64 (Debian: apt install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; "
+                           ".ci/run installs them where it can)")
+@pytest.mark.parametrize("march", ["armv8.2-a+dotprod", "armv8-a"])
+def test_the_arm_neon_path_computes_the_same_bits_as_this_cpu(tmp_path, march):
+    """The NEON path (sdot with Armv8.2 dot products — Jetson Orin, Raspberry Pi 5 — or widening multiplies on
+    Armv8.0 — Jetson Nano, Raspberry Pi 4), built for Arm and run under qemu: it equals the reference there, and
+    the reference's outputs there are bitwise this CPU's. The whole kernel library builds for Arm too."""
+    from pathlib import Path
+
+    from specedge.runtime.kernels import CFLAGS, SOURCES, _compiler, _march
+
+    _, here = _isa_check(_compiler(), [_march()], tmp_path / "isa_check")
+    isas, there = _isa_check(["aarch64-linux-gnu-gcc"], ["-static", f"-march={march}"], tmp_path / "isa_check_arm",
+                             runner=["qemu-aarch64", "-cpu", "max"])
+    assert isas.split() == ["scalar", "neon"] and there == here
+    csrc = Path(__file__).resolve().parents[2] / "runtime" / "csrc"
+    subprocess.run(["aarch64-linux-gnu-gcc", *CFLAGS, f"-march={march}", "-Werror", "-Wall", "-o",
+                    str(tmp_path / "libspecedge_kernels.so"), *(str(csrc / s) for s in SOURCES), "-lm"],
+                   check=True, capture_output=True)
