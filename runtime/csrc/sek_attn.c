@@ -18,6 +18,9 @@
 #include "sek.h"
 #if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define SEK_ATTN_NEON 1
 #endif
 
 #define SEK_CHUNK 64
@@ -55,6 +58,15 @@ static float dot(const float *a, const float *b, int64_t d) {
         s = _mm_add_ss(s, _mm_movehdup_ps(s));
         return _mm_cvtss_f32(s);
     }
+#elif defined(SEK_ATTN_NEON)
+    if (d % 8 == 0) {
+        float32x4_t s0 = vdupq_n_f32(0.f), s1 = vdupq_n_f32(0.f);
+        for (int64_t i = 0; i < d; i += 8) {
+            s0 = vfmaq_f32(s0, vld1q_f32(a + i), vld1q_f32(b + i));
+            s1 = vfmaq_f32(s1, vld1q_f32(a + i + 4), vld1q_f32(b + i + 4));
+        }
+        return vaddvq_f32(vaddq_f32(s0, s1));
+    }
 #endif
     float s = 0.f;
     for (int64_t i = 0; i < d; i++) s = fmaf(a[i], b[i], s);
@@ -72,12 +84,15 @@ static void axpby(float *acc, float alpha, float p, const float *v, int64_t d) {
     const __m256 va = _mm256_set1_ps(alpha), vp = _mm256_set1_ps(p);
     for (; i + 8 <= d; i += 8)
         _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + i), _mm256_mul_ps(_mm256_loadu_ps(acc + i), va)));
+#elif defined(SEK_ATTN_NEON)
+    for (; i + 4 <= d; i += 4)
+        vst1q_f32(acc + i, vfmaq_n_f32(vmulq_n_f32(vld1q_f32(acc + i), alpha), vld1q_f32(v + i), p));
 #endif
     for (; i < d; i++) acc[i] = fmaf(p, v[i], acc[i] * alpha);
 }
 
 /* p[j] = exp(x[j]) for j < n (x <= 0 here: scores minus their running maximum). Vectorized with a Cephes-style
- * range reduction and degree-6 polynomial (~2 ulp) where AVX512 or AVX2 is available, libm's expf otherwise: the
+ * range reduction and degree-6 polynomial (~2 ulp) where AVX512, AVX2 or NEON is available, libm's expf otherwise: the
  * same function for every row on a machine, so rows stay width-invariant. */
 static void exp_block(const float *x, float *p, int64_t n) {
     int64_t j = 0;
@@ -115,6 +130,23 @@ static void exp_block(const float *x, float *p, int64_t n) {
         y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.f)));
         const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
         _mm256_storeu_ps(p + j, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    }
+#elif defined(SEK_ATTN_NEON)
+    const float32x4_t lo = vdupq_n_f32(-87.0f), c1 = vdupq_n_f32(0.693359375f), c2 = vdupq_n_f32(-2.12194440e-4f);
+    for (; j + 4 <= n; j += 4) {
+        float32x4_t v = vmaxq_f32(vld1q_f32(x + j), lo);
+        const float32x4_t k = vrndnq_f32(vmulq_n_f32(v, 1.44269504088896341f));
+        v = vfmsq_f32(v, k, c1);
+        v = vfmsq_f32(v, k, c2);
+        float32x4_t y = vdupq_n_f32(1.9875691500e-4f);
+        y = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), y, v);
+        y = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), y, v);
+        y = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), y, v);
+        y = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), y, v);
+        y = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), y, v);
+        y = vfmaq_f32(vaddq_f32(v, vdupq_n_f32(1.f)), y, vmulq_f32(v, v));
+        const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(k), vdupq_n_s32(127)), 23);
+        vst1q_f32(p + j, vmulq_f32(y, vreinterpretq_f32_s32(e)));
     }
 #endif
     for (; j < n; j++) p[j] = expf(x[j]);

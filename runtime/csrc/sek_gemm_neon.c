@@ -35,6 +35,20 @@ static inline __attribute__((always_inline)) int32x4_t widen4(const int8_t *p) {
     return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(v)))));
 }
 
+/* The 16 activation bytes at offset `at` of each of R rows (row stride K). */
+static inline __attribute__((always_inline)) void rows16(int8x16_t a[SEK_RN], const int8_t *qa, int64_t K, int64_t at,
+                                                        const int R) {
+    SEK_UNROLL
+    for (int r = 0; r < R; r++) a[r] = vld1q_s8(qa + r * K + at);
+}
+
+/* The low and high nibbles of the 16 bytes at p, as levels 0..15. */
+static inline __attribute__((always_inline)) void nibbles(const uint8_t *p, int8x16_t *lo, int8x16_t *hi) {
+    const uint8x16_t v = vld1q_u8(p);
+    *lo = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15)));
+    *hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+}
+
 /* acc[r][i] += the exact integer dot products of block b for R rows (qa, row stride K), columns 4i..4i+3 of a tile:
  * each 16-byte quarter of a 64-byte chunk (four columns x 4 k) is unpacked once for every row. */
 static inline __attribute__((always_inline)) void dots_neon(const sek_weights *w, const int8_t *qa, int64_t K,
@@ -42,20 +56,17 @@ static inline __attribute__((always_inline)) void dots_neon(const sek_weights *w
                                                            int32x4_t acc[SEK_RN][4]) {
     const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
     const uint8_t *bp = w->b + (tile * nb + b) * bstride;
-    const uint8x16_t m15 = vdupq_n_u8(15);
     prefetch_block(bp, bstride);
     if (w->bits == 4) { /* chunk j: k = 8j + 0..3 (low nibbles), 8j + 4..7 (high); two chunks per activation load */
         for (int64_t j = 0; j < blk / 8; j += 2) {
             int8x16_t a[SEK_RN];
-            SEK_UNROLL
-            for (int r = 0; r < R; r++) a[r] = vld1q_s8(qa + r * K + b * blk + 8 * j);
+            rows16(a, qa, K, b * blk + 8 * j, R);
             SEK_UNROLL
             for (int jj = 0; jj < 2; jj++)
                 SEK_UNROLL
                 for (int i = 0; i < 4; i++) {
-                    const uint8x16_t v = vld1q_u8(bp + (j + jj) * 64 + 16 * i);
-                    const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(v, m15)),
-                                    hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+                    int8x16_t lo, hi;
+                    nibbles(bp + (j + jj) * 64 + 16 * i, &lo, &hi);
                     SEK_UNROLL
                     for (int r = 0; r < R; r++) {
                         acc[r][i] = SEK_SDOT(acc[r][i], lo, a[r], 2 * jj);
@@ -66,8 +77,7 @@ static inline __attribute__((always_inline)) void dots_neon(const sek_weights *w
     } else if (w->bits == 6) { /* group h of chunks X, Y, Z: k = 16h + 0..3, 4..7, 8..11; 12..15 from the top bits */
         for (int64_t h = 0; h < blk / 16; h++) {
             int8x16_t a[SEK_RN];
-            SEK_UNROLL
-            for (int r = 0; r < R; r++) a[r] = vld1q_s8(qa + r * K + b * blk + 16 * h);
+            rows16(a, qa, K, b * blk + 16 * h, R);
             SEK_UNROLL
             for (int i = 0; i < 4; i++) {
                 const uint8_t *c0 = bp + 3 * h * 64 + 16 * i;
@@ -90,15 +100,13 @@ static inline __attribute__((always_inline)) void dots_neon(const sek_weights *w
     } else { /* 8-bit, chunk g: k = 4g + 0..3; a level is lo + 16 hi, its nibbles dotted apart; four chunks a load */
         for (int64_t g = 0; g < blk / 4; g += 4) {
             int8x16_t a[SEK_RN];
-            SEK_UNROLL
-            for (int r = 0; r < R; r++) a[r] = vld1q_s8(qa + r * K + b * blk + 4 * g);
+            rows16(a, qa, K, b * blk + 4 * g, R);
             SEK_UNROLL
             for (int gg = 0; gg < 4; gg++)
                 SEK_UNROLL
                 for (int i = 0; i < 4; i++) {
-                    const uint8x16_t v = vld1q_u8(bp + (g + gg) * 64 + 16 * i);
-                    const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(v, m15)),
-                                    hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+                    int8x16_t lo, hi;
+                    nibbles(bp + (g + gg) * 64 + 16 * i, &lo, &hi);
                     SEK_UNROLL
                     for (int r = 0; r < R; r++) {
                         const int32x4_t dh = SEK_SDOT(vdupq_n_s32(0), hi, a[r], gg);
