@@ -52,8 +52,8 @@ static const fmt FORMATS[] = {
     {"two-level 6-bit, block 16 / 256, zero 32 (GGUF Q6_K)", 6, 16, 256, 32, 0, 0, 32, 512, 500},
 };
 
-/* Activations: random rows, with a zero block, a block below the kernel's tiny threshold, one huge value, and
- * blocks at +-127 after quantization (all equal magnitudes): the integer sums at their extremes. */
+/* Activations: random rows, with a zero block, a block below the kernel's tiny threshold, one huge value, blocks
+ * at +-127 after quantization (all equal magnitudes: the integer sums at their extremes), a NaN and an infinity. */
 static void activations(float *a, int64_t m, int64_t k, int64_t ablk) {
     for (int64_t i = 0; i < m * k; i++) a[i] = uniform(-3.f, 3.f);
     if (m > 1) memset(a + 1 * k, 0, sizeof(float) * (size_t)(ablk < k ? ablk : k));
@@ -62,6 +62,8 @@ static void activations(float *a, int64_t m, int64_t k, int64_t ablk) {
     if (m > 3) a[3 * k + k / 2] = 3e30f;
     if (m > 4)
         for (int64_t i = 0; i < k; i++) a[4 * k + i] = (next() & 1) ? 5.f : -5.f;
+    if (m > 5) a[5 * k + k / 3] = NAN; /* that block's outputs NaN, the others' as usual */
+    if (m > 6) a[6 * k + 2] = -INFINITY;
 }
 
 static int same(float x, float y) { /* bitwise, NaNs of any payload equal */

@@ -92,7 +92,6 @@ static float round_even(float x) {
     return t;
 }
 
-#define SEK_TINY 1e-30f /* a block with max|a| below this is quantized as zero (127 / max would overflow near 4e-37) */
 
 /* One (row, block) of activations -> int8 levels, sa = max|a| / 127, sasum = sa * sum(levels). Rounding is
  * nearest-even whatever the rounding mode, levels are clamped to +-127, a block holding a NaN or an infinity gets
@@ -103,6 +102,9 @@ static void quantize_block(const float *a, int64_t blk, int8_t *q, float *sa, fl
     int64_t i = 0;
     int32_t sum = 0;
     int bad = 0;
+#ifdef SEK_HAVE_NEON
+    if (isa == SEK_ISA_NEON && sek_quantize_block_neon(a, blk, q, sa, sasum)) return;
+#endif
 #ifdef SEK_HAVE_VNNI512
     if (isa == SEK_ISA_VNNI512) {
         __m512 vm = _mm512_setzero_ps();

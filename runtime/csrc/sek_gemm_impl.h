@@ -64,8 +64,13 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+#define SEK_TINY 1e-30f /* a block with max|a| below this is quantized as zero (127 / max would overflow near 4e-37) */
+
 #ifdef SEK_HAVE_NEON
 /* Columns [16 * t0, 16 * t1) of Y for every row of x, on Arm NEON (sek_gemm_neon.c). */
 void sek_tiles_neon(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1);
+/* One block of activations quantized as sek_gemm.c's quantize_block does, on NEON: 1 when done; 0 for a block
+ * holding a NaN or an infinity, or below SEK_TINY, which the caller's portable rules then take. */
+int sek_quantize_block_neon(const float *a, int64_t blk, int8_t *q, float *sa, float *sasum);
 #endif
 #endif

@@ -28,6 +28,33 @@ static inline __attribute__((always_inline)) int32x4_t sdot_v80(int32x4_t acc, i
     sdot_v80((acc), (w), vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(a), (lane))))
 #endif
 
+int sek_quantize_block_neon(const float *a, int64_t blk, int8_t *q, float *sa, float *sasum) {
+    float32x4_t vm = vdupq_n_f32(0.f);
+    uint32x4_t finite = vdupq_n_u32(~0u);
+    for (int64_t i = 0; i < blk; i += 4) {
+        const float32x4_t v = vabsq_f32(vld1q_f32(a + i));
+        finite = vandq_u32(finite, vcleq_f32(v, vdupq_n_f32(3.402823466e+38f))); /* false for NaN and inf */
+        vm = vmaxq_f32(vm, v);
+    }
+    const float mx = vmaxvq_f32(vm);
+    if (vminvq_u32(finite) == 0 || !(mx >= SEK_TINY)) return 0;
+    const float inv = 127.f / mx; /* the reference's operations: x = a * inv, clamped, rounded half to even */
+    const float32x4_t lim = vdupq_n_f32(127.f), nlim = vdupq_n_f32(-127.f);
+    int32x4_t vs = vdupq_n_s32(0);
+    for (int64_t i = 0; i < blk; i += 8) {
+        int32x4_t qi[2];
+        for (int h = 0; h < 2; h++) {
+            const float32x4_t x = vminq_f32(vmaxq_f32(vmulq_n_f32(vld1q_f32(a + i + 4 * h), inv), nlim), lim);
+            qi[h] = vcvtq_s32_f32(vrndnq_f32(x)); /* FRINTN: ties to even whatever the rounding mode */
+            vs = vaddq_s32(vs, qi[h]);
+        }
+        vst1_s8(q + i, vqmovn_s16(vcombine_s16(vqmovn_s32(qi[0]), vqmovn_s32(qi[1]))));
+    }
+    *sa = mx / 127.f;
+    *sasum = *sa * (float)vaddvq_s32(vs);
+    return 1;
+}
+
 /* Four consecutive int8 values (scales, mins) widened to int32. */
 static inline __attribute__((always_inline)) int32x4_t widen4(const int8_t *p) {
     int32_t v;
