@@ -24,8 +24,6 @@
 
 int sek_gemm(const float *a, int64_t m, int64_t k, const sek_weights *w, float *y, int isa);
 
-static const char *const ISA_NAMES[] = {"best", "scalar", "avx2", "vnni512", "neon"};
-#define N_ISA 5
 #define M_MAX 12
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -112,14 +110,14 @@ int main(void) {
             memcpy(&bits, &v, 4);
             for (int byte = 0; byte < 4; byte++) digest = (digest ^ ((bits >> (8 * byte)) & 255)) * 0x100000001b3ull;
         }
-        for (int isa = 1; isa < N_ISA; isa++) {
+        for (int isa = 1; sek_isa_name(isa); isa++) {
             if (!(mask & (1 << isa))) continue;
             for (int64_t m = 1; m <= M_MAX; m++) { /* every row count: each pass size and remainder of every path */
                 sek_gemm(a, m, p->k, &w, y, isa);
                 for (int64_t i = 0; i < m * p->n; i++)
                     if (!same(y[i], ref[i])) {
                         printf("FAIL %s: %s, %lld rows: row %lld column %lld is %.9g, the reference %.9g\n", p->name,
-                               ISA_NAMES[isa], (long long)m, (long long)(i / p->n), (long long)(i % p->n), y[i],
+                               sek_isa_name(isa), (long long)m, (long long)(i / p->n), (long long)(i % p->n), y[i],
                                ref[i]);
                         return 1;
                     }
@@ -128,7 +126,7 @@ int main(void) {
                 sek_gemm(a + r * p->k, 1, p->k, &w, one, isa);
                 for (int64_t c = 0; c < p->n; c++)
                     if (!same(one[c], ref[r * p->n + c])) {
-                        printf("FAIL %s: %s, row %lld alone differs at column %lld\n", p->name, ISA_NAMES[isa],
+                        printf("FAIL %s: %s, row %lld alone differs at column %lld\n", p->name, sek_isa_name(isa),
                                (long long)r, (long long)c);
                         return 1;
                     }
@@ -139,8 +137,8 @@ int main(void) {
         free(a), free(ref), free(y), free(one);
     }
     printf("isas");
-    for (int isa = 1; isa < N_ISA; isa++)
-        if (mask & (1 << isa)) printf(" %s", ISA_NAMES[isa]);
+    for (int isa = 1; sek_isa_name(isa); isa++)
+        if (mask & (1 << isa)) printf(" %s", sek_isa_name(isa));
     printf("\ndigest %016llx\nok\n", (unsigned long long)digest);
     return 0;
 }

@@ -31,6 +31,7 @@ typedef struct {
 } sek_weights;
 
 int sek_isa_mask(void);
+const char *sek_isa_name(int isa); /* SEK_ISA_* 1.. as SPECEDGE_SEK_ISA spells it; NULL past the last */
 int sek_check(const sek_weights *w);
 size_t sek_scratch_bytes(int64_t m, int64_t k, int64_t blk);
 void sek_quantize(const float *a, int64_t m, int64_t k, int64_t lda, int64_t kpad, int64_t blk, void *scratch,

@@ -68,6 +68,11 @@ int sek_isa_mask(void) {
     return m;
 }
 
+const char *sek_isa_name(int isa) {
+    static const char *const names[] = {"scalar", "avx2", "vnni512", "neon"};
+    return isa >= SEK_ISA_SCALAR && isa <= SEK_ISA_NEON ? names[isa - SEK_ISA_SCALAR] : NULL;
+}
+
 /* The path SEK_ISA_BEST stands for: the widest this build has. */
 static int best_isa(int isa) {
     if (isa != SEK_ISA_BEST) return isa;

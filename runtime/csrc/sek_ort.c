@@ -157,10 +157,9 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
         return e;
     }
     const char *isa = getenv("SPECEDGE_SEK_ISA");
-    static const char *const isa_names[] = {"scalar", "avx2", "vnni512", "neon"}; /* SEK_ISA_* 1.. */
     k->isa = !isa || !*isa ? 0 : -1;
-    for (int i = 0; i < 4 && k->isa < 0; i++)
-        if (!strcmp(isa, isa_names[i])) k->isa = i + 1;
+    for (int i = 1; sek_isa_name(i) && k->isa < 0; i++)
+        if (!strcmp(isa, sek_isa_name(i))) k->isa = i;
     if (k->isa < 0 || (k->isa > 0 && !(sek_isa_mask() & (1 << k->isa)))) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
                             "%s: SPECEDGE_SEK_ISA names a path this build lacks (mask %lld; 2 scalar, 4 avx2, "
