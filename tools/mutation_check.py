@@ -99,8 +99,7 @@ PLANTS = {
         "runtime/csrc/sek_gemm.c", "i1[c] += acc[c] * w->sc[o + c];", "i1[c] += acc[c];",
         ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
-        "runtime/csrc/sek_attn.c", "const int64_t pos = a->past_len + t, n = pos + 1;",
-        "const int64_t pos = a->past_len + t, n = pos;", ["tests/runtime/test_sek_kernel.py"]),
+        "runtime/csrc/sek_attn.c", "        n[p] = pos + 1;\n", "        n[p] = pos;\n", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: the new k rows stored without RoPE": (
         "runtime/csrc/sek_attn.c", "            rope(k, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);\n",
         "", ["tests/runtime/test_sek_kernel.py"]),

@@ -48,7 +48,12 @@ typedef struct {
     float *out;               /* [T][hq d] */
     int64_t t, hq, hkv, d, s_max, past_len;
     float scale;
+    int64_t hs, rs; /* query heads and rows per item (sek_attn_plan) */
 } sek_attn_args;
 void sek_attn_store(const sek_attn_args *a);
+/* How a step of t rows splits into items: hs query heads of one KV group x rs rows each, as many as fit while the
+ * step keeps min_items items (or every query alone, if it cannot). Returns the number of items. */
+int64_t sek_attn_plan(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs, int64_t *rs);
+/* One item of the plan: rs rows x hs heads. */
 void sek_attn_row(const sek_attn_args *a, int64_t item);
 #endif

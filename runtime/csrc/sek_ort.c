@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "sek.h"
 
@@ -392,6 +393,18 @@ static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelIn
     return NULL;
 }
 
+/* Items the attention should split a step into: the CPUs online (once), so that grouping a KV group's query heads
+ * into one item (which reads the group's cache once for all of them) still leaves every thread a share. The
+ * grouping never changes a row's numbers (sek_attn.c). */
+static int64_t online_cpus(void) {
+    static int64_t n = 0;
+    if (!n) {
+        const long c = sysconf(_SC_NPROCESSORS_ONLN);
+        n = c > 0 ? c : 1;
+    }
+    return n;
+}
+
 static void attn_item(void *p, size_t i) { sek_attn_row((const sek_attn_args *)p, (int64_t)i); }
 
 static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
@@ -428,10 +441,11 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     for (int i = 1; i < 3; i++) /* not bound in place: start from a copy of the past */
         if (o[i] != in[i].data) memcpy(o[i], in[i].data, (size_t)in[i].count * sizeof(float));
     sek_attn_args a = {(const float *)in[0].data, (float *)o[1], (float *)o[2], (const float *)in[4].data,
-                       (const float *)in[5].data, (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale};
+                       (const float *)in[5].data, (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1};
     if (T == 0) return NULL;
+    const int64_t items = sek_attn_plan(T, k->hq, k->hkv, d, online_cpus(), &a.hs, &a.rs);
     sek_attn_store(&a);
-    return KernelContext_ParallelFor(api)(ctx, attn_item, (size_t)(T * k->hq), 0, &a);
+    return KernelContext_ParallelFor(api)(ctx, attn_item, (size_t)items, 0, &a);
 }
 
 static const char *attn_name(const void *op) { (void)op; return "SekAttention"; }

@@ -490,6 +490,31 @@ def test_specedge_attention_matches_onnx_runtime_and_is_row_invariant_at_width_o
                            "past_len": np.array([bad], np.int64)})
 
 
+def test_specedge_attention_groups_queries_without_changing_a_row():
+    """Items of several (row, head) queries of one KV group, their number following the step's width and the CPUs:
+    every row equals itself alone, in windows of other widths, at Qwen2.5-1.5B's shape (12 query heads on 2 KV
+    heads, d 128), past a cache spanning several chunks and more rows than one item holds (9 x 6 queries)."""
+    hq, hkv, d, S, past, T = 12, 2, 128, 320, 250, 9
+    rng = np.random.default_rng(5)
+    cache = [np.zeros((1, hkv, S, d), np.float32) for _ in range(2)]
+    for c in cache:
+        c[:, :, :past] = rng.standard_normal((1, hkv, past, d))
+    ang = np.arange(S)[:, None] / (10000 ** (np.arange(d // 2) / (d // 2)))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    qkv = (2 * rng.standard_normal((1, T, (hq + 2 * hkv) * d))).astype(np.float32)
+    sek, gqa = _session(_attention_model("SekAttention", hq, hkv, d)), _session(_attention_model(
+        "GroupQueryAttention", hq, hkv, d))
+    out, pk, pv = sek.run(None, {"qkv": qkv, "pk": cache[0].copy(), "pv": cache[1].copy(), "cos": cos, "sin": sin,
+                                 "past_len": np.array([past], np.int64)})
+    ref = gqa.run(None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
+                         "seqlens_k": np.array([past + T - 1], np.int32), "total": np.array(past + T, np.int32)})[0]
+    assert np.abs(out - ref).max() < 1e-5 * np.abs(ref).max()
+    for start, width in [(t, 1) for t in range(T)] + [(0, 2), (1, 3), (4, 5), (2, 7)]:
+        o = sek.run(None, {"qkv": qkv[:, start:start + width], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
+                           "past_len": np.array([past + start], np.int64)})[0]
+        assert np.array_equal(o[0], out[0, start:start + width]), (start, width)
+
+
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build needs an x86 CPU")
 def test_an_avx2_build_gives_the_same_matmul_bits_and_its_attention_matches(kernel, tmp_path):
     """The library built for an AVX2 + FMA CPU (no AVX-512: SPECEDGE_KERNEL_MARCH=haswell), in a fresh process: its
