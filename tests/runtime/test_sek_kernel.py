@@ -456,15 +456,20 @@ def _attention_model(op: str, hq: int, hkv: int, d: int) -> bytes:
                              ).SerializeToString()
 
 
-def test_specedge_attention_matches_onnx_runtime_and_is_row_invariant_at_width_one():
-    hq, hkv, d, S, past = 6, 2, 32, 160, 130  # past spans several of the online softmax's 64-position chunks
-    rng = np.random.default_rng(11)
+def _attention_case(rng, hq: int, hkv: int, d: int, S: int, past: int, T: int, scale: float = 1.0):
+    """Caches [1, hkv, S, d] holding `past` random rows, rotary tables for S positions, and a qkv of T rows."""
     cache = [np.zeros((1, hkv, S, d), np.float32) for _ in range(2)]
     for c in cache:
         c[:, :, :past] = rng.standard_normal((1, hkv, past, d))
     ang = np.arange(S)[:, None] / (10000 ** (np.arange(d // 2) / (d // 2)))
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    qkv = rng.standard_normal((1, 5, (hq + 2 * hkv) * d)).astype(np.float32)
+    qkv = (scale * rng.standard_normal((1, T, (hq + 2 * hkv) * d))).astype(np.float32)
+    return cache, cos, sin, qkv
+
+
+def test_specedge_attention_matches_onnx_runtime_and_is_row_invariant_at_width_one():
+    hq, hkv, d, S, past = 6, 2, 32, 160, 130  # past spans several of the online softmax's 64-position chunks
+    cache, cos, sin, qkv = _attention_case(np.random.default_rng(11), hq, hkv, d, S, past, 5)
     sek, gqa = _session(_attention_model("SekAttention", hq, hkv, d)), _session(_attention_model(
         "GroupQueryAttention", hq, hkv, d))
 
@@ -495,13 +500,7 @@ def test_specedge_attention_groups_queries_without_changing_a_row():
     every row equals itself alone, in windows of other widths, at Qwen2.5-1.5B's shape (12 query heads on 2 KV
     heads, d 128), past a cache spanning several chunks and more rows than one item holds (9 x 6 queries)."""
     hq, hkv, d, S, past, T = 12, 2, 128, 320, 250, 9
-    rng = np.random.default_rng(5)
-    cache = [np.zeros((1, hkv, S, d), np.float32) for _ in range(2)]
-    for c in cache:
-        c[:, :, :past] = rng.standard_normal((1, hkv, past, d))
-    ang = np.arange(S)[:, None] / (10000 ** (np.arange(d // 2) / (d // 2)))
-    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    qkv = (2 * rng.standard_normal((1, T, (hq + 2 * hkv) * d))).astype(np.float32)
+    cache, cos, sin, qkv = _attention_case(np.random.default_rng(5), hq, hkv, d, S, past, T, scale=2.0)
     sek, gqa = _session(_attention_model("SekAttention", hq, hkv, d)), _session(_attention_model(
         "GroupQueryAttention", hq, hkv, d))
     out, pk, pv = sek.run(None, {"qkv": qkv, "pk": cache[0].copy(), "pv": cache[1].copy(), "cos": cos, "sin": sin,
