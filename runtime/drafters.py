@@ -120,6 +120,10 @@ class ModelDrafter:
         if self._keep is not None:
             self.head_ids = self.head_ids[self._keep]
         self.rows = 0
+        # the runner's measured step times, shared by every drafter on it: the catch-up takes its cheapest steps
+        self.clock = getattr(runner, "step_clock", None)
+        if self.clock is None:
+            self.clock = runner.step_clock = StepClock()
         self.dropped: tuple[int, float] | None = None  # the draw the last proposal's keep() stopped at, if any
         self._base = 0  # committed tokens when the last proposal was made
         self._k = 0
@@ -132,7 +136,9 @@ class ModelDrafter:
     def catchup_plan(self, n_tokens: int) -> list[int]:
         """Tokens per step that catching up with ``n_tokens`` committed tokens will take (empty: none to feed)."""
         behind = n_tokens - 1 - self.rows
-        return [take for take, _ in feed_plan(self.runner, behind, self.rows, self.prefill_chunk)] if behind > 0 else []
+        if behind <= 0:
+            return []
+        return [take for take, _ in feed_plan(self.runner, behind, self.rows, self.prefill_chunk, cost=self.clock.cost)]
 
     def _logits_for_target(self, logits: np.ndarray) -> np.ndarray:
         """Align the draft's vocabulary [.., V_draft] with the target's V_target (truncate or pad -inf). A partial
@@ -156,7 +162,7 @@ class ModelDrafter:
         t0 = time.perf_counter()
         self._adopt(tokens)
         if self.rows < n - 1:
-            feed(self.runner, tokens[self.rows: n - 1], self.rows, self.prefill_chunk)
+            feed(self.runner, tokens[self.rows: n - 1], self.rows, self.prefill_chunk, self.clock)
             self.rows = n - 1
         self.runner.draft_rows_for = tokens[: n - 1]  # committed tokens: never rewritten, so a view will do
         self.time_catch_up += time.perf_counter() - t0
@@ -193,6 +199,7 @@ class ModelDrafter:
             self.confidences.append(conf)
             pos += 1
         self.step_time = (time.perf_counter() - t1) / (min(kept + 1, k))  # seconds per draft step
+        self.clock.record(1, self.step_time)
         self._k = kept
         self.rows = n - 1 + kept  # rows for tokens[-1], d_1..d_{kept-1} (a dropped draw's row is not counted)
         return Proposal(draft[:kept], None if q is None else q[:kept])
@@ -215,8 +222,44 @@ class ModelDrafter:
         self.runner.draft_owner = self
 
 
-def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int) -> list[tuple[int, bool]]:
+class StepClock:
+    """Measured seconds of one step of a runner at each width it has run (a moving average), for choosing the
+    cheapest steps to feed a draft with (``feed_plan``'s ``cost``). A width not yet run is priced from a single
+    step as 1 + (T - 1) / WIDE_RATE single steps (on 2 EPYC cores a 64-wide step of the Qwen 0.5B draft or of
+    the 1.5B target cost 8.5-9 single steps); once run, its own time counts. Nothing measured: no price (None)."""
+
+    WIDE_RATE = 8.0
+    DECAY = 0.7
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def record(self, width: int, seconds: float) -> None:
+        old = self.seconds.get(width)
+        self.seconds[width] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+
+    def cost(self, width: int) -> float | None:
+        if width in self.seconds:
+            return self.seconds[width]
+        one = self.seconds.get(1)
+        return None if one is None else one * (1.0 + (width - 1) / self.WIDE_RATE)
+
+
+def _width_for(runner: GraphRunner, take: int, all_logits: bool) -> int:
+    """The width a step of ``take`` tokens runs in (the smallest declared width that holds them, with every row's
+    logits if asked)."""
+    fits = [w.T for w in runner.entry.widths if w.T >= take and (w.L == w.T or not all_logits)]
+    return min(fits) if fits else take
+
+
+def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int,
+              cost=None) -> list[tuple[int, bool]]:  # noqa: ANN001
     """The steps ``feed`` runs for n tokens at past_len: (tokens taken, all_logits) per step, in order.
+
+    ``cost(width)`` (seconds of one step at that width, or None where unknown; ``StepClock.cost``): after the full
+    chunks, the rest goes in the cheapest sequence of steps those prices give — for a draft model's catch-up, whose
+    chunking never reaches the output. Without it (the target's feeds), or where a width has no price, the rule
+    below, which needs no timings:
 
     Full chunks of P first; a remainder r uses the smallest width >= r when at most half of it is
     padding (a padded row costs as much as a real one on a compute-bound CPU step), else the widest
@@ -229,6 +272,10 @@ def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int) ->
     plan, i = [], 0
     all_widths = sorted(w.T for w in runner.entry.widths)
     full = [w.T for w in runner.entry.widths if w.L == w.T and w.T >= getattr(runner, "min_width", 1)]
+    if cost is not None and full:
+        cheapest = _cheapest_plan(runner, n, past_len, prefill_chunk, all_widths, set(full), cost)
+        if cheapest is not None:
+            return cheapest
     while i < n:
         rem = n - i
         # a runner that writes its padding rows into the cache can only use widths that end inside S_max
@@ -251,11 +298,52 @@ def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int) ->
     return plan
 
 
-def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: int) -> np.ndarray:
-    """Feed many tokens at past_len.. in declared widths (``feed_plan``); return the last token's logits [V]."""
+def _cheapest_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int, all_widths: list[int],
+                   full: set[int], cost) -> list[tuple[int, bool]] | None:  # noqa: ANN001
+    """feed_plan by prices: full chunks while more than one is left, then the cheapest steps for the rest (the
+    last token in an all-logits width), or None where a width it could use has no price."""
+    plan, i = [], 0
+    while n - i > prefill_chunk:  # a full chunk never takes the last token
+        plan.append((prefill_chunk, False))
+        i += prefill_chunk
+    r0 = n - i
+    best: list[tuple[float, tuple[int, bool]]] = [(0.0, (0, False))]  # best[r]: the last r tokens, first step
+    for r in range(1, r0 + 1):
+        at = past_len + n - r
+        options = []
+        for w in all_widths:
+            if getattr(runner, "pads_into_cache", False) and at + w > runner.max_context:
+                continue
+            c = cost(w)
+            if c is None:
+                return None
+            if w in full and w >= r:
+                options.append((c, (r, True)))
+            t = min(w, r - 1)
+            if t >= 1:
+                options.append((c + best[r - t][0], (t, False)))
+        if not options:
+            return None
+        best.append(min(options))
+    r = r0
+    while r > 0:
+        take, all_logits = best[r][1]
+        plan.append((take, all_logits))
+        r -= take
+    return plan
+
+
+def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: int,
+         clock: StepClock | None = None) -> np.ndarray:
+    """Feed many tokens at past_len.. in declared widths (``feed_plan``, priced by ``clock`` if given, which
+    then records every step's time); return the last token's logits [V]."""
     i, logits, take, all_logits = 0, None, 0, False
-    for take, all_logits in feed_plan(runner, len(tokens), past_len, prefill_chunk):
+    plan = feed_plan(runner, len(tokens), past_len, prefill_chunk, cost=None if clock is None else clock.cost)
+    for take, all_logits in plan:
+        t0 = time.perf_counter()
         logits = runner.step(tokens[i: i + take], past_len + i, all_logits=all_logits)
+        if clock is not None:
+            clock.record(_width_for(runner, take, all_logits), time.perf_counter() - t0)
         i += take
     assert logits is not None, "feed() needs at least one token"
     return logits[take - 1] if all_logits else logits[0]

@@ -291,10 +291,39 @@ def test_feed_runs_its_plan_and_the_draft_prices_its_catch_up_by_it(decoders, n)
         feed(runner, ids, 0, P)
         assert ran == feed_plan(runner, n, 0, P) and sum(t for t, _ in ran) == n
         drafter = ModelDrafter(runner, dec.manifest.target.dims.vocab, P)
-        assert drafter.catchup_plan(n + 1) == [t for t, _ in ran]  # rows 0: behind by n committed tokens
+        planned = drafter.catchup_plan(n + 1)  # rows 0: behind by n committed tokens; priced by the draft's clock
+        ran.clear()
+        feed(runner, ids, 0, P, drafter.clock)
+        assert [t for t, _ in ran] == planned and sum(planned) == n
         assert drafter.catchup_plan(1) == []
     finally:
         runner.step = step
+
+
+def test_the_draft_catches_up_in_its_cheapest_steps_by_their_measured_times():
+    """The draft's catch-up picks its steps by what they cost (its runner's measured step times; a width not yet
+    run is priced from a single step): 31 tokens behind with widths 1 and 64, one padded 64-wide step (~100 ms on
+    2 cores) instead of 30 single steps (~12 ms each, 378 ms measured on the Qwen 0.5B draft). The target's own
+    plan never follows timings (its chunking must not depend on the machine's mood), and the draft's output is
+    only proposals."""
+    from types import SimpleNamespace
+
+    from specedge.runtime.drafters import StepClock, feed_plan
+
+    runner = SimpleNamespace(entry=SimpleNamespace(widths=[SimpleNamespace(T=1, L=1), SimpleNamespace(T=64, L=1)]),
+                             min_width=1, max_context=2048)
+    clock = StepClock()
+    assert feed_plan(runner, 31, 24, 64, cost=clock.cost) == feed_plan(runner, 31, 24, 64)  # nothing measured yet
+    assert feed_plan(runner, 31, 24, 64) == [(1, False)] * 30 + [(1, True)]  # the width-agnostic rule
+    clock.record(1, 0.012)
+    assert feed_plan(runner, 31, 24, 64, cost=clock.cost) == [(30, False), (1, True)]  # 64 priced ~8.9 steps
+    assert feed_plan(runner, 5, 24, 64, cost=clock.cost) == [(1, False)] * 4 + [(1, True)]
+    clock.record(64, 0.030)  # measured: cheaper than priced
+    assert feed_plan(runner, 5, 24, 64, cost=clock.cost) == [(4, False), (1, True)]
+    plan = feed_plan(runner, 157, 24, 64, cost=clock.cost)
+    assert plan == [(64, False), (64, False), (28, False), (1, True)] and sum(t for t, _ in plan) == 157
+    clock.record(64, 10.0)  # a (very) slow wide step: single steps again
+    assert feed_plan(runner, 5, 24, 64, cost=clock.cost) == [(1, False)] * 4 + [(1, True)]
 
 
 def test_the_draft_reports_the_draw_its_gate_dropped(decoders):
