@@ -138,7 +138,8 @@ class ModelDrafter:
         behind = n_tokens - 1 - self.rows
         if behind <= 0:
             return []
-        return [take for take, _ in feed_plan(self.runner, behind, self.rows, self.prefill_chunk, cost=self.clock.cost)]
+        plan = feed_plan(self.runner, behind, self.rows, self.prefill_chunk, cost=self.clock.cost)
+        return [take for take, _ in plan]
 
     def _logits_for_target(self, logits: np.ndarray) -> np.ndarray:
         """Align the draft's vocabulary [.., V_draft] with the target's V_target (truncate or pad -inf). A partial

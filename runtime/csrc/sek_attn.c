@@ -175,7 +175,8 @@ void sek_attn_store(const sek_attn_args *a) {
 
 /* acc[d] = the chunk's axpby sequence (acc * alpha + p[0] v[0], then + p[j] v[j] for each later row j), with the
  * accumulator held in registers across the chunk where the head dimension allows: per element the same fma's in
- * the same order as axpby, without storing and reloading acc at every cache row. */
+ * the same order as axpby (whose acc * 1 after the first row is acc itself), without storing and reloading acc at
+ * every cache row. */
 #if defined(__AVX512F__)
 #define SEK_VW 16
 typedef __m512 sek_vec;
@@ -210,11 +211,7 @@ static inline __attribute__((always_inline)) void pv_slice(float *acc, const flo
     for (int k = 0; k < nv; k++) a[k] = VMUL(VLOAD(acc + k * SEK_VW), VSET1(alpha));
     for (int64_t j = 0; j < cn; j++) {
         const sek_vec pj = VSET1(p[j]);
-        const float *vj = v + j * d;
-        if (j == 0)
-            for (int k = 0; k < nv; k++) a[k] = VFMA(pj, VLOAD(vj + k * SEK_VW), a[k]);
-        else
-            for (int k = 0; k < nv; k++) a[k] = VFMA(pj, VLOAD(vj + k * SEK_VW), VMUL(a[k], VSET1(1.f)));
+        for (int k = 0; k < nv; k++) a[k] = VFMA(pj, VLOAD(v + j * d + k * SEK_VW), a[k]);
     }
     for (int k = 0; k < nv; k++) VSTORE(acc + k * SEK_VW, a[k]);
 }
@@ -224,7 +221,8 @@ static void pv_chunk(float *acc, const float *v, const float *p, int64_t cn, flo
 #ifdef SEK_VW
     if (d % SEK_VW == 0) {
         int64_t i = 0;
-        for (; i + SEK_PV_SLICE * SEK_VW <= d; i += SEK_PV_SLICE * SEK_VW) pv_slice(acc + i, v + i, p, cn, alpha, d, SEK_PV_SLICE);
+        for (; i + SEK_PV_SLICE * SEK_VW <= d; i += SEK_PV_SLICE * SEK_VW)
+            pv_slice(acc + i, v + i, p, cn, alpha, d, SEK_PV_SLICE);
         if (i < d) {
             const int nv = (int)((d - i) / SEK_VW);
             switch (nv) {
@@ -279,15 +277,16 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, int64
     for (int64_t j0 = 0; j0 < cmax; j0 += SEK_SUB)
         for (int64_t p = 0; p < nq; p++) /* rows after the chunk's first: alpha 1 (acc * 1, as axpby does) */
             if (j0 < cn[p])
-                pv_chunk(acc + p * d, vc + (c0 + j0) * d, pr[p] + j0, (j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p]) - j0,
-                         j0 ? 1.f : alpha[p], d);
+                pv_chunk(acc + p * d, vc + (c0 + j0) * d, pr[p] + j0,
+                         (j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p]) - j0, j0 ? 1.f : alpha[p], d);
 }
 
 int64_t sek_attn_plan(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs, int64_t *rs) {
     const int64_t group = hq / hkv;
     *hs = *rs = 1;
     for (int64_t h = group; h >= 1; h--) /* the most heads of a group an item can hold while there are enough items */
-        if (group % h == 0 && h <= SEK_Q_MAX && h * d <= SEK_Q_MAX * 128 && (h == 1 || t * hkv * (group / h) >= min_items)) {
+        if (group % h == 0 && h <= SEK_Q_MAX && h * d <= SEK_Q_MAX * 128 &&
+            (h == 1 || t * hkv * (group / h) >= min_items)) {
             *hs = h;
             break;
         }
