@@ -10,7 +10,8 @@ The graph follows the contract in ``specedge.runtime.manifest.io_spec``:
 Query t attends to cached positions < past_len and new positions <= t; RoPE at
 past_len + t. How attention is expressed depends on the KV mode (``attention.py``).
 Linear layers are fp32 MatMuls or MatMulNBits (int8/int4, ``quant.py``), fused as
-q|k|v and gate|up.
+q|k|v and gate|up; in the specedge form a layer's bias, SwiGLU and residual additions run in
+its SekMatMuls' epilogue (``_Linears.epilogue``).
 
 Weights are streamed, one tensor at a time, into a single external-data file
 (64-byte aligned), so export peak memory is about one tensor plus the
@@ -112,6 +113,7 @@ class _Linears:
         self._sums: dict[tuple[str, int, int], str] = {}
         self._rowq: dict[str, tuple[str, str | tuple[str, str]]] = {}
         self._zp: str | None = None
+        self._splits: dict[int, str] = {}  # F -> the [F, F] split of gate|up (where SwiGLU is not fused)
         self._err_num = self._err_den = 0.0
         self._worst = 0.0
         self.head_type = ""  # --lm-head gguf: the GGUF type the head was carried as
@@ -133,6 +135,30 @@ class _Linears:
         outs = [self._emit(x, name if len(groups) == 1 else f"{name}.{i}", packed, spec)
                 for i, packed in enumerate(groups)]
         return outs[0] if len(outs) == 1 else self.g.op("Concat", *outs, axis=-1)  # parts in order, [.., out]
+
+    def epilogue(self, y: str, bias: str | None = None, swiglu: int | None = None, residual: str | None = None) -> str:
+        """What follows a linear layer: + bias, then SwiGLU (``swiglu``: F, gate|up's halves; silu(gate) * up),
+        then residual + y. Fused into the SekMatMul that computed ``y`` where it is one (the specedge form,
+        one matrix, no padded columns: runtime/csrc/sek_ort.c), which saves a layer five nodes; else as nodes."""
+        node = self.g.nodes[-1] if self.g.nodes and self.g.nodes[-1].output[0] == y else None
+        if node is not None and node.op_type == "SekMatMul":
+            n = next(a.i for a in node.attribute if a.name == "N")
+            if swiglu is None or n % 32 == 0:
+                extra = [bias or "", residual or ""]
+                while extra and not extra[-1]:
+                    extra.pop()
+                node.input.extend(extra)
+                if swiglu is not None:
+                    node.attribute.append(helper.make_attribute("activation", 1))
+                return y
+        if bias is not None:
+            y = self.g.op("Add", y, bias)
+        if swiglu is not None:
+            if swiglu not in self._splits:
+                self._splits[swiglu] = self.g.const([swiglu, swiglu])
+            gate, up = self.g.op("Split", y, self._splits[swiglu], axis=-1, n_out=2)
+            y = self.g.op("Mul", self.g.op("Mul", gate, self.g.op("Sigmoid", gate)), up)  # silu(gate) * up
+        return y if residual is None else self.g.op("Add", residual, y)
 
     def _emit(self, x: str, name: str, packed: Packed, spec: QuantSpec) -> str:
         if self.fmt.intgemm and packed.bits == 8:  # a GGUF Q6_K/Q8_0 part carried at 8 bits in an int4 model
@@ -416,7 +442,6 @@ def build_model_graph(
         x = g.op("Gather", embed, "input_ids", axis=0)  # [B, T, H]
     if (not cfg.tie_embeddings or not fmt.quantized) and head_ids is None:
         del embed_f32
-    gu_split = g.const([d.ffn, d.ffn])
 
     for i in range(d.n_layers):
         say(f"layer {i + 1}/{d.n_layers}")
@@ -425,15 +450,13 @@ def build_model_graph(
         qkv = linear(h, f"{p}.attn.qkv", [f"l{i}.q", f"l{i}.k", f"l{i}.v"])  # fused: [B, T, (Hq+2Hkv) D]
         if cfg.family.qkv_bias:
             bias = np.concatenate([src.get(f"l{i}.q_bias"), src.get(f"l{i}.k_bias"), src.get(f"l{i}.v_bias")])
-            qkv = g.op("Add", qkv, w.add(f"{p}.attn.qkv.bias", bias))
+            qkv = linear.epilogue(qkv, bias=w.add(f"{p}.attn.qkv.bias", bias))
         attn = attention(i, qkv)  # [B, T, Hq D]; writes present.{i}.*
-        x = g.op("Add", x, linear(attn, f"{p}.attn.o", [f"l{i}.o"]))
+        x = linear.epilogue(linear(attn, f"{p}.attn.o", [f"l{i}.o"]), residual=x)
 
         h = rmsnorm(x, w.add(f"{p}.mlp_norm.weight", src.get(f"l{i}.mlp_norm")))
-        gate, up = g.op("Split", linear(h, f"{p}.mlp.gate_up", [f"l{i}.gate", f"l{i}.up"]), gu_split,
-                        axis=-1, n_out=2)  # fused: [B, T, 2 F]
-        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)  # silu(gate) * up
-        x = g.op("Add", x, linear(act, f"{p}.mlp.down", [f"l{i}.down"]))
+        act = linear.epilogue(linear(h, f"{p}.mlp.gate_up", [f"l{i}.gate", f"l{i}.up"]), swiglu=d.ffn)  # [B, T, F]
+        x = linear.epilogue(linear(act, f"{p}.mlp.down", [f"l{i}.down"]), residual=x)
 
     say("lm_head")
     x = rmsnorm(x, w.add("final_norm.weight", src.get("final_norm")))

@@ -37,7 +37,7 @@ from .errors import BackendUnavailableError
 
 DOMAIN = "ai.specedge"
 OP = "SekMatMul"
-SOURCES = ("sek_gemm.c", "sek_gemm_neon.c", "sek_attn.c", "sek_ort.c")
+SOURCES = ("sek_gemm.c", "sek_gemm_neon.c", "sek_attn.c", "sek_act.c", "sek_ort.c")
 HEADERS = ("sek.h", "sek_gemm_impl.h")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-std=c11", "-D_GNU_SOURCE")
 

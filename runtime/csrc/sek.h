@@ -50,6 +50,8 @@ typedef struct {
     float scale;
     int64_t hs, rs; /* query heads and rows per item (sek_attn_plan) */
 } sek_attn_args;
+/* out[r][i] = silu(y[r][i]) * y[r][f + i] for m rows of 2f values (sek_act.c) */
+void sek_swiglu(const float *y, int64_t m, int64_t f, float *out);
 void sek_attn_store(const sek_attn_args *a);
 /* How a step of t rows splits into items: hs query heads of one KV group x rs rows each, as many as fit while the
  * step keeps min_items items (or every query alone, if it cannot). Returns the number of items. */

@@ -1,9 +1,15 @@
 /* ONNX Runtime custom-op glue for sek_gemm.c and sek_attn.c: ops of the domain ai.specedge on the CPU execution
  * provider.
  *
- *   Y[..., N] = SekMatMul(A[..., K] fp32, B uint8 (packed levels), S fp32 (scales),
- *                         Z uint8 (zero points) or fp32 (z * s, for GGUF Q4_1 blocks))
- *   attributes: K (A's last dimension), N (a multiple of 16), bits (4 | 8), block_size (16..256, a multiple of 16)
+ *   Y[..., N'] = SekMatMul(A[..., K] fp32, B uint8 (packed levels), S fp32 (scales),
+ *                          Z uint8 (zero points) or fp32 (z * s, for GGUF Q4_1 blocks),
+ *                          [bias fp32 [N]], [residual fp32 [..., N']])
+ *   attributes: K (A's last dimension), N (a multiple of 16), bits (4 | 8), block_size (16..256, a multiple of 16),
+ *               activation (optional: 0 none, N' = N; 1 SwiGLU, N' = N / 2, N a multiple of 32)
+ *   The output's epilogue, fused so that a layer is fewer nodes (each one costs a dispatch and a pass over its
+ *   tensor): Y = A W^T, then Y + bias (the q|k|v bias), then the activation (SwiGLU: silu(Y[:, :N/2]) * Y[:, N/2:],
+ *   the gate|up product; sek_act.c), then residual + Y (the residual stream). The two additions are the fp32
+ *   additions the separate Add nodes computed, so a graph with them fused gives the same bits as one without.
  *
  *   Y[..., N] = SekMatMulSB(A[..., K] fp32, B uint8 (packed levels), SC int8 (block scales), D fp16 (super-block
  *                           scales), MN int8 (block mins, or no elements), DMIN fp16 (super-block min scales, or no
@@ -101,8 +107,11 @@ typedef struct {
     OrtApiTable api;
     int64_t k, n, bits, blk;
     int64_t sblk, zconst; /* SekMatMulSB; sblk 0 for SekMatMul */
+    int64_t act;          /* SekMatMul's activation: 0 none, 1 SwiGLU */
     int isa;
 } SekKernel;
+
+enum { ACT_NONE = 0, ACT_SWIGLU = 1 };
 
 static const SekCustomOp sek_matmul_sb_op;
 
@@ -136,6 +145,17 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
         (sb && (st = KernelInfoGetAttribute_int64(api)(info, "zero_point", &k->zconst)))) {
         free(k);
         return st;
+    }
+    if (!sb && (st = KernelInfoGetAttribute_int64(api)(info, "activation", &k->act))) { /* optional: absent = 0 */
+        ReleaseStatus(api)(st);
+        k->act = ACT_NONE;
+    }
+    if (k->act != ACT_NONE && (k->act != ACT_SWIGLU || k->n % 32)) {
+        OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: activation %lld with N %lld: 0 (none) or 1 "
+                            "(SwiGLU, N a multiple of 32: the gate's and the up projection's halves)",
+                            (long long)k->act, (long long)k->n);
+        free(k);
+        return e;
     }
     const int64_t kpad = k->blk > 0 && k->k > 0 && k->k < (1ll << 40) ? (k->k + k->blk - 1) / k->blk * k->blk : 0;
     static const int8_t one_sc = 1;
@@ -178,15 +198,24 @@ typedef struct {
     float *y;
     int isa;
     int64_t ntiles;
+    const float *bias, *residual; /* added to the item's columns (NULL: none); residual only without activation */
 } Job;
 
 enum { TILES_PER_ITEM = 2 };
+
+/* y[r][c] += add[r * ld + c] for every row, columns [c0, c1): one fp32 addition, as ONNX Runtime's Add did */
+static void add_columns(float *y, int64_t m, int64_t n, int64_t c0, int64_t c1, const float *add, int64_t ld) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = c0; c < c1; c++) y[r * n + c] = y[r * n + c] + add[r * ld + c];
+}
 
 static void run_item(void *p, size_t i) {
     const Job *j = (const Job *)p;
     const int64_t t0 = (int64_t)i * TILES_PER_ITEM;
     const int64_t t1 = t0 + TILES_PER_ITEM < j->ntiles ? t0 + TILES_PER_ITEM : j->ntiles;
     sek_gemm_tiles(j->x, j->w, j->y, j->w->n, t0, t1, j->isa);
+    if (j->bias) add_columns(j->y, j->x->m, j->w->n, t0 * 16, t1 * 16, j->bias, 0);
+    if (j->residual) add_columns(j->y, j->x->m, j->w->n, t0 * 16, t1 * 16, j->residual, j->w->n);
 }
 
 static OrtStatus *tensor_info(OrtApiTable api, const OrtValue *v, int want_type, int64_t *dims, size_t *nd,
@@ -269,6 +298,24 @@ static OrtStatus *weights_of(const SekKernel *k, const Input *in, int64_t kpad, 
     return NULL;
 }
 
+/* SekMatMul's inputs 4 (bias [N]) and 5 (residual, as many values as the output), each optional. */
+static OrtStatus *epilogue_inputs(OrtApiTable api, OrtKernelContext *ctx, int64_t n, int64_t out_count,
+                                  const float **bias, const float **residual) {
+    for (int i = 4; i < 6; i++) {
+        const OrtValue *v = NULL;
+        TRY(KernelContext_GetInput(api)(ctx, (size_t)i, &v));
+        if (!v) continue;
+        Input in;
+        TRY(tensor_info(api, v, T_FLOAT, in.dims, &in.nd, &in.count, i, &in.type));
+        if (in.count != (i == 4 ? n : out_count))
+            return fail(api, ORT_INVALID_ARGUMENT, "SekMatMul: the %s holds %lld values, the output needs %lld",
+                        i == 4 ? "bias" : "residual", (long long)in.count, (long long)(i == 4 ? n : out_count));
+        TRY(GetTensorMutableData(api)((OrtValue *)v, &in.data));
+        *(i == 4 ? bias : residual) = (const float *)in.data;
+    }
+    return NULL;
+}
+
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const SekKernel *k = (const SekKernel *)kernel;
     OrtApiTable api = k->api;
@@ -284,16 +331,28 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
                     (long long)(A->nd ? A->dims[A->nd - 1] : -1), (long long)k->k);
     sek_weights w;
     TRY(weights_of(k, in, kpad, &w));
-    const int64_t m = A->count / k->k;
+    const int64_t m = A->count / k->k, n_out = k->act == ACT_SWIGLU ? k->n / 2 : k->n;
+    const float *bias = NULL, *residual = NULL;
+    if (!k->sblk) /* the optional epilogue inputs: absent, or an empty name in the node (NULL here) */
+        TRY(epilogue_inputs(api, ctx, k->n, m * n_out, &bias, &residual));
     int64_t odims[8];
     memcpy(odims, A->dims, A->nd * sizeof(int64_t));
-    odims[A->nd - 1] = k->n;
+    odims[A->nd - 1] = n_out;
     OrtValue *out;
     TRY(KernelContext_GetOutput(api)(ctx, 0, odims, A->nd, &out));
     if (!out) return fail(api, ORT_RUNTIME_EXCEPTION, "%s: no output tensor", name);
     void *y;
     TRY(GetTensorMutableData(api)(out, &y));
     if (m == 0) return NULL;
+    /* with an activation the product goes to a per-thread buffer first, and the activation writes the output */
+    static _Thread_local float *pre = NULL;
+    static _Thread_local size_t pre_size = 0;
+    if (k->act != ACT_NONE && (size_t)(m * k->n) > pre_size) {
+        float *bigger = realloc(pre, (size_t)(m * k->n) * sizeof(float));
+        if (!bigger) return fail(api, ORT_FAIL, "%s: out of memory", name);
+        pre = bigger;
+        pre_size = (size_t)(m * k->n);
+    }
     /* the quantized rows live in a per-thread buffer grown as needed: no allocation per call in a decode loop */
     static _Thread_local void *scratch = NULL;
     static _Thread_local size_t scratch_size = 0;
@@ -309,26 +368,34 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
         sek_quantize_sb((const float *)A->data, m, k->k, k->k, kpad, k->sblk, k->blk, scratch, &x, k->isa);
     else
         sek_quantize((const float *)A->data, m, k->k, k->k, kpad, k->blk, scratch, &x, k->isa);
-    Job job = {&x, &w, (float *)y, k->isa, k->n / 16};
+    Job job = {&x, &w, k->act == ACT_NONE ? (float *)y : pre, k->isa, k->n / 16, bias,
+               k->act == ACT_NONE ? residual : NULL};
     const size_t items = (size_t)((job.ntiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM);
-    return KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job);
+    TRY(KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job));
+    if (k->act == ACT_SWIGLU) {
+        sek_swiglu(pre, m, n_out, (float *)y);
+        if (residual) add_columns((float *)y, m, n_out, 0, n_out, residual, n_out);
+    }
+    return NULL;
 }
 
 static void destroy(void *kernel) { free(kernel); }
 static const char *op_name(const void *op) { (void)op; return "SekMatMul"; }
 static const char *op_ep(const void *op) { (void)op; return NULL; } /* NULL: the CPU execution provider */
 static int in_type(const void *op, size_t i) { (void)op; return i == 1 ? T_UINT8 : i == 3 ? T_ANY : T_FLOAT; }
-static size_t in_count(const void *op) { (void)op; return 4; }
+static size_t in_count(const void *op) { (void)op; return 6; }
+static int optional_epilogue(const void *op, size_t i) { (void)op; return i >= 4; } /* 1: INPUT_OUTPUT_OPTIONAL */
 static int out_type(const void *op, size_t i) { (void)op; (void)i; return T_FLOAT; }
 static size_t out_count(const void *op) { (void)op; return 1; }
 static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }
 static int mem_default(const void *op, size_t i) { (void)op; (void)i; return 0; }
 static int one(const void *op) { (void)op; return 1; }
 
-/* What every op here shares: CPU, one output per declared type, plain inputs, no variadic arity, no end version. */
+/* What every op here shares: CPU, one output per declared type, no variadic arity, no end version (each op says
+ * which of its inputs are required). */
 #define SEK_OP_COMMON                                                                                             \
     .version = API_VERSION, .GetExecutionProviderType = op_ep, .GetOutputType = out_type, .KernelDestroy = destroy, \
-    .GetInputCharacteristic = required, .GetOutputCharacteristic = required, .GetInputMemoryType = mem_default,    \
+    .GetOutputCharacteristic = required, .GetInputMemoryType = mem_default,                                       \
     .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one,         \
     .GetVariadicOutputHomogeneity = one, .GetStartVersion = one
 
@@ -341,6 +408,7 @@ static size_t sb_in_count(const void *op) { (void)op; return 6; }
 
 static const SekCustomOp sek_matmul_sb_op = {
     SEK_OP_COMMON,
+    .GetInputCharacteristic = required,
     .GetName = sb_name,
     .GetInputType = sb_in_type,
     .GetInputTypeCount = sb_in_count,
@@ -351,6 +419,7 @@ static const SekCustomOp sek_matmul_sb_op = {
 
 static const SekCustomOp sek_matmul_op = {
     SEK_OP_COMMON,
+    .GetInputCharacteristic = optional_epilogue,
     .GetName = op_name,
     .GetInputType = in_type,
     .GetInputTypeCount = in_count,
@@ -455,6 +524,7 @@ static size_t attn_out_count(const void *op) { (void)op; return 3; }
 
 static const SekCustomOp sek_attention_op = {
     SEK_OP_COMMON,
+    .GetInputCharacteristic = required,
     .GetName = attn_name,
     .GetInputType = attn_in_type,
     .GetInputTypeCount = attn_in_count,

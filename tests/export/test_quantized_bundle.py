@@ -497,3 +497,35 @@ def test_the_specedge_form_refuses_what_its_kernel_cannot_run():
         WeightFormat("int4", form="specedge", lm_head="fp32")
     with pytest.raises(UnsupportedModelError, match="16..256"):
         WeightFormat("int4", block=512, form="specedge")
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen", "tiny_llama"])
+def test_the_specedge_form_fuses_each_layers_bias_swiglu_and_residuals_into_its_matmuls(model, request, tmp_path):
+    """A layer of the specedge form is norm, q|k|v (+ bias), attention, o (+ residual), norm, gate|up (SwiGLU),
+    down (+ residual): the additions and the activation run in SekMatMul's epilogue, not as nodes of their own.
+    The logits stay those of the fp32 bundle up to int8 (a wiring error — the halves swapped, a bias or a residual
+    lost — moves them by far more), and speculation stays exact."""
+    import onnx
+
+    src = request.getfixturevalue(model)
+    dec = SpecDecoder.load(export_bundle(src, "prompt-lookup", tmp_path / "s",
+                                         _opts("int8", "ort-inplace", form="specedge")).out)
+    graph = onnx.load(str(dec.bundle_dir / "target.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    layers = dec.manifest.target.dims.n_layers
+    assert "Sigmoid" not in ops and "Split" not in ops
+    mm = [n for n in graph.node if n.op_type == "SekMatMul"]
+    swiglu = [n for n in mm if any(a.name == "activation" and a.i == 1 for a in n.attribute)]
+    with_residual = [n for n in mm if len(n.input) == 6 and n.input[5]]
+    with_bias = [n for n in mm if len(n.input) >= 5 and n.input[4]]
+    assert len(swiglu) == layers and len(with_residual) == 2 * layers
+    assert len(with_bias) == (layers if model == "tiny_qwen" else 0)
+    fp32 = SpecDecoder.load(export_bundle(src, "prompt-lookup", tmp_path / "f", _opts("fp32", "ort-inplace")).out)
+    ids = fp32.encode_prompt(PROMPTS[1])
+    a, b = _logits(fp32, ids), _logits(dec, ids)
+    assert np.abs(a - b).max() / np.abs(a).max() < 0.05
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    for prompt in PROMPTS:
+        plain = dec.generate(prompt, params, drafter="none").token_ids
+        for k in (1, 4):
+            assert dec.generate(prompt, params, drafter="prompt-lookup", k=k).token_ids == plain, (prompt, k)

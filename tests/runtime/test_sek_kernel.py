@@ -364,6 +364,85 @@ def test_onnx_runtime_runs_the_op_row_invariantly_on_its_thread_pool(kernel):
     assert np.array_equal(_session(_model(b, s, z, 300, n_pad, 4, 64), threads=1).run(None, {"x": x})[0], y)
 
 
+def _fused_model(b, s, z, k: int, n: int, bits: int, block: int, bias=None, residual_width: int | None = None,
+                 fused: bool = True, **attrs) -> bytes:
+    """SekMatMul with its epilogue (bias, SwiGLU via ``activation=1``, residual input "r") fused into the op, or
+    (``fused=False``) the same as the separate nodes a graph had before: Add bias, then Add(r, y)."""
+    inits = [(b, "b"), (s, "s"), (z, "z")] + ([(bias, "bias")] if bias is not None else [])
+    n_out = n // 2 if attrs.get("activation") == 1 else n
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", k])]
+    if residual_width is not None:
+        ins.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, "T", residual_width]))
+    if fused:
+        extra = ["bias" if bias is not None else "", "r" if residual_width is not None else ""]
+        while extra and not extra[-1]:
+            extra.pop()
+        nodes = [helper.make_node("SekMatMul", ["x", "b", "s", "z", *extra], ["y"], domain="ai.specedge",
+                                  **{"K": k, "N": n, "bits": bits, "block_size": block, **attrs})]
+    else:
+        nodes = [helper.make_node("SekMatMul", ["x", "b", "s", "z"], ["mm"], domain="ai.specedge",
+                                  **{"K": k, "N": n, "bits": bits, "block_size": block})]
+        last = "mm"
+        if bias is not None:
+            nodes.append(helper.make_node("Add", [last, "bias"], ["mb"]))
+            last = "mb"
+        nodes.append(helper.make_node("Add", ["r", last], ["y"]) if residual_width is not None
+                     else helper.make_node("Identity", [last], ["y"]))
+    g = helper.make_graph(nodes, "g", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "T", n_out])],
+                          [numpy_helper.from_array(v, name) for v, name in inits])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                               helper.make_opsetid("ai.specedge", 1)]).SerializeToString()
+
+
+def test_the_fused_bias_and_residual_give_the_bits_of_separate_add_nodes():
+    rng = np.random.default_rng(17)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 96, 256, 4, 128, False)
+    bias = rng.standard_normal(n_pad).astype(np.float32)
+    x = rng.standard_normal((1, 7, 256)).astype(np.float32)
+    r = rng.standard_normal((1, 7, n_pad)).astype(np.float32) * 3
+    for with_bias in (True, False):
+        bb = bias if with_bias else None
+        fused = _session(_fused_model(b, s, z, 256, n_pad, 4, 128, bb, n_pad)).run(None, {"x": x, "r": r})[0]
+        apart = _session(_fused_model(b, s, z, 256, n_pad, 4, 128, bb, n_pad, fused=False)).run(None, {"x": x, "r": r})[0]
+        assert np.array_equal(fused, apart), with_bias
+    only_bias = _session(_fused_model(b, s, z, 256, n_pad, 4, 128, bias)).run(None, {"x": x})[0]
+    plain = _session(_model(b, s, z, 256, n_pad, 4, 128)).run(None, {"x": x})[0]
+    assert np.array_equal(only_bias, plain + bias)
+
+
+def test_the_fused_swiglu_is_silu_of_the_gate_times_up_and_row_invariant():
+    rng = np.random.default_rng(18)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 128, 256, 4, 64, False)
+    x = rng.standard_normal((1, 9, 256)).astype(np.float32) * 4
+    r = rng.standard_normal((1, 9, 64)).astype(np.float32)
+    sess = _session(_fused_model(b, s, z, 256, n_pad, 4, 64, None, 64, activation=1))
+    y = sess.run(None, {"x": x, "r": r})[0]
+    assert y.shape == (1, 9, 64)
+    pre = _session(_model(b, s, z, 256, n_pad, 4, 64)).run(None, {"x": x})[0].astype(np.float64)
+    gate, up = pre[..., :64], pre[..., 64:]
+    want = gate / (1 + np.exp(-gate)) * up + r
+    np.testing.assert_allclose(y, want, rtol=2e-6, atol=1e-6 * np.abs(want).max())
+    for t in range(1, 9):  # every row alone and in windows: the same bits
+        for start in range(0, 9 - t + 1, 3):
+            part = sess.run(None, {"x": x[:, start:start + t], "r": r[:, start:start + t]})[0]
+            assert np.array_equal(part, y[:, start:start + t]), (t, start)
+
+
+def test_the_fused_epilogue_refuses_what_it_cannot_hold():
+    rng = np.random.default_rng(19)
+    p, (b, s, z, n_pad, k_pad) = _matrix(rng, 48, 128, 4, 64, False)
+    x = np.zeros((1, 2, 128), np.float32)
+    with pytest.raises(Exception, match="activation 1 with N 48: 0 .none. or 1 .SwiGLU, N a multiple of 32"):
+        _session(_fused_model(b, s, z, 128, n_pad, 4, 64, activation=1))
+    with pytest.raises(Exception, match="activation 3"):
+        _session(_fused_model(b, s, z, 128, n_pad, 4, 64, activation=3))
+    with pytest.raises(Exception, match="the bias holds 47 values, the output needs 48"):
+        _session(_fused_model(b, s, z, 128, n_pad, 4, 64, np.zeros(47, np.float32))).run(None, {"x": x})
+    with pytest.raises(Exception, match="the residual holds 94 values, the output needs 96"):
+        _session(_fused_model(b, s, z, 128, n_pad, 4, 64, None, 47)).run(
+            None, {"x": x, "r": np.zeros((1, 2, 47), np.float32)})
+
+
 def test_onnx_runtime_reports_bad_shapes_clearly():
     rng = np.random.default_rng(8)
     p, (b, s, z, n_pad, k_pad) = _matrix(rng, 32, 128, 4, 64, True)
