@@ -285,6 +285,9 @@ def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_
     for m in (1, 4, 10):
         assert np.array_equal(kernel.gemm_sb(many[m - 1:m], b, sc, d, mn, dmin, n_pad, p.k, block, bits, 256, zp)[0],
                               full[m - 1]), m
+    for t in (5, 6, 7, 9):  # steps taken two tiles a pass (5 rows at a time) or one tile with every row
+        assert np.array_equal(kernel.gemm_sb(many[2:2 + t], b, sc, d, mn, dmin, n_pad, p.k, block, bits, 256, zp),
+                              full[2:2 + t]), t
     y = _session(_model_sb(b, sc, d, mn, dmin, p.k, n_pad, bits, block, zp)).run(None, {"x": a[None]})[0][0]
     assert np.array_equal(y[:, :n], ref)
 
