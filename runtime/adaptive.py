@@ -342,7 +342,7 @@ class AutoDrafter:
             # a probe drafts its whole (short) length: it is there to measure, and the confidence gate, shared with
             # the earlier requests, would cut it to one token where their drafts failed
             keep = None if self._probing else (lambda conf: self.gate.acceptance(conf) >= threshold)
-            prop = self.model.propose(tokens, d.k, params, rng, keep=keep)
+            prop = self.model.propose(tokens, d.k, params, rng, keep=keep, keep_last=self._worth_verifying)
             self.costs.observe_catchup(plan, self.model.time_catch_up - t0)
             self.costs.model_tried = True
             self._confs = self.model.confidences
@@ -351,6 +351,15 @@ class AutoDrafter:
             return prop
         self._last = ("none", 0)
         return EMPTY
+
+    def _worth_verifying(self, conf: float, n: int) -> bool:
+        """The draw that stopped a round, its draft step already paid: proposed as the round's n-th token when its
+        expected worth (its confidence bin's acceptance times a plain step, the time a token costs without it) beats
+        the extra row it adds to the verify step. On 2 EPYC cores a row of a 2-5 token step costs 1-3 ms against a
+        33 ms plain step, so a draw that passes a tenth of the time pays; dropping it threw away a draft step
+        (~11 ms for the Qwen 0.5B draft) a round."""
+        extra = self.costs.verify_time(n + 1) - self.costs.verify_time(n)
+        return self.gate.acceptance(conf) * self.costs.verify_time(1) > extra
 
     def _probe_size(self, d: Decision) -> Decision:
         """A probe is chosen at the draft length that would pay if the draft were good, and run shorter: it is there
@@ -363,7 +372,13 @@ class AutoDrafter:
         kind, n = self._last
         if kind == "none":
             return
-        self.alpha[kind].update(n, n_accepted)
+        if kind == "model" and getattr(self.model, "last_was_stopper", False):
+            # the draw the gate stopped at rode along for free: the acceptance the next rounds are priced by is that
+            # of the tokens the gate lets through (with the stopper's misses in it, auto drafted less where the draft
+            # is good); its confidence bin learns from it below all the same
+            self.alpha[kind].update(n - 1, min(n_accepted, n - 1))
+        else:
+            self.alpha[kind].update(n, n_accepted)
         if kind == "model" and self._probing and 0 < n == n_accepted:
             # a probe whose drafts all pass goes on, longer: three 2-token rounds cannot outweigh the acceptance an
             # earlier request carried over (a JSON answer after a chat one went back to plain with the draft at 6/6)

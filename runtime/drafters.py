@@ -154,10 +154,12 @@ class ModelDrafter:
         pad = np.full(logits.shape[:-1] + (self.target_vocab - v,), -np.inf, dtype=logits.dtype)
         return np.concatenate([logits, pad], axis=-1)
 
-    def propose(self, tokens, k, params, rng, keep=None) -> Proposal:  # noqa: ANN001
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None) -> Proposal:  # noqa: ANN001
         """Draft up to k tokens. ``keep(confidence)``, if given, is asked after each draw with the draft's
         top probability at that step, the first included; a False stops drafting and drops that draw (the first
-        draw is always kept); ``self.dropped`` is then (the dropped token, its confidence), else None.
+        draw is always kept); ``self.dropped`` is then (the dropped token, its confidence), else None — unless
+        ``keep_last(confidence, n)`` says to propose it all the same, as the last of n tokens: its draft step is
+        already paid, and verifying it costs only a row of the target's step (``self.last_was_stopper`` then).
         ``self.confidences`` holds the kept tokens' confidences."""
         n = len(tokens)
         t0 = time.perf_counter()
@@ -170,13 +172,14 @@ class ModelDrafter:
         self._base, self._k = n, k
         self.confidences: list[float] = []
         self.dropped = None
+        self.last_was_stopper = False  # whether the last proposed token is the draw keep() stopped at
         if k <= 0:
             return EMPTY
         draft = np.zeros(k, dtype=np.int64)
         q = None if params.greedy else np.zeros((k, self.target_vocab))
         last, pos = int(tokens[-1]), n - 1
         t1 = time.perf_counter()
-        kept = k
+        kept = steps = k
         for i in range(k):
             logits = self._logits_for_target(self.runner.step([last], pos, all_logits=False)[0])
             if params.greedy:
@@ -193,13 +196,20 @@ class ModelDrafter:
                 last = keyed_sample(q[i], params.seed, n + i) if params.sampler == "keyed" else sample(q[i], rng)
                 conf = float(q[i].max())
             if keep is not None and not keep(conf) and i > 0:
-                kept = i
-                self.dropped = (last, conf)  # (a round that passes whole verifies it anyway: its bonus token)
+                steps = i + 1
+                if keep_last is not None and keep_last(conf, i + 1):
+                    draft[i] = last
+                    self.confidences.append(conf)
+                    kept = i + 1
+                    self.last_was_stopper = True
+                else:
+                    kept = i
+                    self.dropped = (last, conf)  # (a round that passes whole verifies it anyway: its bonus token)
                 break
             draft[i] = last
             self.confidences.append(conf)
             pos += 1
-        self.step_time = (time.perf_counter() - t1) / (min(kept + 1, k))  # seconds per draft step
+        self.step_time = (time.perf_counter() - t1) / steps  # seconds per draft step
         self.clock.record(1, self.step_time)
         self._k = kept
         self.rows = n - 1 + kept  # rows for tokens[-1], d_1..d_{kept-1} (a dropped draw's row is not counted)

@@ -78,7 +78,7 @@ class ScriptedModel:
     def reset(self):
         pass
 
-    def propose(self, tokens, k, params, rng, keep=None):  # noqa: ANN001
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None):  # noqa: ANN001
         self.calls += 1
         n = k
         for i in range(1, k):
@@ -245,7 +245,7 @@ class GatedModel(ScriptedModel):
     """Drafts token 7, the first draw 95 % sure and the others at ``confidence``; asks ``keep`` after every draw as
     ModelDrafter does, and says which draw the gate dropped."""
 
-    def propose(self, tokens, k, params, rng, keep=None):  # noqa: ANN001
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None):  # noqa: ANN001
         self.calls, n, self.dropped = self.calls + 1, k, None
         confs = [0.95] + [self.confidence] * (k - 1)
         for i in range(k):
@@ -280,3 +280,31 @@ def test_the_gate_learns_from_the_draw_it_dropped_when_the_round_passes_whole():
         tokens += [7] * (n + 1)
     assert auto.gate.acceptance(0.35) > c.break_even_acceptance(8)
     assert lengths[0] == 1 and lengths[-1] > 1, lengths
+
+
+def test_auto_verifies_the_draw_that_stopped_a_round_where_its_row_is_cheap():
+    """The gate's stopping draw has its draft step paid: auto proposes it when its bin's acceptance times a plain
+    step beats the extra verify row (a 4-token round's fourth row), not where it would widen the step from 6 to 9."""
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 4: 0.039, 5: 0.041, 6: 0.047, 9: 0.062}, 0.011)
+    auto = AutoDrafter(c, NoDrafter(), GatedModel(confidence=0.35))
+    assert auto._worth_verifying(0.35, 3)  # 0.35 x 33 ms against 3 ms: worth it
+    assert not auto._worth_verifying(0.35, 6)  # against 15 ms (width 7 runs as 9): not
+    assert not auto._worth_verifying(0.02, 2)  # a draw that passes 2 % of the time: 0.7 ms against 2 ms
+
+
+def test_a_stopper_that_rode_along_does_not_lower_the_drafts_priced_acceptance():
+    """A round whose last token was the gate's stopping draw (proposed because its row was cheap) counts for the
+    draft's acceptance as the round the gate let through: the stopper's miss is not a failure of the gated draft."""
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011)
+    model = GatedModel(confidence=0.9)
+    auto = AutoDrafter(c, NoDrafter(), model)
+    auto.alpha["model"] = Acceptance(successes=9, failures=1, decay=1.0)
+    auto._last = ("model", 3)
+    model.last_was_stopper, model.dropped = True, None
+    auto._confs = [0.95, 0.9, 0.3]
+    auto.commit(2)  # the two gated drafts passed, the stopper did not
+    assert (auto.alpha["model"].successes, auto.alpha["model"].failures) == (11, 1)
+    model.last_was_stopper = False
+    auto._last = ("model", 3)
+    auto.commit(2)  # a gated draft failed: a failure
+    assert (auto.alpha["model"].successes, auto.alpha["model"].failures) == (13, 2)

@@ -350,3 +350,14 @@ def test_the_draft_reports_the_draw_its_gate_dropped(decoders):
     assert len(never.propose(tokens, 4, params, None, keep=lambda c: False).tokens) == 1 and never.dropped[0] == \
         int(full.tokens[1])
     assert fresh().propose(tokens, 4, params, None, keep=lambda c: True).tokens.tolist() == full.tokens.tolist()
+    # keep_last: the draw that stopped the round is proposed all the same (its draft step is paid), as the last
+    last = fresh()
+    asked_last: list[tuple[float, int]] = []
+    prop = last.propose(tokens, 4, params, None, keep=lambda c: c != asked[2],
+                        keep_last=lambda c, n: asked_last.append((c, n)) or True)
+    assert prop.tokens.tolist() == full.tokens[:3].tolist() and asked_last == [(asked[2], 3)]
+    assert last.dropped is None and last.confidences == asked[:3] and last.rows == len(tokens) - 1 + 3
+    declined = fresh()
+    assert declined.propose(tokens, 4, params, None, keep=lambda c: c != asked[2],
+                            keep_last=lambda c, n: False).tokens.tolist() == full.tokens[:2].tolist()
+    assert declined.dropped == (int(full.tokens[2]), asked[2])
