@@ -103,6 +103,17 @@ PLANTS = {
     "specedge attention: the new k rows stored without RoPE": (
         "runtime/csrc/sek_attn.c", "            rope(k, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);\n",
         "", ["tests/runtime/test_sek_kernel.py"]),
+    "SekMatMul's fused residual addition dropped": (
+        "runtime/csrc/sek_ort.c", "    if (j->residual) add_columns(", "    if (0 && j->residual) add_columns(",
+        ["tests/runtime/test_sek_kernel.py", "tests/export/test_quantized_bundle.py::"
+         "test_the_specedge_form_fuses_each_layers_bias_swiglu_and_residuals_into_its_matmuls"]),
+    "SwiGLU with the gate and up halves swapped": (
+        "runtime/csrc/sek_act.c", "*gate = y + r * 2 * f, *up = gate + f;", "*up = y + r * 2 * f, *gate = up + f;",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "auto's sunk stopper counted as a miss of the gated draft": (
+        "runtime/adaptive.py", "self.alpha[kind].update(n - 1, min(n_accepted, n - 1))",
+        "self.alpha[kind].update(n, n_accepted)",
+        ["tests/runtime/test_adaptive.py"]),
     "lookup bound assumes every drafted token passes": (
         "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),
