@@ -73,6 +73,7 @@ class CostModel:
     catchup_scale: float = 1.0  # catch-ups' measured time over their prediction (running)
     guess_alpha: float = 0.0  # how often a plain round's free one-token guess is confirmed (invariant decoders)
     model_tried: bool = False  # whether auto has run a draft-model round on this decoder yet
+    model_streak: float = 32.0  # rounds a run of draft-model rounds lasts before another kind (running; prior: long)
     model_acceptance: Acceptance = field(default_factory=lambda: Acceptance())
     gate: ConfidenceGate = field(default_factory=lambda: ConfidenceGate())
 
@@ -245,6 +246,7 @@ class AutoDrafter:
     FIRST_PROBE = 4  # plain rounds before a request's first re-probe (then the gap doubles; probe_every after drafting)
     PROBE_ROUNDS = 3  # rounds a draft-model probe runs before its acceptance decides again
     PROBE_K = 2  # a probe's draft length (at most): enough to measure acceptance, cheap where the draft fails
+    STREAK_AMORTIZE = True  # spread the catch-up over the model rounds' measured run length (CostModel.model_streak)
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -279,6 +281,7 @@ class AutoDrafter:
         self._round_start = 0
         self.rounds = {}
         self._start: int | None = None  # context length at the request's first round
+        self._streak = 0  # model rounds in a row so far
 
     def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
         if k <= 0:  # the last token of a request: nothing to draft
@@ -296,6 +299,8 @@ class AutoDrafter:
         if self._start is None:
             self._start = len(tokens)  # the prompt and the token its prefill produced
         horizon = min(self.HORIZON_CAP, max(1, params.max_new_tokens - 1 - (len(tokens) - self._start)))
+        if self.STREAK_AMORTIZE and self.model is not None and catchup > 0:
+            catchup = self._streak_priced(catchup, horizon, k)
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
         d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,
                    model_overhead=catchup, horizon=horizon)
@@ -330,6 +335,11 @@ class AutoDrafter:
         else:
             self._plain_streak, self._probe_gap = 0, self.probe_every
         self.rounds[d.kind] = self.rounds.get(d.kind, 0) + 1
+        if d.kind == "model":
+            self._streak += 1
+        elif self._streak:
+            self.costs.model_streak = 0.7 * self.costs.model_streak + 0.3 * self._streak
+            self._streak = 0
         if d.kind == "prompt-lookup":
             look = Proposal(look.tokens[: d.k] if d.k else look.tokens, None)
             self._last = ("prompt-lookup", len(look.tokens))
@@ -351,6 +361,16 @@ class AutoDrafter:
             return prop
         self._last = ("none", 0)
         return EMPTY
+
+    def _streak_priced(self, catchup: float, horizon: int, k: int) -> float:
+        """The catch-up as ``decide`` spreads it over ``horizon`` tokens, re-priced by what it buys: it serves the
+        run of model rounds it starts, and then auto turns to another kind and the draft falls behind again. So it
+        is spread over a run as long as they have lasted (``CostModel.model_streak`` rounds, running across
+        requests; prior 32: the whole request, as before), not over the request. Spread over the request, a model
+        round after a few lookup rounds looked cheap on edit and summarize prompts and was not: auto ran 0.77-0.87x
+        fixed lookup there."""
+        run = max(1.0, self.costs.model_streak * expected_tokens_per_round(self.alpha["model"].alpha, min(k, 4)))
+        return catchup * max(1.0, horizon / run)
 
     def _worth_verifying(self, conf: float, n: int) -> bool:
         """The draw that stopped a round, its draft step already paid: proposed as the round's n-th token when its

@@ -114,6 +114,9 @@ PLANTS = {
         "runtime/adaptive.py", "self.alpha[kind].update(n - 1, min(n_accepted, n - 1))",
         "self.alpha[kind].update(n, n_accepted)",
         ["tests/runtime/test_adaptive.py"]),
+    "auto's catch-up spread over the request again, not over the model rounds' runs": (
+        "runtime/adaptive.py", "return catchup * max(1.0, horizon / run)", "return catchup",
+        ["tests/runtime/test_adaptive.py"]),
     "lookup bound assumes every drafted token passes": (
         "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),

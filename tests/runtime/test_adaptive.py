@@ -308,3 +308,24 @@ def test_a_stopper_that_rode_along_does_not_lower_the_drafts_priced_acceptance()
     auto._last = ("model", 3)
     auto.commit(2)  # a gated draft failed: a failure
     assert (auto.alpha["model"].successes, auto.alpha["model"].failures) == (13, 2)
+
+
+def test_the_drafts_catch_up_is_spread_over_the_runs_of_model_rounds_it_serves():
+    """A catch-up serves the run of model rounds it starts; then auto turns to lookup or plain and the draft falls
+    behind again. Spread over the whole request (the prior, 32 rounds), a model round after a few lookup rounds
+    looked cheap on edit and summarize prompts (auto 0.77-0.87x fixed lookup); spread over the runs measured, it
+    is priced as it is paid."""
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011)
+    auto = AutoDrafter(c, NoDrafter(), GatedModel(confidence=0.9))
+    auto.alpha["model"] = Acceptance(successes=9, failures=1)
+    assert auto._streak_priced(0.1, 90, 8) == pytest.approx(0.1)  # the prior: as before
+    catchup, horizon = 0.12, 90  # 10 tokens behind, as single draft steps
+    before = decide(c, 0.5, 0, 0.9, 8, model_overhead=catchup, horizon=horizon)
+    c.model_streak = 2.0  # runs of two model rounds
+    after = decide(c, 0.5, 0, 0.9, 8, model_overhead=auto._streak_priced(catchup, horizon, 8), horizon=horizon)
+    assert before.kind == "model" and after.kind == "none", (before, after)
+    # the run length is learned from the rounds: a run of 3 model rounds ending moves the estimate towards 3
+    c.draft, c.model_streak = None, 32.0  # (no draft price: the round is plain)
+    auto._streak = 3
+    auto.propose(np.arange(10, 40, dtype=np.int64), 8, SamplingParams(), np.random.default_rng(0))
+    assert c.model_streak == pytest.approx(0.7 * 32 + 0.3 * 3) and auto._streak == 0
