@@ -294,7 +294,7 @@ class AutoDrafter:
             if at < len(tokens):
                 self.gate.record([conf], accepted=int(tokens[at] == token))
         look = self.lookup.propose(tokens, k, params, rng)
-        plan = self.model.catchup_plan(len(tokens)) if self.model is not None else []  # what the draft must feed first
+        plan = self.model.catchup_plan(len(tokens), tokens) if self.model is not None else []  # what the draft must feed first
         catchup = self.costs.catchup_time(plan)
         if self._start is None:
             self._start = len(tokens)  # the prompt and the token its prefill produced

@@ -133,12 +133,15 @@ class ModelDrafter:
         self.rows = 0
         self._k = 0
 
-    def catchup_plan(self, n_tokens: int) -> list[int]:
-        """Tokens per step that catching up with ``n_tokens`` committed tokens will take (empty: none to feed)."""
-        behind = n_tokens - 1 - self.rows
+    def catchup_plan(self, n_tokens: int, tokens: np.ndarray | None = None) -> list[int]:
+        """Tokens per step that catching up with ``n_tokens`` committed tokens will take (empty: none to feed).
+        Given the tokens, counted from the rows ``propose`` will adopt from the draft cache (the rows another
+        request left there that agree with them: a repeated or continued prompt is mostly there already)."""
+        rows = self.rows if tokens is None else self._adoptable(tokens)
+        behind = n_tokens - 1 - rows
         if behind <= 0:
             return []
-        plan = feed_plan(self.runner, behind, self.rows, self.prefill_chunk, cost=self.clock.cost)
+        plan = feed_plan(self.runner, behind, rows, self.prefill_chunk, cost=self.clock.cost)
         return [take for take, _ in plan]
 
     def _logits_for_target(self, logits: np.ndarray) -> np.ndarray:
@@ -224,13 +227,20 @@ class ModelDrafter:
         only the rows that agree with these tokens — a chat turn's draft then catches up on its new tokens only."""
         if getattr(self.runner, "draft_owner", None) is self:
             return
-        prev = getattr(self.runner, "draft_rows_for", None)
-        self.rows = 0
-        if prev is not None:
-            m = min(len(prev), len(tokens) - 1)
-            diff = np.flatnonzero(prev[:m] != tokens[:m])
-            self.rows = int(diff[0]) if len(diff) else m
+        self.rows = self._adoptable(tokens)
         self.runner.draft_owner = self
+
+    def _adoptable(self, tokens: np.ndarray) -> int:
+        """The draft cache's rows this drafter can use for these tokens: its own, or, where another drafter used the
+        cache last, the leading rows that agree with them."""
+        if getattr(self.runner, "draft_owner", None) is self:
+            return self.rows
+        prev = getattr(self.runner, "draft_rows_for", None)
+        if prev is None:
+            return 0
+        m = min(len(prev), len(tokens) - 1)
+        diff = np.flatnonzero(prev[:m] != tokens[:m])
+        return int(diff[0]) if len(diff) else m
 
 
 class StepClock:

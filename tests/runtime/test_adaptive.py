@@ -92,7 +92,7 @@ class ScriptedModel:
     def commit(self, n_accepted):
         pass
 
-    def catchup_plan(self, n_tokens):
+    def catchup_plan(self, n_tokens, tokens=None):
         return []  # always caught up
 
 

@@ -326,6 +326,28 @@ def test_the_draft_catches_up_in_its_cheapest_steps_by_their_measured_times():
     assert feed_plan(runner, 5, 24, 64, cost=clock.cost) == [(1, False)] * 4 + [(1, True)]
 
 
+def test_the_drafts_catch_up_counts_the_rows_it_will_adopt(decoders):
+    """A new request's drafter prices its catch-up from the rows another request left in the draft cache that agree
+    with its tokens (what ``propose`` adopts), not from an empty cache: a repeated prompt's catch-up is its new
+    tokens only (priced from zero, auto's horizon turned a repeated JSON prompt's draft rounds into plain ones)."""
+    from specedge.runtime.drafters import ModelDrafter
+
+    dec = decoders["model"]
+    P, V = dec.manifest.prefill_chunk, dec.manifest.target.dims.vocab
+    params = SamplingParams(max_new_tokens=8)
+    first = ModelDrafter(dec.draft_runner, V, P)
+    tokens = np.arange(3, 40, dtype=np.int64)
+    first.propose(tokens, 2, params, None)  # the cache now holds rows for tokens[:-1] (and a draft row)
+    second = ModelDrafter(dec.draft_runner, V, P)
+    longer = np.concatenate([tokens, np.arange(50, 55, dtype=np.int64)])
+    assert sum(second.catchup_plan(len(longer), longer)) == 5  # tokens[-1] and four new ones; the rest adopted
+    assert sum(second.catchup_plan(len(longer))) == len(longer) - 1  # without the tokens: its own rows (none)
+    other = np.concatenate([tokens[:10], np.arange(60, 80, dtype=np.int64)])
+    assert sum(second.catchup_plan(len(other), other)) == len(other) - 1 - 10  # agrees for 10 rows only
+    second.propose(longer, 2, params, None)
+    assert second.rows >= len(longer) - 1
+
+
 def test_the_draft_reports_the_draw_its_gate_dropped(decoders):
     """keep(conf) is asked after every draw, the first included (whose answer is ignored); the draw that stops a
     round is not proposed, but named in ``dropped`` with its confidence, so auto can check it against the target's
