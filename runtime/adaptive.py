@@ -246,7 +246,6 @@ class AutoDrafter:
     FIRST_PROBE = 4  # plain rounds before a request's first re-probe (then the gap doubles; probe_every after drafting)
     PROBE_ROUNDS = 3  # rounds a draft-model probe runs before its acceptance decides again
     PROBE_K = 2  # a probe's draft length (at most): enough to measure acceptance, cheap where the draft fails
-    STREAK_AMORTIZE = True  # spread the catch-up over the model rounds' measured run length (CostModel.model_streak)
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -294,12 +293,13 @@ class AutoDrafter:
             if at < len(tokens):
                 self.gate.record([conf], accepted=int(tokens[at] == token))
         look = self.lookup.propose(tokens, k, params, rng)
-        plan = self.model.catchup_plan(len(tokens), tokens) if self.model is not None else []  # what the draft must feed first
+        # what the draft must feed first
+        plan = self.model.catchup_plan(len(tokens), tokens) if self.model is not None else []
         catchup = self.costs.catchup_time(plan)
         if self._start is None:
             self._start = len(tokens)  # the prompt and the token its prefill produced
         horizon = min(self.HORIZON_CAP, max(1, params.max_new_tokens - 1 - (len(tokens) - self._start)))
-        if self.STREAK_AMORTIZE and self.model is not None and catchup > 0:
+        if self.model is not None and catchup > 0:
             catchup = self._streak_priced(catchup, horizon, k)
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
         d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,

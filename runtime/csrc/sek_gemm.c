@@ -559,7 +559,8 @@ static inline __attribute__((always_inline)) void strip_sb_vnni512(const sek_row
 
 /* Tiles [t0, t1) in pairs, the rows in passes of up to SEK_RMAX (SEK_RMAX_SB with two-level scales). */
 static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
-    const int sb = w->sc != NULL, wide_sb = sb && x->m > SEK_RMAX_SB + 1, rmax = sb && !wide_sb ? SEK_RMAX_SB : SEK_RMAX;
+    const int sb = w->sc != NULL, wide_sb = sb && x->m > SEK_RMAX_SB + 1;
+    const int rmax = sb && !wide_sb ? SEK_RMAX_SB : SEK_RMAX;
     for (int64_t t = t0; t < t1; t += wide_sb ? 1 : 2) {
         const int nt = t1 - t >= 2 && !wide_sb ? 2 : 1;
         for (int64_t r0 = 0; r0 < x->m; r0 += rmax) {

@@ -316,6 +316,16 @@ static OrtStatus *epilogue_inputs(OrtApiTable api, OrtKernelContext *ctx, int64_
     return NULL;
 }
 
+/* *buf holds at least `need` bytes afterwards (grown with realloc, kept between calls); 0 when out of memory. */
+static int grow(void **buf, size_t *size, size_t need) {
+    if (need <= *size) return 1;
+    void *bigger = realloc(*buf, need);
+    if (!bigger) return 0;
+    *buf = bigger;
+    *size = need;
+    return 1;
+}
+
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     const SekKernel *k = (const SekKernel *)kernel;
     OrtApiTable api = k->api;
@@ -344,36 +354,25 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     void *y;
     TRY(GetTensorMutableData(api)(out, &y));
     if (m == 0) return NULL;
-    /* with an activation the product goes to a per-thread buffer first, and the activation writes the output */
-    static _Thread_local float *pre = NULL;
-    static _Thread_local size_t pre_size = 0;
-    if (k->act != ACT_NONE && (size_t)(m * k->n) > pre_size) {
-        float *bigger = realloc(pre, (size_t)(m * k->n) * sizeof(float));
-        if (!bigger) return fail(api, ORT_FAIL, "%s: out of memory", name);
-        pre = bigger;
-        pre_size = (size_t)(m * k->n);
-    }
-    /* the quantized rows live in a per-thread buffer grown as needed: no allocation per call in a decode loop */
-    static _Thread_local void *scratch = NULL;
-    static _Thread_local size_t scratch_size = 0;
+    /* per-thread buffers grown as needed (no allocation per call in a decode loop): the quantized rows, and with an
+     * activation the product before it (the activation then writes the output) */
+    static _Thread_local void *scratch = NULL, *pre = NULL;
+    static _Thread_local size_t scratch_size = 0, pre_size = 0;
     const size_t need = k->sblk ? sek_sb_scratch_bytes(m, kpad, k->sblk, k->blk) : sek_scratch_bytes(m, kpad, k->blk);
-    if (need > scratch_size) {
-        void *bigger = realloc(scratch, need);
-        if (!bigger) return fail(api, ORT_FAIL, "%s: out of memory", name);
-        scratch = bigger;
-        scratch_size = need;
-    }
+    if (!grow(&scratch, &scratch_size, need) ||
+        (k->act != ACT_NONE && !grow(&pre, &pre_size, (size_t)(m * k->n) * sizeof(float))))
+        return fail(api, ORT_FAIL, "%s: out of memory", name);
     sek_rows x;
     if (k->sblk) /* activations per super-block, with their sums per block */
         sek_quantize_sb((const float *)A->data, m, k->k, k->k, kpad, k->sblk, k->blk, scratch, &x, k->isa);
     else
         sek_quantize((const float *)A->data, m, k->k, k->k, kpad, k->blk, scratch, &x, k->isa);
-    Job job = {&x, &w, k->act == ACT_NONE ? (float *)y : pre, k->isa, k->n / 16, bias,
+    Job job = {&x, &w, k->act == ACT_NONE ? (float *)y : (float *)pre, k->isa, k->n / 16, bias,
                k->act == ACT_NONE ? residual : NULL};
     const size_t items = (size_t)((job.ntiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM);
     TRY(KernelContext_ParallelFor(api)(ctx, run_item, items, 0, &job));
     if (k->act == ACT_SWIGLU) {
-        sek_swiglu(pre, m, n_out, (float *)y);
+        sek_swiglu((const float *)pre, m, n_out, (float *)y);
         if (residual) add_columns((float *)y, m, n_out, 0, n_out, residual, n_out);
     }
     return NULL;
