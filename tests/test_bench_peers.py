@@ -38,3 +38,26 @@ def test_another_bundle_of_ours_counts_as_ours_not_as_a_peer():
     (line,) = _tool().per_prompt_table([row], names)[2:]
     # auto against our plain, and against the best fixed configuration of its own bundle (20.0, not 34.0)
     assert line == "| edit-0 | ours[int8] prompt-lookup:8 34.0 | llama.cpp plain 25.0 | 1.36× | 1.10× | 1.10× |"
+
+
+def test_a_suite_is_judged_by_one_configuration_over_all_its_prompts_time_weighted():
+    def cell(v, n=11):
+        return {"decode_tok_s": v, "new_tokens": n}
+
+    rows = [{"id": "summarize-0", "ours plain": cell(20.0), "ours prompt-lookup:8": cell(40.0),
+             "ours auto:8": cell(30.0), "ours model:4": cell(25.0), "peer plain": cell(25.0),
+             "peer n-gram": cell(20.0)},
+            {"id": "summarize-1", "ours plain": cell(20.0), "ours prompt-lookup:8": cell(10.0),
+             "ours auto:8": cell(20.0), "ours model:4": cell(25.0), "peer plain": cell(25.0),
+             "peer n-gram": cell(50.0)},
+            {"id": "chat-0", "ours plain": cell(30.0, 21), "ours prompt-lookup:8": cell(30.0, 21),
+             "ours auto:8": cell(33.0, 21), "ours model:4": cell(20.0, 21), "peer plain": cell(30.0, 21),
+             "peer n-gram": cell(15.0, 21)}]
+    names = [n for n in rows[0] if n != "id"]
+    head, _, summarize, chat = _tool().per_suite_table(rows, names)
+    assert head.startswith("| suite (prompts) |")
+    # lookup:8 wins one prompt 40 to 25 but loses the other 10 to 25: 20 tokens in 0.25 + 1.0 s = 16 tok/s, so
+    # the suite's best fixed configuration is model:4 (25); the peers' best over both prompts is plain (25 tok/s,
+    # n-gram 20 / (0.5 + 0.2) = 28.6 beats it)
+    assert summarize == ("| summarize (2) | ours model:4 25.0 | peer n-gram 28.6 | 0.88× | 1.20× | 0.96× |")
+    assert chat == "| chat (1) | ours auto:8 33.0 | peer plain 30.0 | 1.10× | 1.10× | 1.10× |"

@@ -12,6 +12,10 @@ Every engine gets the same prompt token ids (from the bundle's tokenizer and cha
 decodes greedily from the weights the bundle was exported from (its GGUF or HF directory).
 
 * ours: plain (drafter none) and each ``--spec drafter:k``.
+
+The report: every configuration's per-prompt speeds, then per prompt and per suite (one configuration for all of a
+suite's prompts, time-weighted: ``--per-suite 3`` for the whole suite) our best against the best peer and auto against
+our plain and our best fixed configuration.
 * hf (transformers, torch CPU, fp32): plain; assisted generation with the bundle's draft model
   (``assistant_model``, constant ``num_assistant_tokens`` = k) for ``model:k``; prompt lookup
   (``prompt_lookup_num_tokens`` = k) for ``prompt-lookup:k``.
@@ -341,26 +345,52 @@ def parse_specs(s: str) -> list[tuple[str, int]]:
     return out
 
 
-def per_prompt_table(rows: list[dict], names: list[str]) -> list[str]:
-    """Per prompt (one per suite with --per-suite 1): our best configuration vs the best peer configuration, and
-    auto against our plain and our best fixed configuration."""
+def _comparison_row(label: str, tok: dict[str, float], names: list[str]) -> str:
+    """One line of the comparison tables: our best configuration vs the best peer configuration, and auto against
+    our plain and our best fixed configuration (``tok``: decode tok/s per configuration)."""
     ours = [n for n in names if n.startswith("ours")]  # "ours ..." and every --also bundle's "ours[...] ..."
     peers = [n for n in names if not n.startswith("ours")]
     # auto is judged against the fixed configurations of its own bundle (it cannot switch bundles)
     fixed = [n for n in ours if n.startswith("ours ") and not n.startswith(("ours auto", "ours hybrid"))]
     autos = [n for n in ours if n.startswith("ours auto")]
+    ob = max(ours, key=tok.get)
+    pb = max(peers, key=tok.get) if peers else None
+    best_fixed = max(tok[n] for n in fixed)
+    auto = max((tok[n] for n in autos), default=float("nan"))
+    peer = f"{pb} {tok[pb]:.1f}" if pb else "—"
+    ratio = f"{tok[ob] / tok[pb]:.2f}×" if pb else "—"
+    return (f"| {label} | {ob} {tok[ob]:.1f} | {peer} | {ratio} | {auto / tok['ours plain']:.2f}× | "
+            f"{auto / best_fixed:.2f}× |")
+
+
+def per_prompt_table(rows: list[dict], names: list[str]) -> list[str]:
+    """Per prompt: our best configuration vs the best peer configuration, and auto against our plain and our best
+    fixed configuration."""
     out = ["| prompt | our best (tok/s) | best peer (tok/s) | ours / peer | auto / our plain | auto / our best fixed |",
            "|---|---|---|---|---|---|"]
+    return out + [_comparison_row(r["id"], {n: r[n]["decode_tok_s"] for n in names}, names) for r in rows]
+
+
+def per_suite_table(rows: list[dict], names: list[str]) -> list[str]:
+    """Per suite, one configuration for all its prompts (what a user picks for a kind of work): each configuration's
+    speed over the suite is its decoded tokens over its decode time, summed over the prompts (time-weighted, so a
+    configuration that wins one prompt and crawls on another is not the suite's best), then compared as per prompt.
+    """
+    suites: dict[str, list[dict]] = {}
     for r in rows:
-        tok = {n: r[n]["decode_tok_s"] for n in names}
-        ob = max(ours, key=tok.get)
-        pb = max(peers, key=tok.get) if peers else None
-        best_fixed = max(tok[n] for n in fixed)
-        auto = max((tok[n] for n in autos), default=float("nan"))
-        peer = f"{pb} {tok[pb]:.1f}" if pb else "—"
-        ratio = f"{tok[ob] / tok[pb]:.2f}×" if pb else "—"
-        out.append(f"| {r['id']} | {ob} {tok[ob]:.1f} | {peer} | {ratio} | {auto / tok['ours plain']:.2f}× | "
-                   f"{auto / best_fixed:.2f}× |")
+        suites.setdefault(r["id"].rsplit("-", 1)[0], []).append(r)
+    out = ["| suite (prompts) | our best (tok/s) | best peer (tok/s) | ours / peer | auto / our plain "
+           "| auto / our best fixed |", "|---|---|---|---|---|---|"]
+    for suite, rs in suites.items():
+        tok = {}
+        for n in names:
+            tokens = [max(r[n]["new_tokens"] - 1, 0) for r in rs]
+            if any(r[n]["decode_tok_s"] <= 0 for r in rs):  # a run that failed on one prompt: no suite speed
+                tok[n] = 0.0
+                continue
+            seconds = sum(t / r[n]["decode_tok_s"] for t, r in zip(tokens, rs))
+            tok[n] = sum(tokens) / seconds if seconds else 0.0
+        out.append(_comparison_row(f"{suite} ({len(rs)})", tok, names))
     return out
 
 
@@ -459,7 +489,7 @@ def main() -> None:
         per_prompt = ", ".join(f"{r[n]['decode_tok_s']:.1f}" for r in rows)
         lines.append(f"| {n} | **{med[n]:.2f}** ({per_prompt}) | "
                      f"{med[n] / med['ours plain']:.2f}× | {med[n] / base:.2f}× | {same} |")
-    lines += ["", *per_prompt_table(rows, names)]
+    lines += ["", *per_prompt_table(rows, names), "", *per_suite_table(rows, names)]
     notes = list(dict.fromkeys(NOTES))  # every round adds the same ones
     if notes:
         lines += ["", *(f"* {n}" for n in notes)]

@@ -4,10 +4,20 @@
 #   $SPECEDGE_CACHE (default ~/.cache/specedge)/llama.cpp/<version>/build/bin/{llama-bench,llama-lookup,
 #   llama-speculative-simple}
 # Usage: tools/build_llama_cpp.sh [llama-cpp-python version, default 0.3.36]   (prints the bin directory)
+#   SPECEDGE_LLAMA_ISA=avx2 builds ggml for AVX2 + FMA + F16C + BMI2 without AVX512 (GGML_NATIVE off) into
+#   build-avx2/: llama.cpp as an AVX2-only CPU runs it, to set beside ours with SPECEDGE_SEK_ISA=avx2 on an
+#   AVX512 machine (the memory system stays this machine's: a proxy for an AVX2-only CPU, not a measurement of one).
 set -euo pipefail
 VER=${1:-0.3.36}
 ROOT=${SPECEDGE_CACHE:-$HOME/.cache/specedge}/llama.cpp/$VER
-BIN=$ROOT/build/bin
+ISA=${SPECEDGE_LLAMA_ISA:-native}
+case "$ISA" in
+    native) BUILD=$ROOT/build; ISA_FLAGS="-DGGML_NATIVE=ON" ;;
+    avx2) BUILD=$ROOT/build-avx2
+          ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" ;;
+    *) echo "SPECEDGE_LLAMA_ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
+esac
+BIN=$BUILD/bin
 TARGETS="llama-bench llama-lookup llama-speculative-simple"
 if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-speculative-simple" ]; then echo "$BIN"; exit 0; fi
 mkdir -p "$ROOT"
@@ -17,8 +27,9 @@ if [ ! -d "$ROOT/src" ]; then
     mv "$ROOT/llama_cpp_python-$VER/vendor/llama.cpp" "$ROOT/src"
     rm -rf "$ROOT/llama_cpp_python-$VER" "$ROOT/sdist"
 fi
-cmake -S "$ROOT/src" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+# shellcheck disable=SC2086
+cmake -S "$ROOT/src" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release $ISA_FLAGS -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >&2
 # shellcheck disable=SC2086
-cmake --build "$ROOT/build" -j "$(nproc)" --target $TARGETS >&2
+cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS >&2
 echo "$BIN"
