@@ -18,9 +18,13 @@ rounds of at most ``PROBE_K`` tokens, past the confidence gate, extended while i
 such round twice as long as the last). The
 draft model's catch-up (the committed tokens it has not seen, priced per step of the plan
 ``feed`` will run: prefill chunks for a prompt, a single step for a round's leftover token) is
-charged to the round that would use it, and a model round must be predicted ``MODEL_MARGIN``
-faster than the alternatives. The step costs and the draft's acceptance live in the decoder's
-:class:`CostModel`, so a request starts from what the earlier ones measured.
+charged to the round that would use it (spread over the runs of model rounds seen so far where the
+request copies its context, over the request where it does not), and a model round must be predicted
+``MODEL_MARGIN`` faster than the alternatives. Prompt lookup is asked every round, so what it would
+have proposed in rounds it did not run is checked against the committed text too: its acceptance
+(and how much of the request it matches) is learned from every round. The step costs and the
+draft's acceptance live in the decoder's :class:`CostModel`, so a request starts from what the
+earlier ones measured.
 
 Inside a model round drafting stops early when the draft's top probability falls below a
 threshold learned online: acceptance is tracked per confidence bin, and a token is drafted
@@ -246,6 +250,10 @@ class AutoDrafter:
     FIRST_PROBE = 4  # plain rounds before a request's first re-probe (then the gap doubles; probe_every after drafting)
     PROBE_ROUNDS = 3  # rounds a draft-model probe runs before its acceptance decides again
     PROBE_K = 2  # a probe's draft length (at most): enough to measure acceptance, cheap where the draft fails
+    # share of a request's text its lookup matched from which its model runs are taken to be cut by lookup rounds
+    # (the catch-up then spread over the runs learned, ``_streak_priced``; below it, over the request)
+    COPYING = 0.2
+    COPY_TOKENS = 24  # tokens before a request's share says it does not copy (a summary's first ones may not match)
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -277,9 +285,11 @@ class AutoDrafter:
         self._probe_k = self.PROBE_K
         self._probing = False
         self._unverified: tuple[float, int, int] | None = None  # a dropped draw (conf, token, position) to check
+        self._shadow: tuple[int, np.ndarray] | None = None  # (position, tokens) a lookup not run would have proposed
         self._round_start = 0
         self.rounds = {}
         self._start: int | None = None  # context length at the request's first round
+        self._copied = 0  # tokens of this request's text its lookup proposals matched (run or not: ``_learn_lookup``)
         self._streak = 0  # model rounds in a row so far
 
     def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
@@ -292,6 +302,9 @@ class AutoDrafter:
             self._unverified = None
             if at < len(tokens):
                 self.gate.record([conf], accepted=int(tokens[at] == token))
+        if self._shadow is not None:  # what the last round's lookup would have proposed, against what was committed
+            self._learn_lookup(tokens, *self._shadow)
+            self._shadow = None
         look = self.lookup.propose(tokens, k, params, rng)
         # what the draft must feed first
         plan = self.model.catchup_plan(len(tokens), tokens) if self.model is not None else []
@@ -299,7 +312,7 @@ class AutoDrafter:
         if self._start is None:
             self._start = len(tokens)  # the prompt and the token its prefill produced
         horizon = min(self.HORIZON_CAP, max(1, params.max_new_tokens - 1 - (len(tokens) - self._start)))
-        if self.model is not None and catchup > 0:
+        if self.model is not None and catchup > 0 and self._copying(len(tokens) - self._start):
             catchup = self._streak_priced(catchup, horizon, k)
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
         d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,
@@ -335,6 +348,8 @@ class AutoDrafter:
         else:
             self._plain_streak, self._probe_gap = 0, self.probe_every
         self.rounds[d.kind] = self.rounds.get(d.kind, 0) + 1
+        if d.kind != "prompt-lookup" and len(look.tokens):
+            self._shadow = (len(tokens), look.tokens)
         if d.kind == "model":
             self._streak += 1
         elif self._streak:
@@ -368,9 +383,36 @@ class AutoDrafter:
         is spread over a run as long as they have lasted (``CostModel.model_streak`` rounds, running across
         requests; prior 32: the whole request, as before), not over the request. Spread over the request, a model
         round after a few lookup rounds looked cheap on edit and summarize prompts and was not: auto ran 0.77-0.87x
-        fixed lookup there."""
+        fixed lookup there.
+
+        Only where the request copies (its lookup's proposals matched at least ``COPYING`` of the tokens it has
+        committed, ``_copying``): runs are short because lookup rounds cut them, and runs learned on edits priced a
+        JSON or code request's prompt catch-up (and its probes) out for the whole request, where lookup rarely
+        matches and a model run lasts the request."""
         run = max(1.0, self.costs.model_streak * expected_tokens_per_round(self.alpha["model"].alpha, min(k, 4)))
         return catchup * max(1.0, horizon / run)
+
+    def _copying(self, committed: int) -> bool:
+        """Whether this request copies its context: the lookup's proposals (in its own rounds and, asked for free,
+        in the others) matched at least ``COPYING`` of the tokens committed so far. (Lookup rounds were 0.38-0.72 of
+        the rounds of the Qwen pair's edit and summarize prompts, 0-0.27 of code, JSON and chat ones.) Until
+        ``COPY_TOKENS`` are committed it is taken to copy: the learned runs price the draft, as before."""
+        return committed < self.COPY_TOKENS or self._copied >= self.COPYING * committed
+
+    def _learn_lookup(self, tokens: np.ndarray, start: int, proposed: np.ndarray) -> None:
+        """The lookup's acceptance from a round it did not run: asking it costs nothing, and once the round has
+        committed, the tokens at its positions say how much of its proposal the target would have taken (greedy:
+        exactly; sampled: equality stands in for the acceptance test, as for the gate's dropped draw). Learned only
+        from its own rounds, a lookup at its 50 % prior behind a good draft model was never chosen, so never
+        corrected. Tokens past what the round committed are unknown: a proposal that agrees that far counts no
+        failure."""
+        seen = tokens[start: start + len(proposed)]
+        if len(seen) == 0:
+            return
+        diff = np.flatnonzero(proposed[: len(seen)] != seen)
+        agree = int(diff[0]) if len(diff) else len(seen)
+        self.alpha["prompt-lookup"].update(min(len(seen), agree + 1), agree)
+        self._copied += agree
 
     def _worth_verifying(self, conf: float, n: int) -> bool:
         """The draw that stopped a round, its draft step already paid: proposed as the round's n-th token when its
@@ -399,6 +441,8 @@ class AutoDrafter:
             self.alpha[kind].update(n - 1, min(n_accepted, n - 1))
         else:
             self.alpha[kind].update(n, n_accepted)
+        if kind == "prompt-lookup":
+            self._copied += n_accepted
         if kind == "model" and self._probing and 0 < n == n_accepted:
             # a probe whose drafts all pass goes on, longer: three 2-token rounds cannot outweigh the acceptance an
             # earlier request carried over (a JSON answer after a chat one went back to plain with the draft at 6/6)

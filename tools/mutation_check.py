@@ -117,6 +117,12 @@ PLANTS = {
     "auto's catch-up spread over the request again, not over the model rounds' runs": (
         "runtime/adaptive.py", "return catchup * max(1.0, horizon / run)", "return catchup",
         ["tests/runtime/test_adaptive.py"]),
+    "auto's lookup learns only from the rounds it ran": (
+        "runtime/adaptive.py", "            self._learn_lookup(tokens, *self._shadow)\n", "",
+        ["tests/runtime/test_adaptive.py"]),
+    "auto prices every request's catch-up over the copying requests' runs": (
+        "runtime/adaptive.py", "or self._copied >= self.COPYING * committed", "or True",
+        ["tests/runtime/test_adaptive.py"]),
     "lookup bound assumes every drafted token passes": (
         "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),

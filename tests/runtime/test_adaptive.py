@@ -229,7 +229,7 @@ def test_every_request_probes_the_draft_early_whatever_the_last_one_measured():
     model = ScriptedModel()
     json_request = AutoDrafter(c, PromptLookupDrafter(), model, probe_every=16)
     kinds, sizes = [], []
-    for _ in range(12):  # now the draft is right every time
+    for _ in range(AutoDrafter.COPY_TOKENS + 4):  # now the draft is right every time
         prop = json_request.propose(tokens, 8, params, rng)
         kinds.append(json_request._last[0])
         sizes += [len(prop.tokens)] if kinds[-1] == "model" else []
@@ -329,3 +329,85 @@ def test_the_drafts_catch_up_is_spread_over_the_runs_of_model_rounds_it_serves()
     auto._streak = 3
     auto.propose(np.arange(10, 40, dtype=np.int64), 8, SamplingParams(), np.random.default_rng(0))
     assert c.model_streak == pytest.approx(0.7 * 32 + 0.3 * 3) and auto._streak == 0
+
+
+class BehindModel(ScriptedModel):
+    """A draft that has not seen this request's prompt: its first round catches up on ``behind`` tokens."""
+
+    def __init__(self, behind: int):
+        super().__init__()
+        self.behind = behind
+
+    def catchup_plan(self, n_tokens, tokens=None):
+        return [self.behind] if self.behind else []
+
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None):  # noqa: ANN001
+        self.behind = 0
+        return super().propose(tokens, k, params, rng, keep=keep, keep_last=keep_last)
+
+
+@pytest.mark.parametrize("copying", [False, True])
+def test_short_model_runs_of_copying_requests_do_not_price_the_draft_out_of_others(copying):
+    """The catch-up is priced over the run of model rounds it serves, as long as runs have lasted (learned across
+    requests). Copy-heavy requests run ~2 model rounds between lookup rounds; spread over that, a new JSON or code
+    request's prompt catch-up priced every model round out, and its probes too: whole JSON and code requests ran
+    plain after a few edits (26-39 tok/s where the draft runs 40-45). Runs are short where lookup rounds cut
+    them: a request whose lookup has had a match in few of its rounds spreads the catch-up over the request; one
+    that copies keeps the learned runs."""
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.10})
+    c.model_tried, c.model_streak = True, 2.0
+    c.model_acceptance = Acceptance(successes=95, failures=5)
+    auto = AutoDrafter(c, PromptLookupDrafter(ngram_max=3, ngram_min=2), BehindModel(behind=50))
+    # a text without repeats (no lookup match) or one that repeats itself throughout (a match every round)
+    text = list(np.tile(np.arange(10, 22), 5)) if copying else list(range(10, 70))
+    params, rng = SamplingParams(max_new_tokens=96), np.random.default_rng(0)
+    kinds = []
+    for _ in range(AutoDrafter.COPY_TOKENS + 4):
+        prop = auto.propose(np.array(text, dtype=np.int64), 8, params, rng)
+        kinds.append(auto._last[0])
+        auto.commit(len(prop.tokens))  # everything passes
+        text += list(prop.tokens) + [text[-12] if copying else text[-1] + 1]
+    if copying:  # the learned runs: the prompt's catch-up spread over 2 rounds does not pay, lookup does
+        assert "model" not in kinds and "prompt-lookup" in kinds, kinds
+    else:  # after its first rounds (which may not match in a copying request either), the draft
+        assert "model" in kinds, kinds
+
+
+class PeriodicModel(ScriptedModel):
+    """A draft that knows the periodic text: it proposes the true continuation, 90 % sure."""
+
+    def __init__(self, period: list[int]):
+        super().__init__()
+        self.period = period
+
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None):  # noqa: ANN001
+        self.calls += 1
+        n = len(tokens)
+        self.confidences, self.step_time = [0.9] * k, 0.006
+        self.rows = n - 1 + k
+        return Proposal(np.array([self.period[(n + i) % len(self.period)] for i in range(k)], dtype=np.int64), None)
+
+
+def test_the_lookups_acceptance_is_learned_from_the_rounds_it_did_not_run():
+    """Prompt lookup costs nothing to ask, so every round can tell what it would have proposed and, once the round
+    commits, how much of it the target took. Learned only from its own rounds, a lookup that started at its 50 %
+    prior behind a good draft model was never chosen, so never corrected (summaries whose lookup rounds run 70-90
+    tok/s ran model rounds at 35-39 for whole requests); it also measures how much of a request's text lookup
+    matches (``_copying``)."""
+    period = list(range(100, 112))
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.006)  # a cheap draft: model rounds first
+    c.model_tried = True
+    c.model_acceptance = Acceptance(successes=95, failures=5)
+    auto = AutoDrafter(c, PromptLookupDrafter(ngram_max=3, ngram_min=2), PeriodicModel(period))
+    tokens, params, rng = period * 2, SamplingParams(max_new_tokens=256), np.random.default_rng(0)
+    kinds = []
+    for _ in range(12):
+        prop = auto.propose(np.array(tokens, dtype=np.int64), 8, params, rng)
+        kinds.append(auto._last[0])
+        truth = [period[(len(tokens) + i) % len(period)] for i in range(len(prop.tokens) + 1)]
+        m = next((i for i, (a, b) in enumerate(zip(prop.tokens, truth)) if a != b), len(prop.tokens))
+        auto.commit(m)
+        tokens += truth[: m + 1]
+    assert kinds[0] == "model" and "prompt-lookup" in kinds[:6], kinds
+    assert auto.alpha["prompt-lookup"].alpha > 0.8
+    assert auto._copied > 0.8 * (len(tokens) - 2 * len(period))  # the text is all copies
