@@ -13,9 +13,6 @@ decodes greedily from the weights the bundle was exported from (its GGUF or HF d
 
 * ours: plain (drafter none) and each ``--spec drafter:k``.
 
-The report: every configuration's per-prompt speeds, then per prompt and per suite (one configuration for all of a
-suite's prompts, time-weighted: ``--per-suite 3`` for the whole suite) our best against the best peer and auto against
-our plain and our best fixed configuration.
 * hf (transformers, torch CPU, fp32): plain; assisted generation with the bundle's draft model
   (``assistant_model``, constant ``num_assistant_tokens`` = k) for ``model:k``; prompt lookup
   (``prompt_lookup_num_tokens`` = k) for ``prompt-lookup:k``.
@@ -35,6 +32,10 @@ our plain and our best fixed configuration.
 * llamacpp (llama-cpp-python, the GGUF as is): plain, and prompt lookup
   (``LlamaPromptLookupDecoding(num_pred_tokens=k)``) for ``prompt-lookup:k``; llama-cpp-python has
   no two-model speculation, so ``model:k`` has no llama.cpp counterpart here.
+
+The report: every configuration's per-prompt speeds, then per prompt and per suite (one configuration for all of a
+suite's prompts, time-weighted: ``--per-suite 3`` for the whole suite) our best against the best peer and auto against
+our plain and our best fixed configuration.
 
 Decode tok/s = tokens after the first / time after the first token (HF: first-token time from a
 separate max_new_tokens=1 call; ortgenai: time after the prompt's forward). Every output is compared with our
@@ -345,6 +346,11 @@ def parse_specs(s: str) -> list[tuple[str, int]]:
     return out
 
 
+def _table_head(label: str) -> list[str]:
+    return [f"| {label} | our best (tok/s) | best peer (tok/s) | ours / peer | auto / our plain "
+            "| auto / our best fixed |", "|---|---|---|---|---|---|"]
+
+
 def _comparison_row(label: str, tok: dict[str, float], names: list[str]) -> str:
     """One line of the comparison tables: our best configuration vs the best peer configuration, and auto against
     our plain and our best fixed configuration (``tok``: decode tok/s per configuration)."""
@@ -366,9 +372,8 @@ def _comparison_row(label: str, tok: dict[str, float], names: list[str]) -> str:
 def per_prompt_table(rows: list[dict], names: list[str]) -> list[str]:
     """Per prompt: our best configuration vs the best peer configuration, and auto against our plain and our best
     fixed configuration."""
-    out = ["| prompt | our best (tok/s) | best peer (tok/s) | ours / peer | auto / our plain | auto / our best fixed |",
-           "|---|---|---|---|---|---|"]
-    return out + [_comparison_row(r["id"], {n: r[n]["decode_tok_s"] for n in names}, names) for r in rows]
+    return _table_head("prompt") + [_comparison_row(r["id"], {n: r[n]["decode_tok_s"] for n in names}, names)
+                                    for r in rows]
 
 
 def per_suite_table(rows: list[dict], names: list[str]) -> list[str]:
@@ -379,13 +384,12 @@ def per_suite_table(rows: list[dict], names: list[str]) -> list[str]:
     suites: dict[str, list[dict]] = {}
     for r in rows:
         suites.setdefault(r["id"].rsplit("-", 1)[0], []).append(r)
-    out = ["| suite (prompts) | our best (tok/s) | best peer (tok/s) | ours / peer | auto / our plain "
-           "| auto / our best fixed |", "|---|---|---|---|---|---|"]
+    out = _table_head("suite (prompts)")
     for suite, rs in suites.items():
         tok = {}
         for n in names:
             tokens = [max(r[n]["new_tokens"] - 1, 0) for r in rs]
-            if any(r[n]["decode_tok_s"] <= 0 for r in rs):  # a run that failed on one prompt: no suite speed
+            if any(t and r[n]["decode_tok_s"] <= 0 for t, r in zip(tokens, rs)):  # failed on a prompt: no speed
                 tok[n] = 0.0
                 continue
             seconds = sum(t / r[n]["decode_tok_s"] for t, r in zip(tokens, rs))

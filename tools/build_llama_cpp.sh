@@ -5,8 +5,8 @@
 #   llama-speculative-simple}
 # Usage: tools/build_llama_cpp.sh [llama-cpp-python version, default 0.3.36]   (prints the bin directory)
 #   SPECEDGE_LLAMA_ISA=avx2 builds ggml for AVX2 + FMA + F16C + BMI2 without AVX512 (GGML_NATIVE off) into
-#   build-avx2/: llama.cpp as an AVX2-only CPU runs it, to set beside ours with SPECEDGE_SEK_ISA=avx2 on an
-#   AVX512 machine (the memory system stays this machine's: a proxy for an AVX2-only CPU, not a measurement of one).
+#   build-avx2/: llama.cpp as an AVX2-only CPU runs it, to set beside ours built with SPECEDGE_KERNEL_MARCH=haswell
+#   on an AVX512 machine (the memory system stays this machine's: a proxy for an AVX2-only CPU, not a measurement of one).
 set -euo pipefail
 VER=${1:-0.3.36}
 ROOT=${SPECEDGE_CACHE:-$HOME/.cache/specedge}/llama.cpp/$VER
