@@ -61,3 +61,70 @@ def test_a_suite_is_judged_by_one_configuration_over_all_its_prompts_time_weight
     # n-gram 20 / (0.5 + 0.2) = 28.6 beats it)
     assert summarize == ("| summarize (2) | ours model:4 25.0 | peer n-gram 28.6 | 0.88× | 1.20× | 0.96× |")
     assert chat == "| chat (1) | ours auto:8 33.0 | peer plain 30.0 | 1.10× | 1.10× | 1.10× |"
+
+
+def test_every_prompt_runs_on_every_engine_before_the_next_and_no_unit_always_runs_first():
+    units = ["ours plain", "ours auto:8", "llama.cpp plain", "ortgenai plain"]
+    for r in range(2):
+        order = list(_tool().interleaved(units, 5, r))
+        assert len(order) == 5 * len(units)
+        # prompt by prompt: all of a prompt's runs are adjacent, every unit once
+        for i in range(5):
+            block = order[i * len(units):(i + 1) * len(units)]
+            assert {p for p, _ in block} == {i} and sorted(u for _, u in block) == sorted(units)
+        firsts = [order[i * len(units)][1] for i in range(5)]
+        assert len(set(firsts)) == len(units)  # the first place rotates
+    assert list(_tool().interleaved(units, 1, 0))[0][1] != list(_tool().interleaved(units, 1, 1))[0][1]
+
+
+def _ortgenai_tool():
+    spec = importlib.util.spec_from_file_location("build_ortgenai", TOOL.with_name("build_ortgenai.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_ortgenai_worker_loads_each_model_once_and_answers_one_line_per_prompt(monkeypatch):
+    """build_ortgenai.py serve's line protocol, with onnxruntime-genai's calls replaced (it is not in this venv)."""
+    import io
+    import json
+
+    tool = _ortgenai_tool()
+    loaded, ran = [], []
+
+    class FakeParams:
+        def set_speculative_options(self, **kw):
+            pass
+
+    class FakeOg:
+        GeneratorParams = FakeParams
+
+    def fake_load(og, model_dir, threads):
+        loaded.append((model_dir, threads))
+        return model_dir
+
+    def fake_run(og, model, ids, max_new, eos, spec):
+        ran.append((model, tuple(ids), max_new, spec))
+        if ids == [13]:
+            raise RuntimeError("out of memory")
+        return [5, 6, 7], 0.1, 0.11, 0.5, ({"rounds": 1} if spec else None)
+
+    monkeypatch.setattr(tool, "_load", fake_load)
+    monkeypatch.setattr(tool, "_run_one", fake_run)
+    monkeypatch.setattr(tool, "_versions", lambda: {"onnxruntime_genai": "0.18.0", "onnxruntime": "1.32.0"})
+    head = {"threads": 2, "max_new": 8, "eos": [2], "warmup": [1, 2], "configs": [
+        {"name": "plain", "model": "/t", "speculative": None},
+        {"name": "prompt-lookup:8", "model": "/t", "speculative": {"ngram_size": 3, "max_draft_tokens": 8}},
+        {"name": "model:4", "model": "/pair", "speculative": {"max_draft_tokens": 4}}]}
+    lines = [head, {"config": "plain", "ids": [9, 9]}, {"config": "model:4", "ids": [9, 9]},
+             {"config": "plain", "ids": [13]}, {"config": "nope", "ids": [9]}]
+    out = io.StringIO()
+    tool.serve(FakeOg, io.StringIO("".join(json.dumps(x) + "\n" for x in lines)), out)
+    replies = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert loaded == [("/t", 2), ("/pair", 2)]  # the target once for plain and n-gram
+    assert replies[0]["ready"] and replies[0]["errors"] == {}
+    assert [r[1] for r in ran[:3]] == [(1, 2)] * 3 and all(r[2] == 8 for r in ran[:3])  # each config warmed up
+    assert replies[1] == {"ids": [5, 6, 7], "prefill_s": 0.1, "ttft_s": 0.11, "total_s": 0.5, "spec_stats": None}
+    assert ran[4] == ("/pair", (9, 9), 8, {"max_draft_tokens": 4}) and replies[2]["spec_stats"] == {"rounds": 1}
+    assert replies[3] == {"error": "RuntimeError: out of memory"}  # the worker goes on after a failed prompt
+    assert "unknown config" in replies[4]["error"] and len(replies) == 5

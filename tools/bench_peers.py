@@ -17,9 +17,10 @@ decodes greedily from the weights the bundle was exported from (its GGUF or HF d
   (``assistant_model``, constant ``num_assistant_tokens`` = k) for ``model:k``; prompt lookup
   (``prompt_lookup_num_tokens`` = k) for ``prompt-lookup:k``.
 * llamacpp-native (llama.cpp's own binaries, built by tools/build_llama_cpp.sh): plain = ``llama-bench`` tg
-  (max_new_tokens tokens, 2 repeats); ``prompt-lookup:k`` = ``llama-lookup --spec-draft-n-max k``; ``model:k`` =
-  ``llama-speculative-simple --spec-type draft-simple --spec-draft-n-max k`` with the bundle's draft GGUF; speed
-  from their own "decoded N tokens ... t/s" line; output compared with ours as text (llama.cpp prints text).
+  (max_new_tokens tokens at the prompt's depth, ``-d``: after as many context tokens as the prompt has);
+  ``prompt-lookup:k`` = ``llama-lookup --spec-draft-n-max k``; ``model:k`` = ``llama-speculative-simple --spec-type
+  draft-simple --spec-draft-n-max k`` with the bundle's draft GGUF; speed from their own "decoded N tokens ... t/s"
+  line; output compared with ours as text (llama.cpp prints text).
 * ortgenai (onnxruntime-genai 0.18, its own generator loop, run in the peers venv by tools/build_ortgenai.py, which
   also builds its models from the bundle's source GGUFs with onnxruntime-genai's model builder, cached): plain
   greedy; ``prompt-lookup:k`` = its n-gram decoding (``ngram_size`` N from ``--ortgenai-ngram-size``,
@@ -39,8 +40,14 @@ our plain and our best fixed configuration.
 
 Decode tok/s = tokens after the first / time after the first token (HF: first-token time from a
 separate max_new_tokens=1 call; ortgenai: time after the prompt's forward). Every output is compared with our
-plain greedy output. Engines run one after another in this process, each freed before the next loads (ortgenai in
-a subprocess of its own venv).
+plain greedy output.
+
+Interleaved: within a round every prompt runs on every engine and configuration before the next prompt starts, the
+order rotated per prompt and round (``interleaved``). A shared VM's speed drifts by tens of percent within minutes;
+engines run in blocks minutes apart measured that drift, not the engines (docs/benchmarks.md, fourteenth session).
+Ours stays loaded in this process, onnxruntime-genai in one worker process of its own venv
+(``build_ortgenai.py serve``), llama.cpp's binaries start per prompt. The Python peers (hf, llamacpp) still run in a
+block after each round.
 """
 
 from __future__ import annotations
@@ -70,30 +77,46 @@ def _record(rows: list[dict], i: int, name: str, ids: list[int], ttft: float, to
     say(f"{rows[i]['id']} {name}: {rows[i][name]['decode_tok_s']:.2f} tok/s, {n} tokens")
 
 
-def run_ours(bundle: str, prompts, specs, max_new: int, rows: list[dict], engine: str = "ours"):
-    """Our runtime on ``bundle``; its rows are named ``{engine} plain`` and ``{engine} drafter:k``. The first call
-    (engine "ours") creates the rows, an ``--also`` bundle's call adds to them."""
-    dec = SpecDecoder.load(bundle, verify="size")
-    params = SamplingParams(max_new_tokens=max_new)
-    dec.generate("Hello", SamplingParams(max_new_tokens=8))  # warm-up
-    ids_list = []
-    for i, p in enumerate(prompts):
-        text, chat = p.as_request()
-        ids_list.append(dec.encode_prompt(text, chat))
-        if engine == "ours":
-            rows.append({"id": p.id, "prompt_tokens": len(ids_list[-1])})
-        for drafter, k in [("none", 0), *specs]:
-            if k > dec.manifest.k:  # a longer draft than this bundle verifies: run by the bundles that can
-                NOTES.append(f"{engine} {drafter}:{k} skipped: the bundle's K is {dec.manifest.k}")
-                continue
-            r = dec.generate(text, params, drafter=drafter, k=k, chat=chat)
-            _record(rows, i, f"{engine} plain" if drafter == "none" else f"{engine} {drafter}:{k}", r.token_ids,
-                    r.stats.ttft_s, r.stats.ttft_s + r.stats.decode_s)
-    manifest = dec.manifest
-    dec.close()
-    del dec
-    gc.collect()
-    return ids_list, manifest
+class Ours:
+    """Our runtime on one bundle, loaded once for every round; its rows are ``{engine} plain`` and
+    ``{engine} drafter:k`` (engine "ours", or "ours[DIRNAME]" for an ``--also`` bundle)."""
+
+    def __init__(self, bundle: str, prompts, specs, max_new: int, engine: str = "ours"):
+        self.engine = engine
+        self.dec = SpecDecoder.load(bundle, verify="size")
+        self.manifest = self.dec.manifest
+        self.params = SamplingParams(max_new_tokens=max_new)
+        self.dec.generate("Hello", SamplingParams(max_new_tokens=8))  # warm-up
+        self.requests = [p.as_request() for p in prompts]
+        self.ids_list = [self.dec.encode_prompt(text, chat) for text, chat in self.requests]
+        self.configs = []
+        for d, k in [("none", 0), *specs]:
+            if k > self.manifest.k:  # a longer draft than this bundle verifies: run by the bundles that can
+                NOTES.append(f"{engine} {d}:{k} skipped: the bundle's K is {self.manifest.k}")
+            else:
+                self.configs.append((d, k))
+
+    def run(self, i: int, cfg: tuple[str, int], rows: list[dict]) -> None:
+        d, k = cfg
+        text, chat = self.requests[i]
+        r = self.dec.generate(text, self.params, drafter=d, k=k, chat=chat)
+        _record(rows, i, f"{self.engine} plain" if d == "none" else f"{self.engine} {d}:{k}", r.token_ids,
+                r.stats.ttft_s, r.stats.ttft_s + r.stats.decode_s)
+
+    def close(self) -> None:
+        self.dec.close()
+        del self.dec
+        gc.collect()
+
+
+def interleaved(units: list, n_prompts: int, r: int):
+    """The order of one round: every prompt runs on every (engine, config) unit before the next prompt starts (a
+    shared VM's speed drifts by tens of percent within minutes, so engines run in blocks minutes apart are not
+    comparable), the units rotated by one place per prompt and per round so that none always runs first."""
+    for i in range(n_prompts):
+        s = (i + r) % len(units) if units else 0
+        for unit in units[s:] + units[:s]:
+            yield i, unit
 
 
 def run_hf(manifest, ids_list, specs, max_new: int, rows: list[dict]) -> dict:
@@ -191,126 +214,173 @@ def _speed(log: str) -> tuple[float, int]:
     return (float(m[-1][2]), int(m[-1][0])) if m else (0.0, 0)
 
 
-def run_llamacpp_native(manifest, ids_list, specs, max_new: int, rows: list[dict], texts=None) -> dict:
-    """llama.cpp's own binaries, natively: llama-bench (plain tg), llama-lookup (prompt lookup, --draft k) and
-    llama-speculative-simple (draft model, --draft-max k), greedy, 2 threads, on the bundle's source GGUFs and the
-    same prompt text (ids decoded with special tokens kept, re-tokenized by llama.cpp with special parsing)."""
-    import subprocess
-    import tempfile
+class LlamaNative:
+    """llama.cpp's own binaries, natively, one process per prompt and config: ``llama-bench`` plain tg at the prompt's
+    depth (``-d``: its tg runs after that many context tokens, 1 repetition after its warm-up), ``llama-lookup``
+    (prompt lookup, --spec-draft-n-max k) and ``llama-speculative-simple`` (draft model), greedy, 2 threads, on the
+    bundle's source GGUFs and the same prompt text (ids decoded with special tokens kept, re-tokenized by llama.cpp
+    with special parsing)."""
 
-    bin_dir = _llama_bin()
-    threads = str(min(os.cpu_count() or 1, 2))
-    target = manifest.target.source["path"]
-    draft = manifest.draft.source["path"] if manifest.draft is not None else None
-    bench = subprocess.run([str(bin_dir / "llama-bench"), "-m", target, "-p", "0", "-n", str(max_new), "-t", threads,
-                            "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)
-    tg = json.loads(bench.stdout)[0]["avg_ts"]
-    for i in range(len(ids_list)):
-        # llama-bench tg: context-free, the same for every prompt
-        rows[i]["llama.cpp plain"] = {"decode_tok_s": tg, "e2e_tok_s": tg, "ttft_s": 0.0,
-                                       "new_tokens": max_new, "ids": None}
-    configs = [(d, k) for d, k in specs if d == "prompt-lookup" or (d == "model" and draft)]
-    for i, text in enumerate(texts or []):
-        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write(text)
-        for d, k in configs:
-            if d == "prompt-lookup":
-                cmd = [str(bin_dir / "llama-lookup"), "-m", target]
-            else:
-                cmd = [str(bin_dir / "llama-speculative-simple"), "-m", target, "-md", draft, "--spec-type",
-                       "draft-simple", "--spec-draft-n-min", "0"]
-            cmd += ["-f", f.name, "-n", str(max_new), "--spec-draft-n-max", str(k), "-t", threads, "--temp", "0",
-                    "-c", str(manifest.max_context)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            speed, n = _speed(r.stdout + r.stderr)
-            out_text = r.stdout.split(text, 1)[1] if text in r.stdout else r.stdout
-            rows[i][f"llama.cpp {d}:{k}"] = {"decode_tok_s": speed, "e2e_tok_s": speed, "ttft_s": 0.0,
-                                             "new_tokens": n, "ids": None, "text": out_text}
-            say(f"{rows[i]['id']} llama.cpp {d}:{k}: {speed:.2f} tok/s ({n} tokens){'' if r.returncode == 0 else ' rc=' + str(r.returncode)}")
-        os.unlink(f.name)
-    return {"llama.cpp": f"native build ({bin_dir})"}
+    def __init__(self, manifest, ids_list, texts, specs, max_new: int):
+        import tempfile
+
+        self.bin_dir = _llama_bin()
+        self.threads = str(min(os.cpu_count() or 1, 2))
+        self.manifest, self.ids_list, self.texts, self.max_new = manifest, ids_list, texts, max_new
+        self.target = manifest.target.source["path"]
+        self.draft = manifest.draft.source["path"] if manifest.draft is not None else None
+        self.configs = [("plain", 0)] + [(d, k) for d, k in specs
+                                         if d == "prompt-lookup" or (d == "model" and self.draft)]
+        self.files = []
+        for text in texts:
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+                f.write(text)
+            self.files.append(f.name)
+        self.versions = {"llama.cpp": f"native build ({self.bin_dir})"}
+
+    def run(self, i: int, cfg: tuple[str, int], rows: list[dict]) -> None:
+        import subprocess
+
+        d, k = cfg
+        if d == "plain":
+            depth = len(self.ids_list[i])
+            bench = subprocess.run([str(self.bin_dir / "llama-bench"), "-m", self.target, "-p", "0", "-n",
+                                    str(self.max_new), "-d", str(depth), "-t", self.threads, "-r", "1", "-o", "json"],
+                                   capture_output=True, text=True, check=True)
+            tg = json.loads(bench.stdout)[0]["avg_ts"]
+            rows[i]["llama.cpp plain"] = {"decode_tok_s": tg, "e2e_tok_s": tg, "ttft_s": 0.0, "depth": depth,
+                                          "new_tokens": self.max_new, "ids": None}
+            say(f"{rows[i]['id']} llama.cpp plain (llama-bench tg{self.max_new} at depth {depth}): {tg:.2f} tok/s")
+            return
+        if d == "prompt-lookup":
+            cmd = [str(self.bin_dir / "llama-lookup"), "-m", self.target]
+        else:
+            cmd = [str(self.bin_dir / "llama-speculative-simple"), "-m", self.target, "-md", self.draft,
+                   "--spec-type", "draft-simple", "--spec-draft-n-min", "0"]
+        cmd += ["-f", self.files[i], "-n", str(self.max_new), "--spec-draft-n-max", str(k), "-t", self.threads,
+                "--temp", "0", "-c", str(self.manifest.max_context)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        speed, n = _speed(r.stdout + r.stderr)
+        text = self.texts[i]
+        out_text = r.stdout.split(text, 1)[1] if text in r.stdout else r.stdout
+        rows[i][f"llama.cpp {d}:{k}"] = {"decode_tok_s": speed, "e2e_tok_s": speed, "ttft_s": 0.0,
+                                         "new_tokens": n, "ids": None, "text": out_text}
+        say(f"{rows[i]['id']} llama.cpp {d}:{k}: {speed:.2f} tok/s ({n} tokens)"
+            + ("" if r.returncode == 0 else f" rc={r.returncode}"))
+
+    def close(self) -> None:
+        for f in self.files:
+            os.unlink(f)
 
 
 NOTES: list[str] = []  # lines printed under the table (variants a peer could not run, and why)
 
 
-def run_ortgenai(manifest, ids_list, specs, max_new: int, rows: list[dict], ngram_size: int = 3,
-                 genai_defaults: bool = False) -> dict:
+class OrtGenai:
     """onnxruntime-genai natively: tools/build_ortgenai.py (in the peers venv) builds the target (and draft) from the
-    bundle's source weights and runs plain, n-gram (prompt-lookup:k) and draft-model (model:k) decoding on our ids."""
-    import subprocess
+    bundle's source weights, then one worker process of that venv (``serve``) keeps every config's model loaded
+    and decodes one prompt per request (plain, n-gram = prompt-lookup:k, draft model = model:k), so that it
+    interleaves with the other engines prompt by prompt."""
 
-    script = Path(__file__).with_name("build_ortgenai.py")
-    py = os.environ.get("SPECEDGE_PEERS_PYTHON") or str(
-        Path(os.environ.get("SPECEDGE_CACHE", Path.home() / ".cache" / "specedge")) / "peers-venv" / "bin" / "python")
-    if not Path(py).exists():
-        raise SystemExit(f"--peers ortgenai needs the peers venv ({py}): python3 {script} venv")
-    threads = min(os.cpu_count() or 1, 2)
+    def __init__(self, manifest, ids_list, specs, max_new: int, ngram_size: int = 3, genai_defaults: bool = False):
+        import subprocess
 
-    def build(entry) -> str:
-        cmd = [py, str(script), "build", entry.source["path"], "--threads", str(threads)]
-        q = entry.quant or {}
-        if entry.precision in ("int4", "int8"):
-            cmd += ["--precision", entry.precision, "--block", str(q.get("block", 32)),
-                    "--accuracy-level", str(q.get("accuracy_level", 4))]
-            cmd += [] if q.get("symmetric", True) else ["--asymmetric"]
-            # (our "gguf" head: the GGUF's Q6_K blocks, which the builder's int4/int8 choice cannot hold; its int8)
-            head = q.get("lm_head") or "int8"
-            cmd += ["--genai-defaults"] if genai_defaults else ["--lm-head", "int8" if head == "gguf" else head]
-        else:
-            cmd += ["--precision", "fp32"]
-        say(f"onnxruntime-genai: building (cached) {Path(entry.source['path']).name} {entry.precision} …")
-        return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+        script = Path(__file__).with_name("build_ortgenai.py")
+        py = os.environ.get("SPECEDGE_PEERS_PYTHON") or str(
+            Path(os.environ.get("SPECEDGE_CACHE", Path.home() / ".cache" / "specedge")) / "peers-venv" / "bin"
+            / "python")
+        if not Path(py).exists():
+            raise SystemExit(f"--peers ortgenai needs the peers venv ({py}): python3 {script} venv")
+        threads = min(os.cpu_count() or 1, 2)
+        self.manifest, self.ids_list, self.specs, self.ngram_size = manifest, ids_list, specs, ngram_size
 
-    target = build(manifest.target)
-    configs = [{"name": "plain", "model": target, "speculative": None}]
-    for d, k in specs:
-        if d == "prompt-lookup":
-            configs.append({"name": f"{d}:{k}", "model": target,
-                            "speculative": {"ngram_size": ngram_size, "max_draft_tokens": k}})
-        elif d == "model" and manifest.draft is not None:
-            draft = build(manifest.draft)
-            pair = subprocess.run([py, str(script), "pair", target, draft, "--k", str(k)], check=True,
-                                  stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
-            configs.append({"name": f"{d}:{k}", "model": pair, "speculative": {"max_draft_tokens": k}})
-    job = {"threads": threads, "max_new": max_new, "eos": list(manifest.tokenizer.eos_ids),
-           "prompts": [list(map(int, ids)) for ids in ids_list], "warmup": True, "configs": configs}
-    r = subprocess.run([py, str(script), "generate"], input=json.dumps(job), stdout=subprocess.PIPE, text=True,
-                       check=True)
-    res = json.loads(r.stdout)
-    ver = res["versions"]["onnxruntime_genai"]
-    for c in configs:
-        got = res["results"][c["name"]]
-        if isinstance(got, dict):  # {"error": ...}
-            NOTES.append(f"ortgenai {c['name']}: not available in onnxruntime-genai {ver}: {got['error']}")
+        def build(entry) -> str:
+            cmd = [py, str(script), "build", entry.source["path"], "--threads", str(threads)]
+            q = entry.quant or {}
+            if entry.precision in ("int4", "int8"):
+                cmd += ["--precision", entry.precision, "--block", str(q.get("block", 32)),
+                        "--accuracy-level", str(q.get("accuracy_level", 4))]
+                cmd += [] if q.get("symmetric", True) else ["--asymmetric"]
+                # (our "gguf" head: the GGUF's Q6_K blocks, which the builder's int4/int8 choice cannot hold; its int8)
+                head = q.get("lm_head") or "int8"
+                cmd += ["--genai-defaults"] if genai_defaults else ["--lm-head", "int8" if head == "gguf" else head]
+            else:
+                cmd += ["--precision", "fp32"]
+            say(f"onnxruntime-genai: building (cached) {Path(entry.source['path']).name} {entry.precision} …")
+            return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+
+        target = build(manifest.target)
+        configs = [{"name": "plain", "model": target, "speculative": None}]
+        for d, k in specs:
+            if d == "prompt-lookup":
+                configs.append({"name": f"{d}:{k}", "model": target,
+                                "speculative": {"ngram_size": ngram_size, "max_draft_tokens": k}})
+            elif d == "model" and manifest.draft is not None:
+                draft = build(manifest.draft)
+                pair = subprocess.run([py, str(script), "pair", target, draft, "--k", str(k)], check=True,
+                                      stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
+                configs.append({"name": f"{d}:{k}", "model": pair, "speculative": {"max_draft_tokens": k}})
+        self.proc = subprocess.Popen([py, str(script), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self._send({"threads": threads, "max_new": max_new, "eos": list(manifest.tokenizer.eos_ids),
+                    "configs": configs, "warmup": list(map(int, ids_list[0]))})
+        ready = self._receive()
+        ver = ready["versions"]["onnxruntime_genai"]
+        for name, err in ready["errors"].items():
+            NOTES.append(f"ortgenai {name}: not available in onnxruntime-genai {ver}: {err}")
             say(NOTES[-1])
-            continue
-        for i, g in enumerate(got):
-            # decode = tokens after the first / time after the prompt's forward (append_tokens): its speculative
-            # strategies run a whole round inside the first generate_next_token, which must count as decoding
-            _record(rows, i, f"ortgenai {c['name']}", g["ids"], g["prefill_s"], g["total_s"])
-            rows[i][f"ortgenai {c['name']}"]["first_token_s"] = g["ttft_s"]
-            if g.get("spec_stats"):
-                rows[i][f"ortgenai {c['name']}"]["spec_stats"] = g["spec_stats"]
-    if "ortgenai plain" in rows[0]:  # its weights are re-quantized by its builder, so divergence is expected: where
-        pre = []
-        for r in rows:
-            a, b = r["ours plain"]["ids"], r["ortgenai plain"]["ids"]
-            pre.append(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-        NOTES.append("ortgenai plain vs ours plain, tokens in common before the first difference, per prompt: "
-                     + ", ".join(f"{p}/{len(r['ours plain']['ids'])}" for p, r in zip(pre, rows)))
-    for c in configs[1:]:  # speculation should not change the output: compare with onnxruntime-genai's own plain
-        n = f"ortgenai {c['name']}"
-        same = [r[n]["ids"] == r["ortgenai plain"]["ids"] for r in rows if n in r and "ortgenai plain" in r]
-        if same:
-            NOTES.append(f"{n}: output identical to ortgenai plain in {sum(same)}/{len(same)} prompts")
-    if any(d == "model" for d, _ in specs) and manifest.draft is None:
-        NOTES.append("ortgenai model:k: the bundle has no draft model")
-    if any(d == "prompt-lookup" for d, _ in specs):
-        NOTES.append(f"ortgenai prompt-lookup:k = n-gram decoding with ngram_size {ngram_size} (matches the last "
-                     f"{ngram_size - 1} tokens), max_draft_tokens k, fixed width (min_adaptive_k 0), no chained lookup")
-    return {"onnxruntime_genai": ver, "onnxruntime (genai)": res["versions"]["onnxruntime"],
-            "ortgenai weights": Path(target).name}
+        self.configs = [c["name"] for c in configs if c["name"] not in ready["errors"]]
+        self.versions = {"onnxruntime_genai": ver, "onnxruntime (genai)": ready["versions"]["onnxruntime"],
+                         "ortgenai weights": Path(target).name}
+
+    def _send(self, obj) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def _receive(self) -> dict:
+        for line in self.proc.stdout:  # anything a library prints on stdout is skipped
+            if line.startswith("{"):
+                return json.loads(line)
+        raise SystemExit(f"the onnxruntime-genai worker ended (exit code {self.proc.wait()}); its messages are above")
+
+    def run(self, i: int, name: str, rows: list[dict]) -> None:
+        self._send({"config": name, "ids": list(map(int, self.ids_list[i]))})
+        g = self._receive()
+        if "error" in g:  # this prompt failed: a speed of 0 (reported), the run goes on
+            NOTES.append(f"ortgenai {name} on {rows[i]['id']}: {g['error']}")
+            say(NOTES[-1])
+            g = {"ids": [], "prefill_s": 0.0, "ttft_s": 0.0, "total_s": 0.0, "spec_stats": None}
+        # decode = tokens after the first / time after the prompt's forward (append_tokens): its speculative
+        # strategies run a whole round inside the first generate_next_token, which must count as decoding
+        _record(rows, i, f"ortgenai {name}", g["ids"], g["prefill_s"], g["total_s"])
+        rows[i][f"ortgenai {name}"]["first_token_s"] = g["ttft_s"]
+        if g.get("spec_stats"):
+            rows[i][f"ortgenai {name}"]["spec_stats"] = g["spec_stats"]
+
+    def notes(self, rows: list[dict]) -> None:
+        """Output comparisons over the merged rows, under the table."""
+        if "ortgenai plain" in rows[0]:  # its weights are re-quantized by its builder, so divergence is expected
+            pre = []
+            for r in rows:
+                a, b = r["ours plain"]["ids"], r["ortgenai plain"]["ids"]
+                pre.append(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+            NOTES.append("ortgenai plain vs ours plain, tokens in common before the first difference, per prompt: "
+                         + ", ".join(f"{p}/{len(r['ours plain']['ids'])}" for p, r in zip(pre, rows)))
+        for c in self.configs[1:]:  # speculation should not change the output: compare with its own plain
+            n = f"ortgenai {c}"
+            same = [r[n]["ids"] == r["ortgenai plain"]["ids"] for r in rows if n in r and "ortgenai plain" in r]
+            if same:
+                NOTES.append(f"{n}: output identical to ortgenai plain in {sum(same)}/{len(same)} prompts")
+        if any(d == "model" for d, _ in self.specs) and self.manifest.draft is None:
+            NOTES.append("ortgenai model:k: the bundle has no draft model")
+        if any(d == "prompt-lookup" for d, _ in self.specs):
+            NOTES.append(f"ortgenai prompt-lookup:k = n-gram decoding with ngram_size {self.ngram_size} (matches the "
+                         f"last {self.ngram_size - 1} tokens), max_draft_tokens k, fixed width (min_adaptive_k 0), "
+                         "no chained lookup")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 OURS_ONLY = ("auto", "hybrid")  # our drafters without a peer counterpart: measured for ours, skipped for peers
@@ -414,8 +484,8 @@ def main() -> None:
     ap.add_argument("--per-suite", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="run every engine this many times, one after another per round, and report per-prompt "
-                         "medians (a shared VM's speed drifts by +-20 %% between single runs)")
+                    help="run every prompt on every engine this many times (each round interleaves the engines "
+                         "prompt by prompt) and report per-prompt medians (a shared VM's speed drifts by +-20 %%)")
     ap.add_argument("--also", action="append", default=[], metavar="BUNDLE",
                     help="our runtime on another bundle of the same model too (e.g. another weight form), in the same "
                          "rounds, with the same --spec; its rows are named ours[DIRNAME] and compared with its own "
@@ -434,31 +504,42 @@ def main() -> None:
     unknown = sorted(set(peers) - {"hf", "llamacpp", "llamacpp-native", "ortgenai"})
     if unknown:
         raise SystemExit(f"--peers {','.join(unknown)}: unknown; choose from hf, llamacpp, llamacpp-native, ortgenai")
-    rounds: list[list[dict]] = []
+    ours = Ours(a.bundle, prompts, specs, a.max_new_tokens)
+    engines: list = [ours]
+    for other in a.also:
+        engines.append(Ours(other, prompts, specs, a.max_new_tokens, f"ours[{Path(other).name}]"))
+        if engines[-1].ids_list != ours.ids_list:
+            raise SystemExit(f"--also {other}: its tokenizer or chat template gives other prompt ids than "
+                             f"{a.bundle}'s; compare bundles of the same model")
+    manifest, ids_list = ours.manifest, ours.ids_list
+    tok = Tokenizer.from_file(str(Path(a.bundle) / manifest.tokenizer.file))
+    texts = [tok.decode(ids, skip_special_tokens=False) for ids in ids_list]  # the same prompt, as text
     versions = {}
+    if "llamacpp-native" in peers:
+        engines.append(LlamaNative(manifest, ids_list, texts, peer_specs, a.max_new_tokens))
+    if "ortgenai" in peers:
+        engines.append(OrtGenai(manifest, ids_list, peer_specs, a.max_new_tokens, a.ortgenai_ngram_size,
+                                a.ortgenai_genai_defaults))
+    for e in engines[len(a.also) + 1:]:
+        versions.update(e.versions)
+    units = [(e, c) for e in engines for c in e.configs]
+    rounds: list[list[dict]] = []
     for r in range(a.rounds):
         if a.rounds > 1:
             say(f"round {r + 1}/{a.rounds}")
-        rows: list[dict] = []
-        ids_list, manifest = run_ours(a.bundle, prompts, specs, a.max_new_tokens, rows)
-        for other in a.also:
-            if run_ours(other, prompts, specs, a.max_new_tokens, rows, f"ours[{Path(other).name}]")[0] != ids_list:
-                raise SystemExit(f"--also {other}: its tokenizer or chat template gives other prompt ids than "
-                                 f"{a.bundle}'s; compare bundles of the same model")
-        tok = Tokenizer.from_file(str(Path(a.bundle) / manifest.tokenizer.file))
-        texts = [tok.decode(ids, skip_special_tokens=False) for ids in ids_list]  # the same prompt, as text
-        for peer in peers:
-            if peer == "llamacpp-native":
-                versions.update(run_llamacpp_native(manifest, ids_list, peer_specs, a.max_new_tokens, rows, texts))
-                continue
-            if peer == "ortgenai":
-                versions.update(run_ortgenai(manifest, ids_list, peer_specs, a.max_new_tokens, rows,
-                                             a.ortgenai_ngram_size, a.ortgenai_genai_defaults))
-                continue
+        rows = [{"id": p.id, "prompt_tokens": len(ids)} for p, ids in zip(prompts, ids_list)]
+        for i, (engine, cfg) in interleaved(units, len(prompts), r):
+            engine.run(i, cfg, rows)
+        for peer in [p for p in peers if p in ("hf", "llamacpp")]:  # Python peers: in a block after the round
             versions.update({"hf": run_hf, "llamacpp": run_llamacpp}[peer](manifest, ids_list, peer_specs,
                                                                            a.max_new_tokens, rows))
         rounds.append(rows)
+    for e in engines:
+        e.close()
     rows = merge_rounds(rounds)
+    for e in engines:
+        if hasattr(e, "notes"):
+            e.notes(rows)
     names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
     for row in rows:
         for n in names:

@@ -8,7 +8,9 @@ Everything here runs in a separate venv (onnxruntime-genai, torch, transformers)
     python3 tools/build_ortgenai.py build smollm2-135m     # or a .gguf path, or a Hugging Face folder
     python3 tools/build_ortgenai.py build qwen2.5-coder-1.5b --precision int4 --lm-head int8
     python3 tools/build_ortgenai.py pair TARGET_DIR DRAFT_DIR   # a draft-model speculation config over two builds
-    python3 tools/build_ortgenai.py generate < job.json         # bench_peers.py drives this (JSON in, JSON out)
+    python3 tools/build_ortgenai.py generate < job.json         # a whole job: JSON in, JSON out
+    python3 tools/build_ortgenai.py serve                       # bench_peers.py drives this: JSON lines, one
+                                                                # prompt at a time, models kept loaded
 
 Run with any python3: the commands other than ``venv`` re-execute themselves in the peers venv. ``build`` and
 ``pair`` print what they do on stderr and the built folder as the last line of stdout. Outputs are cached (reused when
@@ -445,6 +447,57 @@ def cmd_generate(a) -> None:
     json.dump(res, sys.stdout)
 
 
+def serve(og, inp, out) -> None:
+    """One worker kept alive so that a benchmark can interleave this engine with others prompt by prompt (a shared
+    VM's speed drifts by tens of percent within minutes; engines run in blocks minutes apart are not comparable).
+    Line protocol, JSON per line. In: a header {"threads", "max_new", "eos", "configs": [...], "warmup": [ids]}
+    (configs as for ``generate``), then requests {"config": name, "ids": [...]}. Out: {"ready": true, "versions",
+    "errors": {name: str}} once every config is loaded and warmed up (models loaded once per folder: plain and n-gram
+    share the target), then one result per request, {"ids", "prefill_s", "ttft_s", "total_s", "spec_stats"} or
+    {"error"}. Ends at the end of its input."""
+    head = json.loads(inp.readline())
+    eos, max_new = set(head["eos"]), head["max_new"]
+    models: dict[str, object] = {}
+    configs, errors = {}, {}
+    has_spec = hasattr(og.GeneratorParams, "set_speculative_options")
+    for c in head["configs"]:
+        name, spec = c["name"], c.get("speculative")
+        if spec and not has_spec:
+            errors[name] = "GeneratorParams has no set_speculative_options (no speculative decoding in this release)"
+            continue
+        try:
+            if c["model"] not in models:
+                say(f"{name}: loading {c['model']}")
+                models[c["model"]] = _load(og, c["model"], head["threads"])
+            if head.get("warmup"):  # unmeasured: allocations, kernels' first runs
+                _run_one(og, models[c["model"]], head["warmup"], min(max_new, 16), eos, spec)
+            configs[name] = (models[c["model"]], spec)
+        except Exception as e:  # noqa: BLE001 - reported per config, the others still run
+            errors[name] = f"{type(e).__name__}: {e}"
+            say(f"{name}: failed: {e}")
+    print(json.dumps({"ready": True, "versions": _versions(), "errors": errors}), file=out, flush=True)
+    for line in inp:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        if req["config"] not in configs:
+            res = {"error": errors.get(req["config"], f"unknown config {req['config']!r}")}
+        else:
+            model, spec = configs[req["config"]]
+            try:
+                ids, prefill, ttft, total, stats = _run_one(og, model, req["ids"], max_new, eos, spec)
+                res = {"ids": ids, "prefill_s": prefill, "ttft_s": ttft, "total_s": total, "spec_stats": stats}
+            except Exception as e:  # noqa: BLE001 - this prompt fails, the worker goes on
+                res = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(res), file=out, flush=True)
+
+
+def cmd_serve(a) -> None:
+    import onnxruntime_genai as og
+
+    serve(og, sys.stdin, sys.stdout)
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -471,11 +524,12 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4, help="speculative.max_draft_tokens written into the config")
     g = sub.add_parser("generate", help="run a job (JSON) with onnxruntime-genai's generator loop")
     g.add_argument("job", nargs="?", default="-")
+    sub.add_parser("serve", help="a worker for interleaved benchmarks: JSON lines in and out (see serve())")
     a = ap.parse_args()
     if a.cmd == "venv":
         return cmd_venv(a)
     ensure_env()
-    {"build": cmd_build, "pair": cmd_pair, "generate": cmd_generate}[a.cmd](a)
+    {"build": cmd_build, "pair": cmd_pair, "generate": cmd_generate, "serve": cmd_serve}[a.cmd](a)
 
 
 if __name__ == "__main__":
