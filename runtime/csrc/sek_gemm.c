@@ -358,8 +358,12 @@ static inline __attribute__((always_inline)) void dots512(const sek_weights *w, 
     const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
     const __m512i mask = _mm512_set1_epi8(15);
     const uint8_t *bp[2] = {w->b + (tile * nb + b) * bstride, NT == 2 ? w->b + ((tile + 1) * nb + b) * bstride : NULL};
+    /* past the end of its tile, each stream's prefetch goes on in the next strip's tile of the same place (with two
+     * tiles side by side, the lines right after tile t are tile t + 1's first, read by this strip already, and the
+     * next strip's second tile started cold: 3 KB of a 12 KB tile at K = 1536) */
+    const int64_t skip = b * bstride + SEK_AHEAD >= nb * bstride ? (NT - 1) * nb * bstride : 0;
     SEK_UNROLL
-    for (int t = 0; t < NT; t++) prefetch_block(bp[t], bstride);
+    for (int t = 0; t < NT; t++) prefetch_block_skip(bp[t], bstride, skip);
     if (w->bits == 4) {
         for (int64_t j = 0; j < blk / 8; j++) {
             __m512i lo[2], hi[2];

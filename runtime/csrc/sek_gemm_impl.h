@@ -34,10 +34,15 @@ enum { SEK_ISA_BEST = 0, SEK_ISA_SCALAR = 1, SEK_ISA_AVX2 = 2, SEK_ISA_VNNI512 =
  * 71.1; the AVX2 path's T = 5 from 90.6 to 72.2 (3072 was the best of those distances at T = 1; 0 against 3072 at
  * the other widths). */
 #define SEK_AHEAD 3072
-static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int64_t bytes) {
+/* The same, `skip` bytes further still: a strip reading NT tiles side by side, near the end of its tiles, asks for
+ * the start of the next strip's tiles, not for the tiles beside it, which it has read already. */
+static inline __attribute__((always_inline)) void prefetch_block_skip(const uint8_t *p, int64_t bytes, int64_t skip) {
     /* integer arithmetic: a pointer past the end of the weights would be undefined behaviour, a hint is not */
-    const uintptr_t at = (uintptr_t)p + SEK_AHEAD;
+    const uintptr_t at = (uintptr_t)p + SEK_AHEAD + (uintptr_t)skip;
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(at + (uintptr_t)o), 0, 2);
+}
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *p, int64_t bytes) {
+    prefetch_block_skip(p, bytes, 0);
 }
 
 /* Block b of tile `tile`: where its scale parts are. */
