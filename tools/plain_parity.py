@@ -4,10 +4,12 @@ engine per round, medians at the end): the plain-parity check of issue 16 with t
 
     python tools/plain_parity.py BUNDLE GGUF [--rounds 3] [--max-new-tokens 96] [--threads 2]
 
-Per round: ``llama-bench -p 0 -n N -t T -r 2`` on the GGUF (tg N, no prompt: llama.cpp's own speed figure), then our
-plain greedy decode (drafter none, so rounds carry only the free guess) of each suite's first prompt, fresh
-(no prefix reuse); ours is the median decode tok/s over the prompts. llama-bench comes from
-tools/build_llama_cpp.sh (``--llama-bench`` to point elsewhere). Prints the CPU flags first.
+Per round and prompt (each suite's first), side by side, the order swapped every prompt: ``llama-bench -p 0 -n N -d D
+-t T -r 1`` on the GGUF (tg N after D context tokens, D = the prompt's length: llama.cpp's own speed figure at that
+depth) and our plain greedy decode of the prompt, fresh (no prefix reuse). Each engine's round figure is its median
+over the prompts; the ratio is also given as the median of the per-prompt ratios, the figure least moved by this
+VM's drift (a quarter within minutes: engines timed in blocks minutes apart measure the drift). llama-bench comes
+from tools/build_llama_cpp.sh (``--llama-bench`` to point elsewhere). Prints the CPU flags first.
 """
 
 from __future__ import annotations
@@ -43,20 +45,31 @@ def main() -> int:
     prompts = suite_prompts(["code", "edit", "chat", "summarize", "json"], 1)
     params = SamplingParams(max_new_tokens=a.max_new_tokens)
     dec.generate("warm up", SamplingParams(max_new_tokens=8), drafter="none")
-    ours, llama = [], []
+    ours, llama, ratios = [], [], []
     for r in range(a.rounds):
-        out = subprocess.run([a.llama_bench, "-m", a.gguf, "-p", "0", "-n", str(a.max_new_tokens), "-t",
-                              str(a.threads), "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)
-        llama.append(json.loads(out.stdout)[0]["avg_ts"])
-        per = []
-        for p in prompts:
+        per_o, per_l = [], []
+        for i, p in enumerate(prompts):
             text, chat = p.as_request()
-            per.append(dec.generate(text, params, drafter="none", chat=chat, reuse_prefix=False).stats.decode_tok_s)
-        ours.append(statistics.median(per))
-        print(f"round {r}: llama-bench tg{a.max_new_tokens} {llama[-1]:.2f} tok/s | ours plain, median of "
-              f"{len(per)} prompts {ours[-1]:.2f} ({', '.join(f'{x:.1f}' for x in per)})", flush=True)
+            depth = len(dec.encode_prompt(text, chat))
+            for engine in (("ours", "llama") if (i + r) % 2 == 0 else ("llama", "ours")):
+                if engine == "llama":
+                    out = subprocess.run([a.llama_bench, "-m", a.gguf, "-p", "0", "-n", str(a.max_new_tokens), "-d",
+                                          str(depth), "-t", str(a.threads), "-r", "1", "-o", "json"],
+                                         capture_output=True, text=True, check=True)
+                    per_l.append(json.loads(out.stdout)[0]["avg_ts"])
+                else:
+                    per_o.append(dec.generate(text, params, drafter="none", chat=chat,
+                                              reuse_prefix=False).stats.decode_tok_s)
+            ratios.append(per_o[-1] / per_l[-1])
+        ours.append(statistics.median(per_o))
+        llama.append(statistics.median(per_l))
+        print(f"round {r}: llama-bench tg{a.max_new_tokens} at each prompt's depth {llama[-1]:.2f} tok/s "
+              f"({', '.join(f'{x:.1f}' for x in per_l)}) | ours plain {ours[-1]:.2f} "
+              f"({', '.join(f'{x:.1f}' for x in per_o)})", flush=True)
     lo, ou = statistics.median(llama), statistics.median(ours)
-    print(f"median over rounds: llama.cpp {lo:.2f}, ours {ou:.2f} tok/s: ours / llama.cpp {ou / lo:.2f}x")
+    print(f"median over rounds: llama.cpp {lo:.2f}, ours {ou:.2f} tok/s: ours / llama.cpp {ou / lo:.2f}x; "
+          f"median of the {len(ratios)} per-prompt ratios {statistics.median(ratios):.2f}x "
+          f"({min(ratios):.2f}-{max(ratios):.2f})")
     return 0
 
 

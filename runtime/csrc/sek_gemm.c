@@ -561,12 +561,22 @@ static inline __attribute__((always_inline)) void strip_sb_vnni512(const sek_row
         for (int t = 0; t < NT; t++) memcpy(y + (r0 + r) * ldy + (tile + t) * SEK_TILE, yv[r][t], sizeof yv[r][t]);
 }
 
-/* Tiles [t0, t1) in pairs, the rows in passes of up to SEK_RMAX (SEK_RMAX_SB with two-level scales). */
+#define SEK_PAIR_K 4096 /* rows of weights at least this long are read two tiles at a time whatever the rows */
+#define SEK_PAIR_ROWS 6 /* and so are steps of more rows than this (more than SEK_PAIR_ROWS_SB: two-level scales) */
+#define SEK_PAIR_ROWS_SB 2
+/* Tiles [t0, t1) in pairs (or one at a time: see `single`), the rows in passes of up to SEK_RMAX (SEK_RMAX_SB with
+ * two-level scales). */
 static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
     const int sb = w->sc != NULL, wide_sb = sb && x->m > SEK_RMAX_SB + 1;
     const int rmax = sb && !wide_sb ? SEK_RMAX_SB : SEK_RMAX;
-    for (int64_t t = t0; t < t1; t += wide_sb ? 1 : 2) {
-        const int nt = t1 - t >= 2 && !wide_sb ? 2 : 1;
+    /* Two tiles side by side share each activation broadcast, which pays at many rows and along long rows of
+     * weights; a short row of weights (K < SEK_PAIR_K) read by few rows goes faster as one stream, a tile at a time
+     * (one thread, out of cache, K = 896 / 1536: 8-25 % faster at 1-5 rows, the Q6_K head's blocks 20-23 % at 1-2
+     * rows and Q4_K's 12-15 %, Q4_K 16 % slower at 5; K = 4864 / 8960: 3-13 % slower). The same integer sums and
+     * fp32 operations per column either way: the bits do not change. */
+    const int single = w->k < SEK_PAIR_K && x->m <= (sb ? SEK_PAIR_ROWS_SB : SEK_PAIR_ROWS);
+    for (int64_t t = t0; t < t1; t += wide_sb || single ? 1 : 2) {
+        const int nt = t1 - t >= 2 && !wide_sb && !single ? 2 : 1;
         for (int64_t r0 = 0; r0 < x->m; r0 += rmax) {
             const int R = x->m - r0 < rmax ? (int)(x->m - r0) : rmax;
 #define SEK_CASE(RR)                                                                                       \
