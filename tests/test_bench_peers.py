@@ -84,20 +84,20 @@ def _ortgenai_tool():
     return mod
 
 
-def test_the_ortgenai_worker_loads_each_model_once_and_answers_one_line_per_prompt(monkeypatch):
-    """build_ortgenai.py serve's line protocol, with onnxruntime-genai's calls replaced (it is not in this venv)."""
-    import io
-    import json
+class _FakeParams:
+    def set_speculative_options(self, **kw):
+        pass
 
+
+class _FakeOg:
+    """Stands in for onnxruntime_genai (not in this venv): the tool's own _load and _run_one are replaced."""
+    GeneratorParams = _FakeParams
+
+
+def _fake_ortgenai(monkeypatch):
+    """build_ortgenai with onnxruntime-genai's calls replaced; returns (tool, loaded, ran). A prompt [13] fails."""
     tool = _ortgenai_tool()
     loaded, ran = [], []
-
-    class FakeParams:
-        def set_speculative_options(self, **kw):
-            pass
-
-    class FakeOg:
-        GeneratorParams = FakeParams
 
     def fake_load(og, model_dir, threads):
         loaded.append((model_dir, threads))
@@ -105,13 +105,22 @@ def test_the_ortgenai_worker_loads_each_model_once_and_answers_one_line_per_prom
 
     def fake_run(og, model, ids, max_new, eos, spec):
         ran.append((model, tuple(ids), max_new, spec))
-        if ids == [13]:
+        if list(ids) == [13]:
             raise RuntimeError("out of memory")
         return [5, 6, 7], 0.1, 0.11, 0.5, ({"rounds": 1} if spec else None)
 
     monkeypatch.setattr(tool, "_load", fake_load)
     monkeypatch.setattr(tool, "_run_one", fake_run)
     monkeypatch.setattr(tool, "_versions", lambda: {"onnxruntime_genai": "0.18.0", "onnxruntime": "1.32.0"})
+    return tool, loaded, ran
+
+
+def test_the_ortgenai_worker_loads_each_model_once_and_answers_one_line_per_prompt(monkeypatch):
+    """build_ortgenai.py serve's line protocol, with onnxruntime-genai's calls replaced (it is not in this venv)."""
+    import io
+    import json
+
+    tool, loaded, ran = _fake_ortgenai(monkeypatch)
     head = {"threads": 2, "max_new": 8, "eos": [2], "warmup": [1, 2], "configs": [
         {"name": "plain", "model": "/t", "speculative": None},
         {"name": "prompt-lookup:8", "model": "/t", "speculative": {"ngram_size": 3, "max_draft_tokens": 8}},
@@ -119,7 +128,7 @@ def test_the_ortgenai_worker_loads_each_model_once_and_answers_one_line_per_prom
     lines = [head, {"config": "plain", "ids": [9, 9]}, {"config": "model:4", "ids": [9, 9]},
              {"config": "plain", "ids": [13]}, {"config": "nope", "ids": [9]}]
     out = io.StringIO()
-    tool.serve(FakeOg, io.StringIO("".join(json.dumps(x) + "\n" for x in lines)), out)
+    tool.serve(_FakeOg, io.StringIO("".join(json.dumps(x) + "\n" for x in lines)), out)
     replies = [json.loads(x) for x in out.getvalue().splitlines()]
     assert loaded == [("/t", 2), ("/pair", 2)]  # the target once for plain and n-gram
     assert replies[0]["ready"] and replies[0]["errors"] == {}
@@ -128,3 +137,30 @@ def test_the_ortgenai_worker_loads_each_model_once_and_answers_one_line_per_prom
     assert ran[4] == ("/pair", (9, 9), 8, {"max_draft_tokens": 4}) and replies[2]["spec_stats"] == {"rounds": 1}
     assert replies[3] == {"error": "RuntimeError: out of memory"}  # the worker goes on after a failed prompt
     assert "unknown config" in replies[4]["error"] and len(replies) == 5
+
+
+def test_an_ortgenai_job_runs_through_the_worker_config_by_config(monkeypatch, capsys):
+    """build_ortgenai.py generate: the whole job's results per config, a config with a failed prompt reported as
+    its error, the others kept."""
+    import io
+    import json
+    import sys
+    import types
+
+    tool, _, ran = _fake_ortgenai(monkeypatch)
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", types.SimpleNamespace(GeneratorParams=_FakeParams))
+    job = {"threads": 2, "max_new": 8, "eos": [2], "prompts": [[9], [13]], "warmup": False, "configs": [
+        {"name": "plain", "model": "/t", "speculative": None},
+        {"name": "prompt-lookup:8", "model": "/t", "speculative": {"ngram_size": 3, "max_draft_tokens": 8}}]}
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps({**job, "prompts": [[9], [9]]})))
+    tool.cmd_generate(types.SimpleNamespace(job="-"))
+    res = json.loads(capsys.readouterr().out)
+    assert res["versions"]["onnxruntime_genai"] == "0.18.0"
+    assert [r["ids"] for r in res["results"]["plain"]] == [[5, 6, 7]] * 2
+    assert res["results"]["prompt-lookup:8"][0]["spec_stats"] == {"rounds": 1}
+    spec = job["configs"][1]["speculative"]
+    assert [r[3] for r in ran] == [None, None, spec, spec]  # config after config, no warm-up asked
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(job)))
+    tool.cmd_generate(types.SimpleNamespace(job="-"))
+    res = json.loads(capsys.readouterr().out)
+    assert res["results"]["plain"] == {"error": "RuntimeError: out of memory"}

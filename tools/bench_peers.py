@@ -206,6 +206,16 @@ def _llama_bin() -> Path:
     return Path(subprocess.run(["bash", str(script)], check=True, capture_output=True, text=True).stdout.strip())
 
 
+def llama_bench_tg(bench: str | Path, gguf: str, n: int, depth: int, threads: int | str) -> float:
+    """llama.cpp's own plain decode speed: ``llama-bench`` tg ``n`` after ``depth`` context tokens (``-d``), one
+    repetition after its warm-up, tok/s."""
+    import subprocess
+
+    out = subprocess.run([str(bench), "-m", gguf, "-p", "0", "-n", str(n), "-d", str(depth), "-t", str(threads),
+                          "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)[0]["avg_ts"]
+
+
 def _speed(log: str) -> tuple[float, int]:
     """(decode tok/s, tokens) from llama.cpp's 'decoded N tokens in S seconds, speed: X t/s' line."""
     import re
@@ -244,10 +254,7 @@ class LlamaNative:
         d, k = cfg
         if d == "plain":
             depth = len(self.ids_list[i])
-            bench = subprocess.run([str(self.bin_dir / "llama-bench"), "-m", self.target, "-p", "0", "-n",
-                                    str(self.max_new), "-d", str(depth), "-t", self.threads, "-r", "1", "-o", "json"],
-                                   capture_output=True, text=True, check=True)
-            tg = json.loads(bench.stdout)[0]["avg_ts"]
+            tg = llama_bench_tg(self.bin_dir / "llama-bench", self.target, self.max_new, depth, self.threads)
             rows[i]["llama.cpp plain"] = {"decode_tok_s": tg, "e2e_tok_s": tg, "ttft_s": 0.0, "depth": depth,
                                           "new_tokens": self.max_new, "ids": None}
             say(f"{rows[i]['id']} llama.cpp plain (llama-bench tg{self.max_new} at depth {depth}): {tg:.2f} tok/s")

@@ -411,39 +411,29 @@ def cmd_generate(a) -> None:
     "configs": [{"name", "model": dir, "speculative": {...} | null}, ...]}. Result (JSON, stdout):
     {"versions", "results": {name: [{"ids", "prefill_s", "ttft_s", "total_s", "spec_stats"}, ...] | {"error": str}}}.
     prefill_s: append_tokens (the prompt); ttft_s: until the first generate_next_token returned; total_s: until the
-    last token (or the end-of-sequence token) came out."""
+    last token (or the end-of-sequence token) came out. Runs the job through ``serve``: every prompt of a config,
+    config after config."""
+    import io
+
     import onnxruntime_genai as og
 
     job = json.load(sys.stdin if a.job == "-" else open(a.job))
-    eos = set(job["eos"])
-    res: dict = {"versions": _versions(), "results": {}}
-    has_spec = hasattr(og.GeneratorParams, "set_speculative_options")
-    for c in job["configs"]:
-        name, spec = c["name"], c.get("speculative")
-        if spec and not has_spec:
-            res["results"][name] = {"error": "GeneratorParams has no set_speculative_options (no speculative "
-                                             "decoding in this release)"}
-            continue
-        try:
-            say(f"{name}: loading {c['model']}")
-            model = _load(og, c["model"], job["threads"])
-            if job.get("warmup", True):  # the first prompt once, unmeasured (allocations, kernels' first runs)
-                _run_one(og, model, job["prompts"][0], min(job["max_new"], 16), eos, spec)
-            rows = []
-            for ids in job["prompts"]:
-                out, prefill, ttft, total, stats = _run_one(og, model, ids, job["max_new"], eos, spec)
-                rows.append({"ids": out, "prefill_s": prefill, "ttft_s": ttft, "total_s": total, "spec_stats": stats})
-                dec = (len(out) - 1) / (total - prefill) if len(out) > 1 and total > prefill else 0.0
-                say(f"{name}: {len(out)} tokens, prefill {prefill * 1e3:.0f} ms, first token {ttft * 1e3:.0f} ms, "
-                    f"decode (after prefill) {dec:.1f} tok/s"
-                    + (f", accepted {stats.get('draft_tokens_accepted')}/{stats.get('draft_tokens_proposed')}"
-                       if stats else ""))
-            res["results"][name] = rows
-            del model
-            gc.collect()
-        except Exception as e:  # noqa: BLE001 - reported per config, the others still run
-            res["results"][name] = {"error": f"{type(e).__name__}: {e}"}
-            say(f"{name}: failed: {e}")
+    head = {k: job[k] for k in ("threads", "max_new", "eos", "configs")}
+    head["warmup"] = job["prompts"][0] if job.get("warmup", True) else None
+    names = [c["name"] for c in job["configs"]]
+    lines = [json.dumps(head)] + [json.dumps({"config": n, "ids": ids}) for n in names for ids in job["prompts"]]
+    out = io.StringIO()
+    serve(og, io.StringIO("\n".join(lines) + "\n"), out)
+    ready, *answers = (json.loads(line) for line in out.getvalue().splitlines())
+    res: dict = {"versions": ready["versions"], "results": {}}
+    for i, name in enumerate(names):
+        rows = answers[i * len(job["prompts"]): (i + 1) * len(job["prompts"])]
+        failed = [r["error"] for r in rows if "error" in r]
+        res["results"][name] = {"error": failed[0]} if failed else rows
+        for r in rows if not failed else []:
+            n, dt = len(r["ids"]), r["total_s"] - r["prefill_s"]
+            say(f"{name}: {n} tokens, prefill {r['prefill_s'] * 1e3:.0f} ms, decode (after prefill) "
+                f"{(n - 1) / dt if n > 1 and dt > 0 else 0.0:.1f} tok/s")
     json.dump(res, sys.stdout)
 
 

@@ -15,11 +15,10 @@ from tools/build_llama_cpp.sh (``--llama-bench`` to point elsewhere). Prints the
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 from pathlib import Path
 
+from bench_peers import llama_bench_tg  # tools/ is this script's directory
 from specedge.runtime import SamplingParams, SpecDecoder
 from specedge.runtime.bench.runner import machine_info
 from specedge.runtime.bench.suites import suite_prompts
@@ -53,10 +52,7 @@ def main() -> int:
             depth = len(dec.encode_prompt(text, chat))
             for engine in (("ours", "llama") if (i + r) % 2 == 0 else ("llama", "ours")):
                 if engine == "llama":
-                    out = subprocess.run([a.llama_bench, "-m", a.gguf, "-p", "0", "-n", str(a.max_new_tokens), "-d",
-                                          str(depth), "-t", str(a.threads), "-r", "1", "-o", "json"],
-                                         capture_output=True, text=True, check=True)
-                    per_l.append(json.loads(out.stdout)[0]["avg_ts"])
+                    per_l.append(llama_bench_tg(a.llama_bench, a.gguf, a.max_new_tokens, depth, a.threads))
                 else:
                     per_o.append(dec.generate(text, params, drafter="none", chat=chat,
                                               reuse_prefix=False).stats.decode_tok_s)
