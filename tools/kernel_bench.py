@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=1536, help="a multiple of 256")
     ap.add_argument("--rows", default="1,5")
-    ap.add_argument("--isa", default="best", help="comma list of best, scalar, avx2, vnni512")
+    ap.add_argument("--isa", default="best", help="comma list of best, scalar, avx2, avxvnni, vnni512")
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
     if a.k % 256:

@@ -98,6 +98,13 @@ PLANTS = {
     "specedge kernel: the one-tile pass for short matrices steps two tiles (every other tile never computed)": (
         "runtime/csrc/sek_gemm.c", "for (int64_t t = t0; t < t1; t += wide_sb || single ? 1 : 2) {",
         "for (int64_t t = t0; t < t1; t += wide_sb ? 1 : 2) {", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: the AVX-VNNI passes take six rows, and a six-row pass computes nothing": (
+        "runtime/csrc/sek_gemm.c", "per = vnni ? SEK_R2V : SEK_R2;", "per = vnni ? SEK_R2V + 1 : SEK_R2;",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: an AVX-VNNI chunk's high nibbles dotted with the low nibbles' activations": (
+        "runtime/csrc/sek_gemm.c", "return _mm256_add_epi32(acc, dp256(dp256(_mm256_setzero_si256(), u0, s0), u1, s1));",
+        "return _mm256_add_epi32(acc, dp256(dp256(_mm256_setzero_si256(), u0, s0), u1, s0));",
+        ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: a block's integer scale skipped (scalar)": (
         "runtime/csrc/sek_gemm.c", "i1[c] += acc[c] * w->sc[o + c];", "i1[c] += acc[c];",
         ["tests/runtime/test_sek_kernel.py"]),

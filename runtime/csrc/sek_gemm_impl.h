@@ -23,7 +23,7 @@
 #define SEK_UNROLL
 #endif
 
-enum { SEK_ISA_BEST = 0, SEK_ISA_SCALAR = 1, SEK_ISA_AVX2 = 2, SEK_ISA_VNNI512 = 3, SEK_ISA_NEON = 4 };
+enum { SEK_ISA_BEST = 0, SEK_ISA_SCALAR = 1, SEK_ISA_AVX2 = 2, SEK_ISA_VNNI512 = 3, SEK_ISA_NEON = 4, SEK_ISA_AVXVNNI = 5 };
 
 /* The weights stream from DRAM once per step, and the hot loops do enough work per 64-byte line that the core's
  * out-of-order window alone keeps too few lines in flight: one thread read Q4_K blocks at ~15 GB/s where a bare

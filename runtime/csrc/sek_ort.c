@@ -27,7 +27,7 @@
  * from API version 17, ONNX Runtime 1.17, to the newest). The header itself is not needed to build this file,
  * so a plain `cc` builds it on any machine that has the onnxruntime wheel (runtime/kernels.py).
  *
- * Environment: SPECEDGE_SEK_ISA=scalar|avx2|vnni512|neon forces one code path (tests compare them bitwise).
+ * Environment: SPECEDGE_SEK_ISA=scalar|avx2|avxvnni|vnni512|neon forces one code path (tests compare them bitwise).
  */
 #include <stdarg.h>
 #include <stdint.h>
@@ -184,7 +184,7 @@ static OrtStatus *create_kernel(const void *op, OrtApiTable api, const OrtKernel
     if (k->isa < 0 || (k->isa > 0 && !(sek_isa_mask() & (1 << k->isa)))) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT,
                             "%s: SPECEDGE_SEK_ISA names a path this build lacks (mask %lld; 2 scalar, 4 avx2, "
-                            "8 vnni512, 16 neon)", name, (long long)(sek_isa_mask()));
+                            "8 vnni512, 16 neon, 32 avxvnni)", name, (long long)(sek_isa_mask()));
         free(k);
         return e;
     }

@@ -683,6 +683,32 @@ def test_every_isa_path_of_this_cpu_equals_the_c_reference_in_every_weight_forma
     assert "scalar" in isas.split() and len(digest) == 16
 
 
+def _has_avx_vnni() -> bool:
+    from specedge.runtime.cpu import cpu_features
+
+    return platform.machine().lower() in ("x86_64", "amd64") and "avx_vnni" in (cpu_features() or ())
+
+
+@pytest.mark.skipif(not _has_avx_vnni(), reason="the AVX-VNNI path runs only on a CPU with AVX-VNNI (Alder Lake and "
+                                                "later Intel cores, Intel N100-N305, AMD Zen 5)")
+def test_the_avx_vnni_path_computes_the_same_bits_as_this_cpu(tmp_path):
+    """The AVX-VNNI path (vpdpbusd on 256-bit registers, for CPUs without AVX-512: Intel Alder Lake and its
+    N-series), in a build for such a CPU (-march=alderlake: AVX2 + AVX-VNNI, 16 vector registers): it equals the
+    reference at 1..12 rows in every weight format, and the reference's outputs are this CPU's native build's. The
+    whole kernel library builds for it without warnings."""
+    from pathlib import Path
+
+    from specedge.runtime.kernels import CFLAGS, SOURCES, _compiler, _march
+
+    _, here = _isa_check(_compiler(), [_march()], tmp_path / "isa_check")
+    isas, there = _isa_check(_compiler(), ["-march=alderlake"], tmp_path / "isa_check_adl")
+    assert isas.split() == ["scalar", "avx2", "avxvnni"] and there == here
+    csrc = Path(__file__).resolve().parents[2] / "runtime" / "csrc"
+    subprocess.run([*_compiler(), *CFLAGS, "-march=alderlake", "-Werror", "-Wall", "-o",
+                    str(tmp_path / "libspecedge_kernels.so"), *(str(csrc / s) for s in SOURCES), "-lm"],
+                   check=True, capture_output=True)
+
+
 _CROSS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
 
 
