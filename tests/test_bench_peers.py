@@ -26,6 +26,17 @@ def test_rounds_merge_into_per_prompt_medians_and_keep_every_value():
     assert row["ours plain"]["decode_tok_s"] == 23.0 and row["ours plain"]["decode_tok_s_rounds"] == [20.0, 26.0, 23.0]
     assert row["peer plain"]["decode_tok_s"] == 27.0 and row["peer plain"]["e2e_tok_s"] == 13.5
     assert row["ours plain"]["ids"] == [1, 2, 3] and rounds[0][0]["ours plain"]["decode_tok_s"] == 20.0  # not mutated
+    assert "rounds" not in row["peer plain"]
+
+
+def test_merged_rounds_keep_what_auto_chose_in_each_round():
+    def cell(v, chose):
+        return {"decode_tok_s": v, "e2e_tok_s": v, "ttft_s": 0.1, "new_tokens": 3, "ids": [1], "rounds": chose}
+
+    rounds = [[{"id": "json-0", "ours auto:8": cell(v, chose)}]
+              for v, chose in ((50.0, {"none": 3, "model": 9}), (70.0, {"model": 7}))]
+    (row,) = _tool().merge_rounds(rounds)
+    assert row["ours auto:8"]["rounds"] == [{"none": 3, "model": 9}, {"model": 7}]
 
 
 def test_another_bundle_of_ours_counts_as_ours_not_as_a_peer():

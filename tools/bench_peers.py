@@ -70,11 +70,16 @@ def say(s: str) -> None:
     print(s, file=sys.stderr, flush=True)
 
 
-def _record(rows: list[dict], i: int, name: str, ids: list[int], ttft: float, total: float) -> None:
+def _record(rows: list[dict], i: int, name: str, ids: list[int], ttft: float, total: float,
+            rounds: dict | None = None) -> None:
+    """One run's row; ``rounds``: how many rounds each strategy ran (ours; for reading `auto`'s choices)."""
     n = len(ids)
     rows[i][name] = {"decode_tok_s": (n - 1) / (total - ttft) if n > 1 and total > ttft else 0.0,
                      "e2e_tok_s": n / total if total else 0.0, "ttft_s": ttft, "new_tokens": n, "ids": ids}
-    say(f"{rows[i]['id']} {name}: {rows[i][name]['decode_tok_s']:.2f} tok/s, {n} tokens")
+    if rounds:
+        rows[i][name]["rounds"] = rounds
+    say(f"{rows[i]['id']} {name}: {rows[i][name]['decode_tok_s']:.2f} tok/s, {n} tokens"
+        + (f", rounds {rounds}" if rounds else ""))
 
 
 class Ours:
@@ -101,7 +106,7 @@ class Ours:
         text, chat = self.requests[i]
         r = self.dec.generate(text, self.params, drafter=d, k=k, chat=chat)
         _record(rows, i, f"{self.engine} plain" if d == "none" else f"{self.engine} {d}:{k}", r.token_ids,
-                r.stats.ttft_s, r.stats.ttft_s + r.stats.decode_s)
+                r.stats.ttft_s, r.stats.ttft_s + r.stats.decode_s, dict(r.stats.strategies or {}))
 
     def close(self) -> None:
         self.dec.close()
@@ -395,7 +400,8 @@ OURS_ONLY = ("auto", "hybrid")  # our drafters without a peer counterpart: measu
 
 def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
     """Rows of several rounds of the same engines and prompts -> one row set whose speeds are the per-prompt
-    medians (each round's values kept under ``*_rounds``); ids, text and the rest come from the first round."""
+    medians (each round's values kept under ``*_rounds``, ours' strategy counts as a list under ``rounds``); ids, text
+    and the rest come from the first round."""
     merged = []
     for i, first in enumerate(rounds[0]):
         row = dict(first)
@@ -407,6 +413,8 @@ def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
                 if key in cell:
                     vals = [r[i][name][key] for r in rounds]
                     cell[key], cell[key + "_rounds"] = statistics.median(vals), vals
+            if "rounds" in cell:  # what each round's run chose, strategy by strategy
+                cell["rounds"] = [r[i][name].get("rounds") for r in rounds]
             row[name] = cell
         merged.append(row)
     return merged
