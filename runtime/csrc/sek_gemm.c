@@ -12,9 +12,10 @@
  *     y = fma((float)acc, s * sa, y);   y = fma(-(z * s), sa * sum(qa), y)
  *
  * So a row's result depends on nothing but that row: the same whatever M is, whichever rows share a call,
- * and however columns are split among threads (batch-invariant by construction). The scalar, AVX2, AVX512-VNNI
- * and Arm NEON (sek_gemm_neon.c) paths compute the same integers and the same fp32 operations in the same order:
- * their results are bitwise equal, across machines too (tests/runtime/test_sek_kernel.py, tools/sek_isa_check.c).
+ * and however columns are split among threads (batch-invariant by construction). The scalar, AVX2, AVX-VNNI,
+ * AVX512-VNNI and Arm NEON (sek_gemm_neon.c) paths compute the same integers and the same fp32 operations in the
+ * same order: their results are bitwise equal, across machines too (tests/runtime/test_sek_kernel.py,
+ * tools/sek_isa_check.c).
  *
  * Packed weights, one layout for every ISA: tiles of 16 columns; per tile, per block, 64-byte chunks:
  *   4-bit: blk/8 chunks; chunk j, byte 4c+t: low nibble q[c][8j+t], high nibble q[c][8j+4+t]
