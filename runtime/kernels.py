@@ -45,7 +45,8 @@ CFLAGS = ("-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-std=c11", "-D_GNU_
 def _march() -> str:
     """The target flag of the build: this CPU (-march=native; -mcpu=native on Arm, which GCC and Clang both take
     there: Clang refused -march=native on Arm before version 15), or -march=SPECEDGE_KERNEL_MARCH (e.g. haswell:
-    AVX2 + FMA, no AVX-512 — how the tests exercise the AVX2 paths on an AVX-512 machine)."""
+    AVX2 + FMA, no AVX-512 — how the tests exercise the AVX2 paths on an AVX-512 machine; alderlake: AVX2 +
+    AVX-VNNI, the avxvnni path)."""
     if os.environ.get("SPECEDGE_KERNEL_MARCH"):
         return "-march=" + os.environ["SPECEDGE_KERNEL_MARCH"]
     return "-mcpu=native" if platform.machine().lower() in ("aarch64", "arm64") else "-march=native"
