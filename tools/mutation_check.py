@@ -98,9 +98,12 @@ PLANTS = {
     "specedge kernel: the one-tile pass for short matrices steps two tiles (every other tile never computed)": (
         "runtime/csrc/sek_gemm.c", "for (int64_t t = t0; t < t1; t += wide_sb || single ? 1 : 2) {",
         "for (int64_t t = t0; t < t1; t += wide_sb ? 1 : 2) {", ["tests/runtime/test_sek_kernel.py"]),
-    "specedge kernel: the AVX-VNNI passes take six rows, and a six-row pass computes nothing": (
-        "runtime/csrc/sek_gemm.c", "per = vnni ? SEK_R2V : SEK_R2;", "per = vnni ? SEK_R2V + 1 : SEK_R2;",
-        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: the 5-row ymm passes take six rows, and a six-row pass computes nothing": (
+        "runtime/csrc/sek_gemm.c", "per = vnni || (w->bits == 4 && !sb) ? SEK_R2V : SEK_R2;",
+        "per = vnni || (w->bits == 4 && !sb) ? SEK_R2V + 1 : SEK_R2;", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: the AVX2 5-row pass dots a chunk's high nibbles with the low nibbles' activations": (
+        "runtime/csrc/sek_gemm.c", "_mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));",
+        "_mm256_maddubs_epi16(hi, _mm256_set1_epi32(a0)));", ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: an AVX-VNNI chunk's high nibbles dotted with the low nibbles' activations": (
         "runtime/csrc/sek_gemm.c", "return _mm256_add_epi32(acc, dp256(dp256(_mm256_setzero_si256(), u0, s0), u1, s1));",
         "return _mm256_add_epi32(acc, dp256(dp256(_mm256_setzero_si256(), u0, s0), u1, s0));",
