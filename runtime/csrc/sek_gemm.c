@@ -57,6 +57,12 @@
 
 #define SEK_RMAX 10 /* rows per pass (AVX512): a verify step of up to 10 rows unpacks each weight chunk once */
 
+/* Eight activation levels a[0..7] as two 4-byte words, each broadcast to every lane of a dot product. */
+static inline void four_pair(const int8_t *a, int32_t *a0, int32_t *a1) {
+    memcpy(a0, a, 4);
+    memcpy(a1, a + 4, 4);
+}
+
 /* Which ISA paths this build has, as a bit mask of 1 << SEK_ISA_*. */
 int sek_isa_mask(void) {
     int m = 1 << SEK_ISA_SCALAR;
@@ -386,8 +392,7 @@ static inline __attribute__((always_inline)) void dots512(const sek_weights *w, 
             for (int r = 0; r < R; r++) {
                 const int8_t *a = qa + r * K + b * blk + 8 * j;
                 int32_t a0, a1;
-                memcpy(&a0, a, 4);
-                memcpy(&a1, a + 4, 4);
+                four_pair(a, &a0, &a1);
                 const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
                 SEK_UNROLL
                 for (int t = 0; t < NT; t++) {
@@ -423,8 +428,7 @@ static inline __attribute__((always_inline)) void dots512(const sek_weights *w, 
                 for (int r = 0; r < R; r++) {
                     const int8_t *a = qa + r * K + b * blk + 16 * h + 8 * half;
                     int32_t a0, a1;
-                    memcpy(&a0, a, 4);
-                    memcpy(&a1, a + 4, 4);
+                    four_pair(a, &a0, &a1);
                     const __m512i va0 = _mm512_set1_epi32(a0), va1 = _mm512_set1_epi32(a1);
                     SEK_UNROLL
                     for (int t = 0; t < NT; t++) {
@@ -667,8 +671,7 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
                 for (int r = 0; r < R; r++) {
                     const int8_t *a = qa + r * K + b * blk + 8 * j;
                     int32_t a0, a1;
-                    memcpy(&a0, a, 4);
-                    memcpy(&a1, a + 4, 4);
+                    four_pair(a, &a0, &a1);
                     const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)),
                                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
                     acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
@@ -687,8 +690,7 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
             for (int r = 0; r < R; r++) {
                 const int8_t *a = qa + r * K + b * blk + 8 * j;
                 int32_t a0, a1;
-                memcpy(&a0, a, 4);
-                memcpy(&a1, a + 4, 4);
+                four_pair(a, &a0, &a1);
                 const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
                 SEK_UNROLL
                 for (int h = 0; h < 2; h++) {
@@ -727,8 +729,7 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
                 for (int r = 0; r < R; r++) {
                     const int8_t *a = qa + r * K + b * blk + 16 * hh + 8 * half;
                     int32_t a0, a1;
-                    memcpy(&a0, a, 4);
-                    memcpy(&a1, a + 4, 4);
+                    four_pair(a, &a0, &a1);
                     const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
                     SEK_UNROLL
                     for (int h = 0; h < 2; h++) { /* 6-bit levels: 4 * 63 * 127 < 2^15, no saturation */
