@@ -52,7 +52,8 @@ def _march() -> str:
     return "-mcpu=native" if platform.machine().lower() in ("aarch64", "arm64") else "-march=native"
 
 
-ISA_NAMES = {1: "scalar", 2: "avx2", 3: "vnni512", 4: "neon", 5: "avxvnni"}  # SPECEDGE_SEK_ISA values, bit positions of the ISA mask
+# SPECEDGE_SEK_ISA values, bit positions of the ISA mask
+ISA_NAMES = {1: "scalar", 2: "avx2", 3: "vnni512", 4: "neon", 5: "avxvnni"}
 
 _built: Path | None = None
 

@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     requests = [(p.id, *p.as_request()) for p in suite_prompts(a.suite.split(","), a.per_suite)]
     m = machine_info()
     flags = m["cpu_flags"] if isinstance(m["cpu_flags"], str) else " ".join(m["cpu_flags"])
-    print(f"CPU {m['cpu']} ({flags}); A: {pairs[0][0]}{' + ' + pairs[0][1] if pairs[0][1] else ''}; "
-          f"B: {pairs[1][0]}{' + ' + pairs[1][1] if pairs[1][1] else ''}; {len(requests)} prompts x {a.rounds} round(s), "
+    sides = [bundle + (f" + {lib}" if lib else "") for bundle, lib in pairs]
+    print(f"CPU {m['cpu']} ({flags}); A: {sides[0]}; B: {sides[1]}; {len(requests)} prompts x {a.rounds} round(s), "
           f"{a.max_new_tokens} tokens, greedy", flush=True)
     res = ab(decoders, requests, specs, a.rounds, SamplingParams(max_new_tokens=a.max_new_tokens),
              say=lambda s: print(s, file=sys.stderr, flush=True))

@@ -622,7 +622,9 @@ static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int
  * (AVX2). They give the same integers here (no pair sum can saturate, below), so the two paths are bitwise equal. */
 
 #ifdef SEK_HAVE_AVX2
-#define SEK_R2V 5 /* rows per pass: a 5-token verify in one pass (AVX2: 4-bit weights; else 4, SEK_R2) */
+/* Rows per pass: SEK_R2V for AVX-VNNI, and for AVX2 on one-level 4-bit blocks (a 5-token verify in one pass; AVX2
+ * takes a 5-row pass a tile half at a time to fit 16 registers); SEK_R2 for AVX2's other formats. */
+#define SEK_R2V 5
 #define SEK_R2 4
 #ifdef SEK_HAVE_AVXVNNI
 static inline __attribute__((always_inline)) __m256i dp256(__m256i acc, __m256i u, __m256i s) {
