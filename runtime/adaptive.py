@@ -106,8 +106,12 @@ class CostModel:
         """Time for the draft model to catch up on the committed tokens it has not seen, fed in the steps of
         ``plan`` (tokens per step: ``ModelDrafter.catchup_plan``). Priced per step, not per token: a prompt goes
         in prefill chunks (~5 ms a token for the 0.5B draft on 2 cores) and the one token a fully accepted round
-        leaves behind in a single step (~15 ms), so a per-token average of the two mispriced both."""
-        return self.catchup_scale * self._catchup_prediction(plan)
+        leaves behind in a single step (~15 ms), so a per-token average of the two mispriced both. The plan's
+        last step is also the round's first draw, which the round's draft steps are charged for already: the
+        catch-up costs the plan less one draft step."""
+        if not plan:
+            return 0.0
+        return max(0.0, self.catchup_scale * self._catchup_prediction(plan) - (self.draft or 0.0))
 
     def observe_catchup(self, plan: list[int], seconds: float) -> None:
         predicted = self._catchup_prediction(plan)
@@ -133,13 +137,22 @@ class CostModel:
         """overhead: one-off seconds this round pays before drafting (the draft's catch-up of a prompt).
 
         A round whose k drafts all pass (chance alpha^k) leaves the draft one token behind (the last draft, which
-        it proposed but never fed), so the next round starts with one more draft step: priced here, or k = 1
+        it proposed but never fed), so the next round's first step is wider (``behind_one``): priced here, or k = 1
         looks twice as cheap as it runs (auto then chose k = 1-2 on a JSON prompt: 28.6-31.6 tok/s where a fixed
         k = 4 ran 33.4)."""
         if self.draft is None:
             return 0.0
-        draft_steps = k + alpha ** k
+        draft_steps = k + alpha ** k * self.behind_one()
         return expected_tokens_per_round(alpha, k) / (draft_steps * self.draft + self.verify_time(k + 1) + overhead)
+
+    def behind_one(self) -> float:
+        """Draft steps (of one token) that a round leaving the draft one token behind adds to the next round: that
+        token rides with the first draw in the cheapest step of two tokens or more (``ModelDrafter.propose``), less
+        the single step the first draw takes anyway. A bundle whose draft has no such width: one more step."""
+        if not self.draft:
+            return 1.0
+        two = min([c for t, c in self.draft_widths.items() if t >= 2] + [2 * self.draft])
+        return max(0.0, two - self.draft) / self.draft
 
     def break_even_acceptance(self, k_max: int) -> float:
         """Acceptance a draft token needs to pay for itself: (t_d + marginal verify time) / t_v(1)."""
@@ -371,7 +384,8 @@ class AutoDrafter:
             self.costs.observe_catchup(plan, self.model.time_catch_up - t0)
             self.costs.model_tried = True
             self._confs = self.model.confidences
-            self.costs.observe_draft(self.model.step_time)
+            if self.model.step_time is not None:
+                self.costs.observe_draft(self.model.step_time)
             self._last = ("model", len(prop.tokens))
             return prop
         self._last = ("none", 0)

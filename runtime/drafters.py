@@ -127,21 +127,23 @@ class ModelDrafter:
         self.dropped: tuple[int, float] | None = None  # the draw the last proposal's keep() stopped at, if any
         self._base = 0  # committed tokens when the last proposal was made
         self._k = 0
-        self.time_catch_up = 0.0
+        self.time_catch_up = 0.0  # seconds spent catching up (with the first draw's step where it rode along)
+        self.step_time: float | None = None  # seconds of a single draft step in the last proposal (None: none ran)
 
     def reset(self) -> None:
         self.rows = 0
         self._k = 0
 
     def catchup_plan(self, n_tokens: int, tokens: np.ndarray | None = None) -> list[int]:
-        """Tokens per step that catching up with ``n_tokens`` committed tokens will take (empty: none to feed).
+        """Tokens per step that catching up with ``n_tokens`` committed tokens will take, the last committed token
+        (the first draw's step) with them (empty: nothing to catch up; the first draw is then a step of its own).
         Given the tokens, counted from the rows ``propose`` will adopt from the draft cache (the rows another
         request left there that agree with them: a repeated or continued prompt is mostly there already)."""
         rows = self.rows if tokens is None else self._adoptable(tokens)
         behind = n_tokens - 1 - rows
         if behind <= 0:
             return []
-        plan = feed_plan(self.runner, behind, rows, self.prefill_chunk, cost=self.clock.cost)
+        plan = feed_plan(self.runner, behind + 1, rows, self.prefill_chunk, cost=self.clock.cost, last_any=True)
         return [take for take, _ in plan]
 
     def _logits_for_target(self, logits: np.ndarray) -> np.ndarray:
@@ -167,8 +169,16 @@ class ModelDrafter:
         n = len(tokens)
         t0 = time.perf_counter()
         self._adopt(tokens)
+        first = None  # the first draw's logits, if the catch-up computed them
         if self.rows < n - 1:
-            feed(self.runner, tokens[self.rows: n - 1], self.rows, self.prefill_chunk, self.clock)
+            # The catch-up takes the last committed token along: its step's last row gives the first draw's logits,
+            # one step fewer (a fully accepted round leaves the draft a token behind: the next round ran it and the
+            # first draw as two single steps, 15 ms for the Qwen 0.5B draft on 2 cores, where a 2-wide step took 8)
+            if k > 0:
+                first = feed(self.runner, tokens[self.rows: n], self.rows, self.prefill_chunk, self.clock,
+                             last_any=True)
+            else:
+                feed(self.runner, tokens[self.rows: n - 1], self.rows, self.prefill_chunk, self.clock)
             self.rows = n - 1
         self.runner.draft_rows_for = tokens[: n - 1]  # committed tokens: never rewritten, so a view will do
         self.time_catch_up += time.perf_counter() - t0
@@ -184,7 +194,8 @@ class ModelDrafter:
         t1 = time.perf_counter()
         kept = steps = k
         for i in range(k):
-            logits = self._logits_for_target(self.runner.step([last], pos, all_logits=False)[0])
+            raw = first if i == 0 and first is not None else self.runner.step([last], pos, all_logits=False)[0]
+            logits = self._logits_for_target(raw)
             if params.greedy:
                 j = int(np.argmax(logits))
                 last = j if self.head_ids is None else int(self.head_ids[j])
@@ -212,8 +223,10 @@ class ModelDrafter:
             draft[i] = last
             self.confidences.append(conf)
             pos += 1
-        self.step_time = (time.perf_counter() - t1) / steps  # seconds per draft step
-        self.clock.record(1, self.step_time)
+        singles = steps - (first is not None)  # the single steps run here (not the one the catch-up took)
+        self.step_time = (time.perf_counter() - t1) / singles if singles else None  # seconds per draft step
+        if self.step_time is not None:
+            self.clock.record(1, self.step_time)
         self._k = kept
         self.rows = n - 1 + kept  # rows for tokens[-1], d_1..d_{kept-1} (a dropped draw's row is not counted)
         return Proposal(draft[:kept], None if q is None else q[:kept])
@@ -274,8 +287,12 @@ def _width_for(runner: GraphRunner, take: int, all_logits: bool) -> int:
 
 
 def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int,
-              cost=None) -> list[tuple[int, bool]]:  # noqa: ANN001
+              cost=None, last_any: bool = False) -> list[tuple[int, bool]]:  # noqa: ANN001
     """The steps ``feed`` runs for n tokens at past_len: (tokens taken, all_logits) per step, in order.
+
+    ``last_any`` (a draft model's catch-up with its first draw: ``ModelDrafter.propose``): the last token may ride
+    in any width, its logits read from that step's last real row (a width with one logits row computes the row it is
+    told to: ``logits_at``). The draft's logits are only proposals, so which kernels compute them does not matter.
 
     ``cost(width)`` (seconds of one step at that width, or None where unknown; ``StepClock.cost``): after the full
     chunks, the rest goes in the cheapest sequence of steps those prices give — for a draft model's catch-up, whose
@@ -292,11 +309,15 @@ def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int,
     """
     plan, i = [], 0
     all_widths = sorted(w.T for w in runner.entry.widths)
-    full = [w.T for w in runner.entry.widths if w.L == w.T and w.T >= getattr(runner, "min_width", 1)]
-    if cost is not None and full:
-        cheapest = _cheapest_plan(runner, n, past_len, prefill_chunk, all_widths, set(full), cost)
+    lowest = getattr(runner, "min_width", 1)
+    full = [w.T for w in runner.entry.widths if w.L == w.T and w.T >= lowest]
+    final = [t for t in all_widths if t >= lowest] if last_any else full  # the widths the last token may ride in
+    if cost is not None and final:
+        cheapest = _cheapest_plan(runner, n, past_len, prefill_chunk, all_widths, set(final), cost, not last_any)
         if cheapest is not None:
             return cheapest
+    if last_any:
+        full = []  # the rule below then never keeps the last token back for an all-logits step
     while i < n:
         rem = n - i
         # a runner that writes its padding rows into the cache can only use widths that end inside S_max
@@ -320,9 +341,10 @@ def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int,
 
 
 def _cheapest_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int, all_widths: list[int],
-                   full: set[int], cost) -> list[tuple[int, bool]] | None:  # noqa: ANN001
+                   final: set[int], cost, final_all_logits: bool = True) -> list[tuple[int, bool]] | None:  # noqa: ANN001
     """feed_plan by prices: full chunks while more than one is left, then the cheapest steps for the rest (the
-    last token in an all-logits width), or None where a width it could use has no price."""
+    last token in a width of ``final``, all its rows' logits asked for if ``final_all_logits``), or None where a
+    width it could use has no price."""
     plan, i = [], 0
     while n - i > prefill_chunk:  # a full chunk never takes the last token
         plan.append((prefill_chunk, False))
@@ -338,8 +360,8 @@ def _cheapest_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: in
             c = cost(w)
             if c is None:
                 return None
-            if w in full and w >= r:
-                options.append((c, (r, True)))
+            if w in final and w >= r:
+                options.append((c, (r, final_all_logits)))
             t = min(w, r - 1)
             if t >= 1:
                 options.append((c + best[r - t][0], (t, False)))
@@ -355,11 +377,12 @@ def _cheapest_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: in
 
 
 def feed(runner: GraphRunner, tokens: np.ndarray, past_len: int, prefill_chunk: int,
-         clock: StepClock | None = None) -> np.ndarray:
+         clock: StepClock | None = None, last_any: bool = False) -> np.ndarray:
     """Feed many tokens at past_len.. in declared widths (``feed_plan``, priced by ``clock`` if given, which
     then records every step's time); return the last token's logits [V]."""
     i, logits, take, all_logits = 0, None, 0, False
-    plan = feed_plan(runner, len(tokens), past_len, prefill_chunk, cost=None if clock is None else clock.cost)
+    plan = feed_plan(runner, len(tokens), past_len, prefill_chunk, cost=None if clock is None else clock.cost,
+                     last_any=last_any)
     for take, all_logits in plan:
         t0 = time.perf_counter()
         logits = runner.step(tokens[i: i + take], past_len + i, all_logits=all_logits)

@@ -22,7 +22,8 @@ def test_manifest_round_trips(bundles):
     assert again == m
     assert m.drafter == "model" and m.draft is not None
     assert [w.T for w in m.target.widths] == [1, 2, 9, 16]  # decode, verify 2 (plain rounds) and K+1, prefill P
-    assert [w.T for w in m.draft.widths] == [1, 16]
+    assert [w.T for w in m.draft.widths] == [1, 2, 4, 8, 16]  # decode, the catch-up widths below P, prefill P
+    assert all(w.L == 1 for w in m.draft.widths)
     assert set(m.files) == {"target.onnx", "target.onnx.data", "draft.onnx", "draft.onnx.data", "tokenizer.json"}
 
 

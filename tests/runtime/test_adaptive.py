@@ -180,12 +180,24 @@ def test_catch_up_is_priced_per_step_of_its_feed_plan():
     again after its first request (Qwen 0.5B draft on 2 cores: 11.5 ms a token priced, ~4 ms real)."""
     c = CostModel({2: 0.040, 6: 0.080}, draft=0.015, draft_widths={1: 0.011, 64: 0.190})
     assert c.catchup_time([]) == 0.0
-    assert c.catchup_time([1]) == pytest.approx(0.015)  # a single step: the running draft step time
-    assert c.catchup_time([40, 1]) == pytest.approx(0.190 + 0.015)  # 40 tokens ride in one 64-wide chunk
-    assert c.catchup_time([64, 64, 1]) == pytest.approx(0.395)
+    # a plan's last step is the round's first draw, charged to the round's draft steps already
+    assert c.catchup_time([1, 1]) == pytest.approx(0.015)  # a token behind, in single steps: the running step time
+    assert c.catchup_time([41]) == pytest.approx(0.190 - 0.015)  # 40 tokens and the first draw in one 64-wide chunk
+    assert c.catchup_time([64, 64, 1]) == pytest.approx(0.395 - 0.015)
     for _ in range(100):
         c.observe_catchup([64, 1], 2 * 0.205)  # catch-ups run twice as long as predicted: prices follow
-    assert c.catchup_time([40, 1]) == pytest.approx(0.410, rel=1e-3)
+    assert c.catchup_time([41]) == pytest.approx(0.380 - 0.015, rel=1e-3)
+
+
+def test_a_round_that_leaves_the_draft_behind_is_priced_by_the_step_it_rides_in():
+    """A fully accepted round leaves the draft one token behind; the next round feeds it with its first draw in the
+    cheapest step of 2+ tokens (ModelDrafter.propose). Without such a width it is one more single step."""
+    narrow = CostModel({2: 0.040, 6: 0.080}, draft=0.010, draft_widths={1: 0.010, 2: 0.011, 4: 0.013, 64: 0.1})
+    wide = CostModel({2: 0.040, 6: 0.080}, draft=0.010, draft_widths={1: 0.010, 64: 0.1})
+    assert narrow.behind_one() == pytest.approx(0.1) and wide.behind_one() == pytest.approx(1.0)
+    # k = 4 at full acceptance: 4.1 draft steps + the verify, against 5 + the verify
+    assert narrow.rate_model(1.0, 4) == pytest.approx(5 / (4.1 * 0.010 + 0.080))
+    assert wide.rate_model(1.0, 4) == pytest.approx(5 / (5 * 0.010 + 0.080))
 
 
 def test_the_confidence_gate_starts_calibrated():
@@ -339,7 +351,7 @@ class BehindModel(ScriptedModel):
         self.behind = behind
 
     def catchup_plan(self, n_tokens, tokens=None):
-        return [self.behind] if self.behind else []
+        return [self.behind + 1] if self.behind else []  # with the first draw (ModelDrafter.catchup_plan)
 
     def propose(self, tokens, k, params, rng, keep=None, keep_last=None):  # noqa: ANN001
         self.behind = 0
@@ -354,7 +366,8 @@ def test_short_model_runs_of_copying_requests_do_not_price_the_draft_out_of_othe
     plain after a few edits (26-39 tok/s where the draft runs 40-45). Runs are short where lookup rounds cut
     them: a request whose lookup has had a match in few of its rounds spreads the catch-up over the request; one
     that copies keeps the learned runs."""
-    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.10})
+    # the catch-up: a 64-wide step less the first draw's single step, 0.10 s
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.111})
     c.model_tried, c.model_streak = True, 2.0
     c.model_acceptance = Acceptance(successes=95, failures=5)
     auto = AutoDrafter(c, PromptLookupDrafter(ngram_max=3, ngram_min=2), BehindModel(behind=50))

@@ -273,7 +273,7 @@ def test_lookup_drafts_need_a_two_token_match_while_the_free_guess_takes_any(dec
 @pytest.mark.parametrize("n", [1, 2, 5, 17, 40])
 def test_feed_runs_its_plan_and_the_draft_prices_its_catch_up_by_it(decoders, n):
     """feed() steps through feed_plan() exactly, so the catch-up that auto prices (ModelDrafter.catchup_plan) is the
-    one the draft then runs."""
+    one the draft then runs: the tokens it has not seen and, riding in the same steps, the first draw's."""
     from specedge.runtime.drafters import ModelDrafter, feed_plan
 
     dec = decoders["model"]
@@ -290,11 +290,13 @@ def test_feed_runs_its_plan_and_the_draft_prices_its_catch_up_by_it(decoders, n)
         ids = np.arange(3, 3 + n, dtype=np.int64)
         feed(runner, ids, 0, P)
         assert ran == feed_plan(runner, n, 0, P) and sum(t for t, _ in ran) == n
+        runner.draft_owner = runner.draft_rows_for = None  # no rows to adopt
         drafter = ModelDrafter(runner, dec.manifest.target.dims.vocab, P)
-        planned = drafter.catchup_plan(n + 1)  # rows 0: behind by n committed tokens; priced by the draft's clock
+        tokens = np.arange(3, 3 + n + 1, dtype=np.int64)
+        planned = drafter.catchup_plan(n + 1, tokens)  # behind by n committed tokens; priced by the draft's clock
         ran.clear()
-        feed(runner, ids, 0, P, drafter.clock)
-        assert [t for t, _ in ran] == planned and sum(planned) == n
+        drafter.propose(tokens, 3, SamplingParams(), None)
+        assert [t for t, _ in ran] == planned + [1, 1] and sum(planned) == n + 1  # then the 2nd and 3rd draws
         assert drafter.catchup_plan(1) == []
     finally:
         runner.step = step
@@ -340,10 +342,11 @@ def test_the_drafts_catch_up_counts_the_rows_it_will_adopt(decoders):
     first.propose(tokens, 2, params, None)  # the cache now holds rows for tokens[:-1] (and a draft row)
     second = ModelDrafter(dec.draft_runner, V, P)
     longer = np.concatenate([tokens, np.arange(50, 55, dtype=np.int64)])
-    assert sum(second.catchup_plan(len(longer), longer)) == 5  # tokens[-1] and four new ones; the rest adopted
-    assert sum(second.catchup_plan(len(longer))) == len(longer) - 1  # without the tokens: its own rows (none)
+    # the plans carry the first draw's token (longer[-1]) too
+    assert sum(second.catchup_plan(len(longer), longer)) == 6  # tokens[-1] and four new ones; the rest adopted
+    assert sum(second.catchup_plan(len(longer))) == len(longer)  # without the tokens: its own rows (none)
     other = np.concatenate([tokens[:10], np.arange(60, 80, dtype=np.int64)])
-    assert sum(second.catchup_plan(len(other), other)) == len(other) - 1 - 10  # agrees for 10 rows only
+    assert sum(second.catchup_plan(len(other), other)) == len(other) - 10  # agrees for 10 rows only
     second.propose(longer, 2, params, None)
     assert second.rows >= len(longer) - 1
 
@@ -383,3 +386,26 @@ def test_the_draft_reports_the_draw_its_gate_dropped(decoders):
     assert declined.propose(tokens, 4, params, None, keep=lambda c: c != asked[2],
                             keep_last=lambda c, n: False).tokens.tolist() == full.tokens[:2].tolist()
     assert declined.dropped == (int(full.tokens[2]), asked[2])
+
+
+def test_the_draw_that_rides_with_the_catch_up_is_the_one_a_single_step_gives(decoders):
+    """ModelDrafter.propose feeds the tokens its draft has not seen and the last committed token in one step, and
+    takes the first draw from that step's last row. The draft then proposes what it proposed with the catch-up
+    and the first draw as steps of their own (greedy; the draft's logits are only proposals, but a draw computed
+    from another row would cost acceptance)."""
+    from specedge.runtime.drafters import ModelDrafter
+
+    dec = decoders["model"]
+    runner, P, V = dec.draft_runner, dec.manifest.prefill_chunk, dec.manifest.target.dims.vocab
+    params = SamplingParams(max_new_tokens=8)
+    rng = np.random.default_rng(5)
+    for n in (2, 3, 6, 13, 30):
+        tokens = rng.integers(3, V, n).astype(np.int64)
+        runner.draft_owner = runner.draft_rows_for = None
+        fused = ModelDrafter(runner, V, P)
+        got = fused.propose(tokens, 4, params, None).tokens.tolist()
+        runner.draft_owner = runner.draft_rows_for = None
+        apart = ModelDrafter(runner, V, P)
+        apart.propose(tokens, 0, params, None)  # k = 0: catches up on tokens[:-1] only
+        assert apart.rows == n - 1
+        assert apart.propose(tokens, 4, params, None).tokens.tolist() == got, n
