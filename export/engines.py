@@ -7,7 +7,8 @@ Two kinds of engine set (``Manifest.engines``, see :class:`specedge.runtime.mani
 * ``trt`` — one serialized engine per model, built from the reduced-precision graph as a
   *strongly typed* network (precision comes from the graph; TensorRT 11 removed the builder's
   precision flags and TensorRT 10 already honours the graph's types in this mode), with one
-  optimization profile per declared width, min = opt = max (prefill P, verify widths, decode 1),
+  optimization profile per declared width, min = opt = max (prefill P, verify widths, decode 1; a draft's
+  catch-up widths),
   a workspace cap, a persistent timing cache, and progress printed as TensorRT reports it.
 
 The TensorRT part is written against the TensorRT 10 Python API (10.3 on JetPack 6) and has not

@@ -175,10 +175,10 @@ def test_trt_size_bookkeeping_with_a_stand_in_tensorrt(kit, tmp_path, monkeypatc
     t = rep["target"]
     assert t["profiles_1"]["profiles"] == 1 and t["profiles_1"]["T"] == [5]  # the widest verify width
     assert t["profiles_N"]["profiles"] == 6 and t["profiles_N"]["T"] == [1, 2, 3, 4, 5, 16]
-    assert rep["draft"]["profiles_N"]["T"] == [1, 16]
+    assert rep["draft"]["profiles_N"]["T"] == [1, 2, 4, 8, 16]  # decode, the catch-up widths, prefill P
     assert t["weights_bytes"] == sum((bundle / f).stat().st_size for f in ("target.fp16.onnx", "target.fp16.onnx.data"))
     assert t["profiles_N"]["engine_bytes"] == 4 and t["bytes_per_extra_profile"] == 0  # the stand-in's b"PLAN"
-    assert len(trt.rec["profiles"]) == (1 + 6) + (1 + 2)  # four builds: target and draft, 1 and N profiles
+    assert len(trt.rec["profiles"]) == (1 + 6) + (1 + 5)  # four builds: target and draft, 1 and N profiles
 
 
 def test_trt_build_bookkeeping_of_the_int4_qdq_bundle(kit, tmp_path, monkeypatch):

@@ -74,4 +74,4 @@ def test_a_preset_plan_counts_the_even_verify_widths_an_int4_export_declares(mon
     export_cli._plan_of("x86-cpu", None, None, None, None)
     (role, _, fmt, widest_t, widest_l), draft = seen["models"]  # the preset's 0.5B draft is planned too
     assert (role, fmt, widest_t, widest_l) == ("target", "int4", 64, 10)  # prefill 64; verify K+1 = 9 -> 10
-    assert (draft[0], draft[2], draft[3]) == ("draft", "int4", 64)  # draft widths: prefill P and decode 1
+    assert (draft[0], draft[2], draft[3]) == ("draft", "int4", 64)  # the widest draft width: prefill P
