@@ -344,7 +344,7 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
     draft: prefill (P), decode (1) and the catch-up widths ``DRAFT_CATCHUP_WIDTHS`` below P (one logits row each):
     a draft model that fell behind (a fully accepted round leaves it one token behind, a prompt-lookup round of auto
     several) feeds those tokens and its first draw in one step (``ModelDrafter.propose``): on 2 EPYC cores the Qwen
-    0.5B draft ran 2 / 4 / 8 tokens in 8 / 9.6 / 13 ms where single steps took 7.5 ms each.
+    0.5B draft ran 2 / 4 / 8 tokens in 7.4 / 9.0 / 13.2 ms where single steps took 6.4 ms each.
     even (target of an int8/int4 bundle): every verify width rounded up to an even one (K+1 = 9 -> 10; a draft of
     4 then runs at width 6, one padding row). ONNX Runtime's int8-compute MatMulNBits kernel takes rows in pairs
     and an odd last row alone through its M=1 kernel, whose rounding differs (measured on x86 with blocks >= 64
