@@ -136,6 +136,14 @@ PLANTS = {
     "auto prices every request's catch-up over the copying requests' runs": (
         "runtime/adaptive.py", "or self._copied >= self.COPYING * committed", "or True",
         ["tests/runtime/test_adaptive.py"]),
+    "the draft's first draw taken from the catch-up step's first row": (
+        "runtime/backends/ort.py", "b.logits_at[0, 0] = n - 1", "b.logits_at[0, 0] = 0"),
+    "the draft's catch-up misses the last committed token": (
+        "runtime/drafters.py", "first = feed(self.runner, tokens[self.rows: n], self.rows",
+        "first = feed(self.runner, tokens[self.rows: n - 1], self.rows"),
+    "auto prices a catch-up with the first draw's step in it twice": (
+        "runtime/adaptive.py", "self._catchup_prediction(plan) - (self.draft or 0.0))",
+        "self._catchup_prediction(plan))", ["tests/runtime/test_adaptive.py"]),
     "lookup bound assumes every drafted token passes": (
         "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),
