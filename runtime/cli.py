@@ -76,6 +76,7 @@ def main() -> None:
 def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k, seed, stop,
          stats, stats_json, sampler, threads, invariant, cuda_graphs) -> None:
     """Generate a completion of PROMPT with the speculative runtime over BUNDLE."""
+    from .adaptive import SPEC_MODES
     from .decoder import SpecDecoder
     from .sampling import SamplingParams
 
@@ -89,6 +90,8 @@ def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_
         dec = SpecDecoder.load(bundle, backend=backend, threads=threads, precision=precision, invariant=invariant,
                                cuda_graphs=cuda_graphs)
         last = None
+        if not no_spec and k != 0 and (drafter or "auto") in SPEC_MODES:
+            dec.cost_model(say=lambda m: click.echo(m, err=True))  # says so when it times the steps
         for ev in dec.stream(prompt, params, drafter="none" if no_spec else drafter, k=k, chat=chat):
             sys.stdout.write(ev.text)
             sys.stdout.flush()

@@ -10,7 +10,12 @@ committed token except the last, which is fed first in the next verify call.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import math
 import os
+import platform
+import tempfile
 import threading
 import time
 import warnings
@@ -31,6 +36,40 @@ from .stats import Stats
 from .text import IncrementalDetokenizer, TextCodec
 
 Prompt = str | Sequence[dict[str, Any]]
+COST_CACHE_MAX_AGE_S = 24 * 3600  # step costs kept between processes this long (SpecDecoder.cost_model)
+
+
+def _read_step_costs(path: Path | None) -> dict[str, dict[int, float]] | None:
+    """Step costs a previous process measured ({role: {width: seconds}}), or None (none kept, too old, unreadable)."""
+    if path is None:
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        if not 0 <= time.time() - float(raw["measured_at"]) <= COST_CACHE_MAX_AGE_S:
+            return None
+        steps = {role: {int(t): float(s) for t, s in raw["steps"][role].items()} for role in raw["steps"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if "target" not in steps or not all(s > 0 and math.isfinite(s) for d in steps.values() for s in d.values()):
+        return None
+    return steps
+
+
+def _write_step_costs(path: Path | None, steps: dict[str, dict[int, float]]) -> None:
+    """Keep measured step costs for the next process (atomically; a cache that cannot be written is skipped)."""
+    if path is None:
+        return
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            tmp = f.name
+            json.dump({"measured_at": time.time(), "steps": {r: {str(t): s for t, s in d.items()}
+                                                             for r, d in steps.items()}}, f)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 @dataclass
@@ -107,6 +146,7 @@ class SpecDecoder:
         self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
         self._shared: dict = {}  # what the runners share (TensorRT: CUDA stream and scratch memory)
         self.precision = "fp32"  # of the graphs/engines run (set by load)
+        self.threads: int | None = None  # as given to load (None: its default)
 
     @classmethod
     def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "size",
@@ -138,6 +178,7 @@ class SpecDecoder:
                              cuda_graphs=cuda_graphs) if manifest.draft else None)
         dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer), invariant)
         dec._shared = shared
+        dec.threads = threads
         dec.precision = precision or ("fp32" if backend != "trt" else manifest.engine_set("trt").precision)
         return dec
 
@@ -164,16 +205,53 @@ class SpecDecoder:
         raise SamplingParamsError(f"unknown drafter {kind!r}; choose auto, hybrid, model, prompt-lookup (lookup) "
                                   f"or none (off)")
 
-    def cost_model(self) -> CostModel:
+    def cost_model(self, say=None) -> CostModel:  # noqa: ANN001
         """The measured step costs adaptive speculation decides with (measured once, then refreshed by every
-        round's own timings)."""
+        round's own timings). Timing every width takes ~1.5 s for the Qwen pair on 2 cores, which a command-line run
+        paid on each call: on ONNX Runtime CPU the measurement is kept for a day in SPECEDGE_COST_CACHE (default
+        SPECEDGE_CACHE/costs; "off" keeps nothing) under a key of the bundle's manifest, the backend, precision,
+        threads, the kernel build and the CPU. ``say(message)`` is told when it measures."""
         if self._costs is None:
-            target = self.time_steps(repeats=3, all_logits_only=True, roles=("target",))["target"]
-            target = {T: s for T, s in target.items() if T >= self.target.min_width}
-            # the draft at every width, its prefill chunk too: what catching up on a prompt costs
-            draft = self.time_steps(repeats=3, roles=("draft",)).get("draft", {})
+            path = self._cost_cache_file()
+            steps = _read_step_costs(path)
+            if steps is None:
+                if say is not None:
+                    say("timing the model steps auto decides with (once"
+                        + (f"; kept a day in {path.parent})" if path is not None else ")") + " …")
+                steps = self.time_steps(repeats=3, all_logits_only=True, roles=("target",))
+                # the draft at every width, its prefill chunk too: what catching up on a prompt costs
+                steps.update(self.time_steps(repeats=3, roles=("draft",)))
+                _write_step_costs(path, steps)
+            target = {T: s for T, s in steps["target"].items() if T >= self.target.min_width}
+            draft = steps.get("draft", {})
             self._costs = CostModel(target, draft.get(1), draft_widths=draft)
         return self._costs
+
+    def _cost_cache_file(self) -> Path | None:
+        """Where this decoder's step costs are kept between processes (None: not kept: GPU backends, whose steps
+        are quick to time, or SPECEDGE_COST_CACHE=off)."""
+        where = os.environ.get("SPECEDGE_COST_CACHE", "")
+        if where.lower() in ("off", "0", "none") or self.backend != "ort-cpu":
+            return None
+        from . import kernels
+        from .cpu import cpu_features
+
+        try:
+            import onnxruntime
+
+            ort_version = onnxruntime.__version__
+        except ImportError:  # pragma: no cover - the backend is ort-cpu
+            ort_version = "?"
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cpus = os.cpu_count() or 0
+        h = hashlib.sha256((self.bundle_dir / "manifest.json").read_bytes())
+        for part in (self.backend, self.precision, str(self.threads), str(self.target.min_width), ort_version,
+                     str(kernels._built), " ".join(sorted(cpu_features() or ())), platform.processor(), str(cpus)):
+            h.update(b"\0" + part.encode())
+        base = Path(where).expanduser() if where else kernels.cache_root() / "costs"
+        return base / f"{h.hexdigest()[:20]}.json"
 
     # ------------------------------------------------------------------ public
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:

@@ -62,8 +62,13 @@ def _src_dir() -> Path:
     return Path(__file__).resolve().parent / "csrc"
 
 
+def cache_root() -> Path:
+    """specedge's cache directory on this machine: SPECEDGE_CACHE, default ~/.cache/specedge."""
+    return Path(os.environ.get("SPECEDGE_CACHE", "~/.cache/specedge")).expanduser()
+
+
 def _cache_dir() -> Path:
-    return Path(os.environ.get("SPECEDGE_CACHE", "~/.cache/specedge")).expanduser() / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> list[str]:

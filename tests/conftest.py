@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# every test decoder times its own steps (SpecDecoder.cost_model); the cache of step costs is tested on its own
+os.environ["SPECEDGE_COST_CACHE"] = "off"
 
 CORPUS = [
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",

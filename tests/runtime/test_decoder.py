@@ -409,3 +409,37 @@ def test_the_draw_that_rides_with_the_catch_up_is_the_one_a_single_step_gives(de
         apart.propose(tokens, 0, params, None)  # k = 0: catches up on tokens[:-1] only
         assert apart.rows == n - 1
         assert apart.propose(tokens, 4, params, None).tokens.tolist() == got, n
+
+
+def test_step_costs_are_kept_between_processes(bundles, tmp_path, monkeypatch):
+    """auto's step costs are timed once and kept for the next process (a command-line run paid ~1.5 s for them on
+    each call): a second decoder of the same bundle reads them instead of timing; a corrupt, stale or foreign entry
+    is timed again."""
+    import json as _json
+    import time as _time
+
+    from specedge.runtime import decoder as D
+
+    monkeypatch.setenv("SPECEDGE_COST_CACHE", str(tmp_path / "costs"))
+    first = SpecDecoder.load(bundles["model"])
+    said = []
+    costs = first.cost_model(say=said.append)
+    path = first._cost_cache_file()
+    assert said and path is not None and path.is_file()
+    second = SpecDecoder.load(bundles["model"])
+    assert second._cost_cache_file() == path
+    monkeypatch.setattr(SpecDecoder, "time_steps", lambda *a, **kw: pytest.fail("timed again"))
+    again = second.cost_model(say=said.append)
+    assert len(said) == 1 and again.target == costs.target and again.draft_widths == costs.draft_widths
+    assert SpecDecoder.load(bundles["model"], threads=1)._cost_cache_file() != path  # other threads: another key
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECEDGE_COST_CACHE", str(tmp_path / "costs"))
+    for bad in ("{not json", _json.dumps({"measured_at": _time.time() - 2 * D.COST_CACHE_MAX_AGE_S,
+                                          "steps": {"target": {"2": 0.01}}}),
+                _json.dumps({"measured_at": _time.time(), "steps": {"target": {"2": -1}}})):
+        path.write_text(bad)
+        assert D._read_step_costs(path) is None
+        third = SpecDecoder.load(bundles["model"])
+        assert third.cost_model().target and D._read_step_costs(path) is not None  # timed and kept again
+    monkeypatch.setenv("SPECEDGE_COST_CACHE", "off")
+    assert SpecDecoder.load(bundles["model"])._cost_cache_file() is None
