@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -156,6 +157,7 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
                          max_new_tokens=max_new_tokens, per_suite=per_suite, ignore_eos=ignore_eos,
                          prompts=tuple(load_prompts(prompts)) if prompts else ())
         plan.prompt_list()  # unknown suite names fail here, before loading the models
+        os.environ.setdefault("SPECEDGE_COST_CACHE", "off")  # a benchmark times its own steps (auto's cost model)
         click.echo(f"loading {bundle} …", err=True)
         dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify=verify, precision=precision,
                                invariant=invariant, cuda_graphs=cuda_graphs)

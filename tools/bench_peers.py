@@ -484,6 +484,8 @@ def per_suite_table(rows: list[dict], names: list[str]) -> list[str]:
 
 
 def main() -> None:
+    # a benchmark times its own steps: auto starts from this process's measurement, not a kept one
+    os.environ.setdefault("SPECEDGE_COST_CACHE", "off")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
     ap.add_argument("--peers", default="hf", help="comma list of hf, llamacpp (llama-cpp-python), llamacpp-native "
