@@ -20,6 +20,7 @@ from typing import Any, Callable
 from specedge.runtime.drafters import DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
+    DRAFT_CATCHUP_WIDTHS,
     KV_MODES,
     ONNX_OPSET,
     HeadRows, Manifest, ModelEntry, model_widths, sha256_file, write_manifest,
@@ -44,6 +45,8 @@ class ExportOptions:
     lookup_ngram_max: int = 3
     lookup_ngram_min: int = DEFAULT_NGRAM_MIN
     verify_widths: tuple[int, ...] = ()  # extra verify widths 2..K (K+1 is always there)
+    # the draft's narrow prefill widths, 2..P-1 (None: those of DRAFT_CATCHUP_WIDTHS below P)
+    draft_catchup_widths: tuple[int, ...] | None = None
     weights: WeightFormat = WeightFormat()  # target
     draft_weights: WeightFormat | None = None  # None: same as the target
     kv_mode: str = "portable"  # portable (every backend) | ort-inplace (ONNX Runtime GroupQueryAttention)
@@ -76,6 +79,10 @@ class ExportOptions:
         bad = [t for t in self.verify_widths if not 2 <= t <= self.k + 1]
         if bad:
             raise BundleError(f"--verify-widths {bad} out of range: each must be in 2..K+1={self.k + 1}")
+        bad = [t for t in self.draft_catchup_widths or () if not 2 <= t < self.prefill_chunk]
+        if bad:
+            raise BundleError(f"--draft-catchup-widths {bad} out of range: each must be in 2..P-1="
+                              f"{self.prefill_chunk - 1} (below the prefill chunk), or 'none'")
         if not 1 <= self.lookup_ngram_min <= self.lookup_ngram_max:
             raise BundleError(f"prompt-lookup n-gram range is empty: --ngram-min {self.lookup_ngram_min} > --ngram-max "
                               f"{self.lookup_ngram_max} (both must be >= 1; --ngram-min defaults to "
@@ -226,7 +233,9 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
     return ModelEntry(
         family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,
         precision=fmt.name, widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths,
-                                                even=role == "target" and fmt.even_widths),
+                                                even=role == "target" and fmt.even_widths,
+                                                catchup=DRAFT_CATCHUP_WIDTHS if opts.draft_catchup_widths is None
+                                                else opts.draft_catchup_widths),
         source=src.describe(), quant=quant, head=head,
     )
 

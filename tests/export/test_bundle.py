@@ -154,3 +154,27 @@ def test_the_draft_head_keeps_the_special_tokens_above_it(tiny_llama, tmp_path):
     with pytest.raises(BundleError, match="--draft-vocab must be 0"):
         ExportOptions(draft_vocab=-1)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_drafts_catch_up_widths_are_chosen_at_export(tmp_path, tiny_llama, tiny_draft):
+    """--draft-catchup-widths: the draft's narrow prefill widths (default 2, 4, 8, 16 below P), 'none' for decode and
+    P only (fewer TensorRT profiles); a width outside 2..P-1 is refused with the range, before anything is built."""
+    from specedge.runtime.manifest import model_widths
+
+    assert [w.T for w in model_widths("draft", 4, 16)] == [1, 2, 4, 8, 16]
+    assert [w.T for w in model_widths("draft", 4, 16, catchup=())] == [1, 16]
+    assert [w.T for w in model_widths("target", 4, 16, catchup=(3,))] == [1, 2, 5, 16]  # the target has none
+    with pytest.raises(BundleError, match=r"--draft-catchup-widths \[16\] out of range: each must be in 2..P-1=15"):
+        ExportOptions(prefill_chunk=16, draft_catchup_widths=(2, 16))
+    ExportOptions(prefill_chunk=8)  # the default: the widths below P
+    r = CliRunner().invoke(export_cli, ["export", "--target", "x", "--prefill-chunk", "8",
+                                        "--draft-catchup-widths", "2,9", "--out", str(tmp_path / "b")])
+    assert r.exit_code != 0 and "--draft-catchup-widths [9] out of range" in r.output
+    r = CliRunner().invoke(export_cli, ["export", "--target", "x", "--draft-catchup-widths", "2,x",
+                                        "--out", str(tmp_path / "b")])
+    assert r.exit_code != 0 and "comma-separated list" in r.output
+    r = CliRunner().invoke(export_cli, ["export", "--target", str(tiny_llama), "--draft", str(tiny_draft),
+                                        "--prefill-chunk", "16", "--max-context", "64", "--draft-catchup-widths",
+                                        "none", "--out", str(tmp_path / "none")])
+    assert r.exit_code == 0, r.output
+    assert [w.T for w in read_manifest(tmp_path / "none").draft.widths] == [1, 16]
