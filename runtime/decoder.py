@@ -29,7 +29,8 @@ from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
 from .drafters import DEFAULT_NGRAM_MIN, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError
-from .manifest import INTGEMM_FORMAT, SEK_ATTENTION, SEK_FORMAT, VERIFY_MODES, Manifest, read_manifest
+from .manifest import (INTGEMM_FORMAT, MANIFEST_NAME, SEK_ATTENTION, SEK_FORMAT, VERIFY_MODES, Manifest,
+                       read_manifest)
 from .sampling import (SamplingParams, accept_argmax, choose_next, process_logits, verify_greedy, verify_keyed,
                        verify_sampled)
 from .stats import Stats
@@ -246,7 +247,10 @@ class SpecDecoder:
             cpus = len(os.sched_getaffinity(0))
         except AttributeError:  # not Linux
             cpus = os.cpu_count() or 0
-        h = hashlib.sha256((self.bundle_dir / "manifest.json").read_bytes())
+        try:
+            h = hashlib.sha256((self.bundle_dir / MANIFEST_NAME).read_bytes())
+        except OSError:  # the bundle moved since it was loaded: time the steps, keep nothing
+            return None
         for part in (self.backend, self.precision, str(self.threads), str(self.target.min_width), ort_version,
                      str(kernels._built), " ".join(sorted(cpu_features() or ())), platform.processor(), str(cpus)):
             h.update(b"\0" + part.encode())
