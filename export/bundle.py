@@ -20,7 +20,6 @@ from typing import Any, Callable
 from specedge.runtime.drafters import DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
-    DRAFT_CATCHUP_WIDTHS,
     KV_MODES,
     ONNX_OPSET,
     HeadRows, Manifest, ModelEntry, model_widths, sha256_file, write_manifest,
@@ -45,7 +44,7 @@ class ExportOptions:
     lookup_ngram_max: int = 3
     lookup_ngram_min: int = DEFAULT_NGRAM_MIN
     verify_widths: tuple[int, ...] = ()  # extra verify widths 2..K (K+1 is always there)
-    # the draft's narrow prefill widths, 2..P-1 (None: those of DRAFT_CATCHUP_WIDTHS below P)
+    # the draft's narrow prefill widths, 2..P-1 (None: manifest.DRAFT_CATCHUP_WIDTHS below P)
     draft_catchup_widths: tuple[int, ...] | None = None
     weights: WeightFormat = WeightFormat()  # target
     draft_weights: WeightFormat | None = None  # None: same as the target
@@ -234,8 +233,7 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
         family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,
         precision=fmt.name, widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths,
                                                 even=role == "target" and fmt.even_widths,
-                                                catchup=DRAFT_CATCHUP_WIDTHS if opts.draft_catchup_widths is None
-                                                else opts.draft_catchup_widths),
+                                                catchup=opts.draft_catchup_widths),
         source=src.describe(), quant=quant, head=head,
     )
 

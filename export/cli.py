@@ -66,9 +66,7 @@ def _widths_or_none(ctx, param, value):  # noqa: ANN001
     """A click callback: "2,4,8" -> (2, 4, 8); "none" or "" -> (); not given -> None (the default)."""
     if value is None:
         return None
-    if isinstance(value, (tuple, list)):  # from a preset's list
-        value = ",".join(map(str, value))
-    if str(value).strip().lower() in ("", "none"):
+    if value.strip().lower() in ("", "none"):  # (a preset's list arrives joined: config_option)
         return ()
     return comma_list(int)(ctx, param, value)
 
@@ -158,7 +156,7 @@ def _widths_or_none(ctx, param, value):  # noqa: ANN001
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
-def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], draft_catchup_widths: tuple[int, ...],
+def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], draft_catchup_widths: tuple[int, ...] | None,
            weights: str, draft_weights: str | None,
            quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, draft_lm_head: str, gguf_exact: bool, quant_form: str, intgemm_activations: str,
            intgemm_full_range: bool, intgemm_smooth: float, kv_mode: str, draft_vocab: int, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,

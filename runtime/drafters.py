@@ -341,7 +341,8 @@ def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int,
 
 
 def _cheapest_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int, all_widths: list[int],
-                   final: set[int], cost, final_all_logits: bool = True) -> list[tuple[int, bool]] | None:  # noqa: ANN001
+                   final: set[int], cost,  # noqa: ANN001
+                   final_all_logits: bool = True) -> list[tuple[int, bool]] | None:
     """feed_plan by prices: full chunks while more than one is left, then the cheapest steps for the rest (the
     last token in a width of ``final``, all its rows' logits asked for if ``final_all_logits``), or None where a
     width it could use has no price."""

@@ -331,7 +331,7 @@ DRAFT_CATCHUP_WIDTHS = (2, 4, 8, 16)  # a draft's narrow prefill widths (model_w
 
 
 def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int, ...] = (),
-                 even: bool = False, catchup: tuple[int, ...] = DRAFT_CATCHUP_WIDTHS) -> tuple[Width, ...]:
+                 even: bool = False, catchup: tuple[int, ...] | None = None) -> tuple[Width, ...]:
     """The fixed widths each model is run at.
 
     target: prefill (P), verify (K+1 and 2) and decode (1). Verify width 2 is what plain decoding runs
@@ -341,7 +341,8 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
     ``extra_verify`` adds more verify widths (2..K): a draft of k < K tokens then runs
     at the smallest width >= k+1 instead of padding to K+1 (one more optimization profile
     for TensorRT; nothing more for ONNX Runtime).
-    draft: prefill (P), decode (1) and the ``catchup`` widths below P (default ``DRAFT_CATCHUP_WIDTHS``; one logits row each):
+    draft: prefill (P), decode (1) and the ``catchup`` widths below P (default ``DRAFT_CATCHUP_WIDTHS``; one logits
+    row each):
     a draft model that fell behind (a fully accepted round leaves it one token behind, a prompt-lookup round of auto
     several) feeds those tokens and its first draw in one step (``ModelDrafter.propose``): on 2 EPYC cores the Qwen
     0.5B draft ran 2 / 4 / 8 tokens in 7.4 / 9.0 / 13.2 ms where single steps took 6.4 ms each.
@@ -356,7 +357,8 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
                          f"pairs), got {prefill_chunk}")
     widths = {Width(ROLE_PREFILL, prefill_chunk, 1), Width(ROLE_DECODE, 1, 1)}
     if role == "draft":
-        widths |= {Width(ROLE_PREFILL, t, 1) for t in catchup if 1 < t < prefill_chunk}
+        widths |= {Width(ROLE_PREFILL, t, 1) for t in (DRAFT_CATCHUP_WIDTHS if catchup is None else catchup)
+                   if 1 < t < prefill_chunk}
     if role == "target":
         for t in {k + 1, 2, *extra_verify}:
             if not 2 <= t <= k + 1:
