@@ -101,9 +101,12 @@ PLANTS = {
     "specedge kernel: the 5-row ymm passes take six rows, and a six-row pass computes nothing": (
         "runtime/csrc/sek_gemm.c", "per = vnni || (w->bits == 4 && !sb) ? SEK_R2V : SEK_R2;",
         "per = vnni || (w->bits == 4 && !sb) ? SEK_R2V + 1 : SEK_R2;", ["tests/runtime/test_sek_kernel.py"]),
-    "specedge kernel: the AVX2 5-row pass dots a chunk's high nibbles with the low nibbles' activations": (
-        "runtime/csrc/sek_gemm.c", "_mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));",
-        "_mm256_maddubs_epi16(hi, _mm256_set1_epi32(a0)));", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: the AVX2 4-bit loop dots a chunk's high nibbles with the low nibbles' activations": (
+        "runtime/csrc/sek_gemm.c", "_mm256_maddubs_epi16(hi[h], va1)));",
+        "_mm256_maddubs_epi16(hi[h], va0)));", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: the AVX2 4-bit loop sums five chunks in int16 before widening (wraps)": (
+        "runtime/csrc/sek_gemm.c", "G = nch < 4 ? nch : 4;", "G = nch < 5 ? nch : 5;",
+        ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: an AVX-VNNI chunk's high nibbles dotted with the low nibbles' activations": (
         "runtime/csrc/sek_gemm.c", "return _mm256_add_epi32(acc, dp256(dp256(_mm256_setzero_si256(), u0, s0), u1, s1));",
         "return _mm256_add_epi32(acc, dp256(dp256(_mm256_setzero_si256(), u0, s0), u1, s0));",

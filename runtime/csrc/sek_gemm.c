@@ -622,8 +622,8 @@ static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int
  * (AVX2). They give the same integers here (no pair sum can saturate, below), so the two paths are bitwise equal. */
 
 #ifdef SEK_HAVE_AVX2
-/* Rows per pass: SEK_R2V for AVX-VNNI, and for AVX2 on one-level 4-bit blocks (a 5-token verify in one pass; AVX2
- * takes a 5-row pass a tile half at a time to fit 16 registers); SEK_R2 for AVX2's other formats. */
+/* Rows per pass: SEK_R2V for AVX-VNNI, and for AVX2 on one-level 4-bit blocks (a 5-token verify in one pass);
+ * SEK_R2 for AVX2's other formats. */
 #define SEK_R2V 5
 #define SEK_R2 4
 #ifdef SEK_HAVE_AVXVNNI
@@ -660,26 +660,50 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const uint8_t *bp = w->b + (tile * nb + b) * bstride;
     prefetch_block(bp, bstride);
-    if (w->bits == 4 && !vnni && R == SEK_R2V) {
-        /* a 5-row AVX2 pass: a tile's two 8-column halves one after the other, so that 5 rows' accumulators, a half's
-         * levels and a row's two broadcasts fit the 16 registers (a 4 + 1 split ran the 5th row as a pass of its
-         * own: 10 % slower from memory; at 4 rows this order is 5 % slower than both halves at once) */
-        for (int64_t j = 0; j < blk / 8; j++)
+    if (w->bits == 4 && !vnni) {
+        /* AVX2 without VNNI: the pair sums of vpmaddubsw added in int16 over up to 4 chunks before one vpmaddwd widens
+         * them. A pair sum is at most 2 * 15 * 127 = 3810, a chunk's two 7620, four chunks 30480 < 2^15: the integers
+         * are those of a widening per chunk. Multiplies per row, chunk and tile half: 2.25, not 3 -- the bound on
+         * AVX2-only cores, whose one or two vector multiply ports run vpmaddubsw and vpmaddwd alike. At 5 rows the
+         * int16 sums do not all fit the 16 registers; they go to the stack once per chunk, off the multiply ports.
+         * llvm-mca's models, cycles per chunk at rows 1 / 4 / 5, before -> after (tools/kernel_mca.py; the 5-row
+         * pass took a tile half at a time before; the widenings, once per 4 chunks, not counted): Haswell 9.1 / 26.1
+         * / 32.2 -> 6.1 / 19.1 / 23.1, Skylake 6.1 / 17-18 / 22 -> 5.4 / 14.1 / 17.1, Zen 2 6.3 / 24.1 / 30.2 ->
+         * 5.6 / 16.3 / 20.1, Zen 3 4.6 / 15.0 / 22 -> 4.1 / 13.5 / 17.9. A model, not a measurement: no AVX2-only
+         * machine was at hand. On a Zen 5 (which takes the AVX512-VNNI path itself) this path measured the same as
+         * before at 1-4 rows and 0-5 % slower at 5. */
+        const int64_t nch = blk / 8, G = nch < 4 ? nch : 4;
+        for (int64_t j0 = 0; j0 < nch; j0 += G) {
+            __m256i s16[SEK_R2V][2];
             SEK_UNROLL
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + j * 64 + 32 * h));
-                const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            for (int r = 0; r < R; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+            for (int64_t j = j0; j < j0 + G && j < nch; j++) {
+                SEK_MCA_BEGIN("avx2_q4");
+                __m256i lo[2], hi[2];
+                SEK_UNROLL
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + j * 64 + 32 * h));
+                    lo[h] = _mm256_and_si256(v, mask);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                }
                 SEK_UNROLL
                 for (int r = 0; r < R; r++) {
-                    const int8_t *a = qa + r * K + b * blk + 8 * j;
                     int32_t a0, a1;
-                    four_pair(a, &a0, &a1);
-                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a0)),
-                                                       _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a1)));
-                    acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
+                    four_pair(qa + r * K + b * blk + 8 * j, &a0, &a1);
+                    const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
+                    SEK_UNROLL
+                    for (int h = 0; h < 2; h++)
+                        s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va0),
+                                                                                 _mm256_maddubs_epi16(hi[h], va1)));
                 }
+                SEK_MCA_END("avx2_q4");
             }
-    } else if (w->bits == 4) {
+            SEK_UNROLL
+            for (int r = 0; r < R; r++)
+                SEK_UNROLL
+                for (int h = 0; h < 2; h++) acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(s16[r][h], ones));
+        }
+    } else if (w->bits == 4) { /* AVX-VNNI: both halves at once, a row's broadcasts shared */
         for (int64_t j = 0; j < blk / 8; j++) {
             __m256i lo[2], hi[2];
             SEK_UNROLL
@@ -695,14 +719,7 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
                 four_pair(a, &a0, &a1);
                 const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
                 SEK_UNROLL
-                for (int h = 0; h < 2; h++) {
-                    if (vnni) {
-                        acc[r][h] = dp2_256(acc[r][h], lo[h], va0, hi[h], va1);
-                        continue;
-                    }
-                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], va0), _mm256_maddubs_epi16(hi[h], va1));
-                    acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
-                }
+                for (int h = 0; h < 2; h++) acc[r][h] = dp2_256(acc[r][h], lo[h], va0, hi[h], va1);
             }
         }
     } else if (w->bits == 6) {

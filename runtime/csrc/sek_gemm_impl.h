@@ -45,6 +45,16 @@ static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *
     prefetch_block_skip(p, bytes, 0);
 }
 
+/* Marks an inner loop's body for llvm-mca in an analysis build (-DSEK_MCA: tools/kernel_mca.py); nothing
+ * otherwise. */
+#ifdef SEK_MCA
+#define SEK_MCA_BEGIN(name) __asm__ volatile("# LLVM-MCA-BEGIN " name)
+#define SEK_MCA_END(name) __asm__ volatile("# LLVM-MCA-END " name)
+#else
+#define SEK_MCA_BEGIN(name)
+#define SEK_MCA_END(name)
+#endif
+
 /* Block b of tile `tile`: where its scale parts are. */
 static inline int64_t blk_off(const sek_weights *w, int64_t tile, int64_t b) { return (tile * (w->k / w->blk) + b) * 16; }
 static inline int64_t sblk_off(const sek_weights *w, int64_t tile, int64_t b) {

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from specedge.export.quant import QuantSpec, quantize, sek_pack
+from specedge.export.quant import Packed, QuantSpec, quantize, sek_pack
 from specedge.runtime.errors import UnsupportedModelError
 from specedge.runtime.kernels import Kernel, library_path, register
 
@@ -96,15 +96,16 @@ def test_the_kernel_computes_exactly_the_documented_arithmetic_on_every_isa(kern
         assert np.array_equal(y, ref), (isa, np.abs(y - ref).max())
 
 
-@pytest.mark.parametrize("block", [128, 256])
+@pytest.mark.parametrize("block", [16, 48, 128, 256])
 def test_extreme_blocks_sum_exactly_on_every_isa(kernel, block):
     """Levels at 15 and activations at +-127 throughout: the largest integer sums the 4-bit paths form (the AVX2
-    path adds u8 x s8 pairs in int16 before widening them: a layout that sums more of them there would wrap here)."""
+    path adds u8 x s8 pairs in int16 over up to four 8-k chunks before widening them: a group of five would wrap
+    here). Blocks of 16 and 48 hold 2 and 6 chunks: a short group, and a partial last one."""
     n, k = 16, 2 * block
-    w = np.ones((n, k), np.float32)
-    w[:, ::block] = -1.0
-    p = quantize(w, QuantSpec(4, block, False))
-    p.b[:] = 0xFF  # every level 15 (two per byte), under the scales and zero points the quantizer chose
+    # every level 15 (two per byte) under scales and zero points of the kernel's form (built here: the quantizer
+    # takes powers of two, the kernel any multiple of 16)
+    p = Packed(b=np.full((n, 2, block // 2), 0xFF, np.uint8), scales=np.full((n, 2), 0.03125, np.float32),
+               zero_points=np.full((n, 1), 0x38, np.uint8), k=k, bits=4, block=block)
     b, s, z, n_pad = sek_pack(p)
     a = np.ones((2, k), np.float32)
     a[1] = -1.0
