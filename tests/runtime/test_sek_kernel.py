@@ -289,6 +289,10 @@ def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_
     for t in (5, 6, 7, 9):  # steps taken two tiles a pass (5 rows at a time) or one tile with every row
         assert np.array_equal(kernel.gemm_sb(many[2:2 + t], b, sc, d, mn, dmin, n_pad, p.k, block, bits, 256, zp),
                               full[2:2 + t]), t
+    for isa in kernel.isas():  # every path's passes of 4 or 5 rows, and their remainders
+        for t in (4, 5, 6, 9, 11):
+            assert np.array_equal(kernel.gemm_sb(many[:t], b, sc, d, mn, dmin, n_pad, p.k, block, bits, 256, zp, isa),
+                                  full[:t]), (isa, t)
     y = _session(_model_sb(b, sc, d, mn, dmin, p.k, n_pad, bits, block, zp)).run(None, {"x": a[None]})[0][0]
     assert np.array_equal(y[:, :n], ref)
 
