@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from specedge.runtime import SamplingParams
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "ab_decode.py"
+from .tools_loader import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("ab_decode", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("ab_decode")
 
 
 def test_two_bundles_of_one_target_alternate_and_give_the_same_text(decoders):

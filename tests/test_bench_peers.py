@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "bench_peers.py"
+from .tools_loader import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("bench_peers", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_peers")
 
 
 def test_rounds_merge_into_per_prompt_medians_and_keep_every_value():
@@ -89,10 +83,7 @@ def test_every_prompt_runs_on_every_engine_before_the_next_and_no_unit_always_ru
 
 
 def _ortgenai_tool():
-    spec = importlib.util.spec_from_file_location("build_ortgenai", TOOL.with_name("build_ortgenai.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("build_ortgenai")
 
 
 class _FakeParams:

@@ -3,29 +3,22 @@ with the rows (the model is what the AVX2 loop's design is checked against: no A
 
 from __future__ import annotations
 
-import importlib.util
 import platform
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "kernel_mca.py"
+from .tools_loader import TOOLS, load_tool
 
-
-def load():
-    spec = importlib.util.spec_from_file_location("kernel_mca", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+TOOL = TOOLS / "kernel_mca.py"
 
 
 def test_regions_are_read_between_the_markers_in_order():
     asm = ("\tnop\n# LLVM-MCA-BEGIN a\n\tvpmaddubsw %ymm0, %ymm1, %ymm2\n# LLVM-MCA-END a\n"
            "# LLVM-MCA-BEGIN b\n\tvpaddw %ymm0, %ymm1, %ymm2\n\tvpaddw %ymm0, %ymm1, %ymm3\n# LLVM-MCA-END b\n")
-    found = load().regions(asm)
+    found = load_tool("kernel_mca").regions(asm)
     assert [name for name, _ in found] == ["a", "b"]
     assert found[0][1].count("vpmaddubsw") == 1 and found[1][1].count("vpaddw") == 2
 

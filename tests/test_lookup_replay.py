@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from specedge.runtime.adaptive import AutoDrafter
 from specedge.runtime.drafters import NoDrafter, PromptLookupDrafter
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "lookup_replay.py"
+from .tools_loader import load_tool
+
 STEPS = {2: 0.040, 4: 0.060, 6: 0.080, 10: 0.115}  # an int4-like CPU target: plain rounds at width 2
 K = 9
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("lookup_replay", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("lookup_replay")
 
 
 def sequences():
