@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from specedge.runtime.drafters import DEFAULT_NGRAM_MIN
+from specedge.runtime.drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
     KV_MODES,
@@ -41,7 +41,7 @@ class ExportOptions:
     k: int = 4
     max_context: int = 2048
     prefill_chunk: int = 64
-    lookup_ngram_max: int = 3
+    lookup_ngram_max: int = DEFAULT_NGRAM_MAX
     lookup_ngram_min: int = DEFAULT_NGRAM_MIN
     verify_widths: tuple[int, ...] = ()  # extra verify widths 2..K (K+1 is always there)
     # the draft's narrow prefill widths, 2..P-1 (None: manifest.DRAFT_CATCHUP_WIDTHS below P)
@@ -82,10 +82,10 @@ class ExportOptions:
         if bad:
             raise BundleError(f"--draft-catchup-widths {bad} out of range: each must be in 2..P-1="
                               f"{self.prefill_chunk - 1} (below the prefill chunk), or 'none'")
-        if not 1 <= self.lookup_ngram_min <= self.lookup_ngram_max:
-            raise BundleError(f"prompt-lookup n-gram range is empty: --ngram-min {self.lookup_ngram_min} > --ngram-max "
-                              f"{self.lookup_ngram_max} (both must be >= 1; --ngram-min defaults to "
-                              f"{DEFAULT_NGRAM_MIN})")
+        if not 1 <= self.lookup_ngram_min <= self.lookup_ngram_max <= 64:
+            raise BundleError(f"prompt-lookup n-gram range {self.lookup_ngram_min}..{self.lookup_ngram_max} is not allowed: "
+                              f"need 1 <= --ngram-min <= --ngram-max <= 64 (defaults {DEFAULT_NGRAM_MIN} and "
+                              f"{DEFAULT_NGRAM_MAX})")
 
 
 @dataclass(frozen=True)

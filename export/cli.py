@@ -10,7 +10,7 @@ import click
 
 from specedge.runtime.cli import comma_list
 from specedge.runtime.config import config_option
-from specedge.runtime.drafters import DEFAULT_NGRAM_MIN
+from specedge.runtime.drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import SpecEdgeError
 from specedge.runtime.manifest import INTGEMM_FORMAT, SEK_FORMAT
 
@@ -87,7 +87,9 @@ def _widths_or_none(ctx, param, value):  # noqa: ANN001
                    "optimization profile).")
 @click.option("--max-context", type=int, default=2048, show_default=True, help="KV buffer length S_max.")
 @click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P (even for int8/int4 targets).")
-@click.option("--ngram-max", type=int, default=3, show_default=True, help="Prompt lookup: longest n-gram to match.")
+@click.option("--ngram-max", type=int, default=DEFAULT_NGRAM_MAX, show_default=True,
+              help="Prompt lookup: the longest context a match is compared over (the occurrence agreeing with the most "
+                   "of it wins; 1..64).")
 @click.option("--ngram-min", type=int, default=DEFAULT_NGRAM_MIN, show_default=True,
               help="Prompt lookup: shortest n-gram a multi-token draft needs (1-token matches still fill plain rounds' "
                    "free guess).")

@@ -27,7 +27,7 @@ import numpy as np
 
 from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
-from .drafters import DEFAULT_NGRAM_MIN, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
+from .drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError
 from .manifest import (INTGEMM_FORMAT, MANIFEST_NAME, SEK_ATTENTION, SEK_FORMAT, VERIFY_MODES, Manifest,
                        read_manifest)
@@ -141,7 +141,7 @@ class SpecDecoder:
                           f"from plain. Re-export it: new exports use even widths (README, Exactness).", stacklevel=3)
         p = manifest.drafter_params
         # the free guess takes any match, down to one token: it rides in a width-2 step that runs anyway
-        self._guesser = PromptLookupDrafter(p.get("ngram_max", 3), 1)
+        self._guesser = PromptLookupDrafter(p.get("ngram_max", DEFAULT_NGRAM_MAX), 1)
         self._lock = threading.Lock()  # held for one prefill or round at a time (never across a yield)
         self._owner: _Request | None = None  # the request whose rows the caches hold
         self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
@@ -197,7 +197,7 @@ class SpecDecoder:
             return ModelDrafter(self.draft_runner, self.manifest.target.dims.vocab, self.manifest.prefill_chunk,
                                 None if head is None else head.ids())
         if kind == "prompt-lookup":
-            return PromptLookupDrafter(p.get("ngram_max", 3), p.get("ngram_min", DEFAULT_NGRAM_MIN))
+            return PromptLookupDrafter(p.get("ngram_max", DEFAULT_NGRAM_MAX), p.get("ngram_min", DEFAULT_NGRAM_MIN))
         if kind == "none":
             return NoDrafter()
         if kind in SPEC_MODES:

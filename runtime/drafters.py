@@ -65,15 +65,24 @@ class NoDrafter(_Stateless):
 # drafts they widened the verify step for little (fixed-k lookup on Qwen int4, one run per suite: 0.73-0.88x
 # plain with them, 0.95-1.05x without on code, chat and JSON; docs/benchmarks.md, 2026-11-30 second session).
 DEFAULT_NGRAM_MIN = 2
+# Longest context a match is compared over (bundles that record no ngram_max; PromptLookupDrafter says why).
+DEFAULT_NGRAM_MAX = 32
 
 
 class PromptLookupDrafter(_Stateless):
-    """n-gram match over prompt + output: find the most recent earlier occurrence of the
-    longest suffix n-gram (n = ngram_max..ngram_min) and propose what followed it. No weights."""
+    """n-gram match over prompt + output: find the earlier occurrence of the context's last tokens that agrees with
+    the most of them (at least ``ngram_min``, compared up to ``ngram_max``; the most recent among equals) and
+    propose what followed it. No weights.
+
+    The default ``ngram_max`` (DEFAULT_NGRAM_MAX, 32) lets the context choose between occurrences of a short
+    phrase: an edit that copies one of two similar functions continues the one whose preceding lines it has
+    copied, where the most recent 3-token match was often the other (replayed over the Qwen pair's greedy traces,
+    tools/lookup_replay.py: auto's lookup rounds 1.05-1.07x on three of the six edit and summary prompts, the
+    others within 1 %)."""
 
     name = "prompt-lookup"
 
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+    def __init__(self, ngram_max: int = DEFAULT_NGRAM_MAX, ngram_min: int = 1):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
@@ -81,17 +90,26 @@ class PromptLookupDrafter(_Stateless):
     def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
         if k <= 0:
             return EMPTY
-        n_tok = len(tokens)
-        for n in range(min(self.ngram_max, n_tok - 1), self.ngram_min - 1, -1):
-            pattern = tokens[n_tok - n:]
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)  # starts 0..n_tok-1-n
-            hits = np.flatnonzero((windows == pattern).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                cont = tokens[start: start + k]
-                if len(cont):
-                    return Proposal(np.array(cont, dtype=np.int64), None)
-        return EMPTY
+        t = np.asarray(tokens)
+        n_tok, n = len(t), self.ngram_min
+        if n_tok - 1 < n:
+            return EMPTY
+        # every earlier occurrence of the last n tokens with at least one token after it ...
+        windows = np.lib.stride_tricks.sliding_window_view(t[: n_tok - 1], n)
+        hits = np.flatnonzero((windows == t[n_tok - n:]).all(axis=1))
+        # ... extended backwards a token at a time, all at once, while more than one still agrees
+        for d in range(min(self.ngram_max, n_tok - 1) - n):
+            if len(hits) <= 1:
+                break
+            before = hits - 1 - d
+            agree = hits[(before >= 0) & (t[np.maximum(before, 0)] == t[n_tok - n - 1 - d])]
+            if not len(agree):
+                break
+            hits = agree
+        if not len(hits):
+            return EMPTY
+        start = int(hits[-1]) + n
+        return Proposal(np.array(t[start: start + k], dtype=np.int64), None)
 
 
 class ModelDrafter:

@@ -210,10 +210,12 @@ class Manifest:
 
         for key, es in self.engines.items():
             schema.load(EngineSet, es, f"engines.{key}")
+        from .drafters import DEFAULT_NGRAM_MAX
+
         dp = self.drafter_params
         if set(dp) - {"ngram_max", "ngram_min"} or any(
                 isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64 for v in dp.values()) \
-                or dp.get("ngram_min", 1) > dp.get("ngram_max", 3):
+                or dp.get("ngram_min", 1) > dp.get("ngram_max", DEFAULT_NGRAM_MAX):
             raise BundleError(f"drafter_params must hold ngram_min <= ngram_max, integers in 1..64, got {dp!r}")
 
     def engine_set(self, kind: str, precision: str | None = None) -> "EngineSet":

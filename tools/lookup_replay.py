@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from specedge.runtime.adaptive import AutoDrafter, CostModel
-from specedge.runtime.drafters import Drafter, NoDrafter, PromptLookupDrafter
+from specedge.runtime.drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, Drafter, NoDrafter, PromptLookupDrafter
 from specedge.runtime.sampling import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=1 << 30)
@@ -55,8 +55,9 @@ def make_traces(bundle: str, suites: list[str], max_new: int, prompts: str | Non
     steps = dec.time_steps(repeats=10, past_len=past, all_logits_only=True)["target"]
     steps = {T: s for T, s in steps.items() if T >= dec.target.min_width}
     m = machine_info()
-    return {"bundle": bundle, "k": dec.manifest.k, "ngram": [dec.manifest.drafter_params.get("ngram_max", 3),
-                                                            dec.manifest.drafter_params.get("ngram_min", 2)],
+    dp = dec.manifest.drafter_params
+    return {"bundle": bundle, "k": dec.manifest.k, "ngram": [dp.get("ngram_max", DEFAULT_NGRAM_MAX),
+                                                            dp.get("ngram_min", DEFAULT_NGRAM_MIN)],
             "steps": {str(T): s for T, s in steps.items()}, "cpu": m["cpu"], "cpu_flags": m["cpu_flags"], "rows": rows}
 
 
@@ -124,7 +125,11 @@ def main() -> int:
     ap.add_argument("--k", default="2,4,8", help="fixed lookup draft lengths to replay")
     ap.add_argument("--save-traces", help="write the traces and step times here (JSON)")
     ap.add_argument("--traces", action="append", default=[], help="replay saved traces instead of running BUNDLE")
+    ap.add_argument("--ngram-max", type=int, default=None,
+                    help="replay with this matcher length instead of the bundle's (1..64)")
     a = ap.parse_args()
+    if a.ngram_max is not None and not 1 <= a.ngram_max <= 64:
+        ap.error(f"--ngram-max must be in 1..64, got {a.ngram_max}")
     if bool(a.bundle) == bool(a.traces):
         ap.error("give a BUNDLE or --traces FILE")
     runs = ([_read_traces(ap, f) for f in a.traces] if a.traces
@@ -136,9 +141,10 @@ def main() -> int:
     for run in runs:
         steps = {int(T): s for T, s in run["steps"].items()}
         K, (nmax, nmin) = run["k"], run["ngram"]
+        nmax = max(a.ngram_max, nmin) if a.ngram_max is not None else nmax
         ks_here = [k for k in ks if k <= K]
         flags = run["cpu_flags"] if isinstance(run["cpu_flags"], str) else " ".join(run["cpu_flags"])
-        print(f"\n## {run['bundle']} (K={K}; CPU {run['cpu']}; flags {flags})")
+        print(f"\n## {run['bundle']} (K={K}; lookup n-grams {nmin}..{nmax}; CPU {run['cpu']}; flags {flags})")
         print("step ms: " + ", ".join(f"T={T} {s * 1e3:.1f}" for T, s in sorted(steps.items())))
         cols = ["plain", *[f"lookup:{k}" for k in ks_here], "auto", "bound"]
         print("\n| prompt | tokens | plain tok/s | " + " | ".join(c for c in cols[1:]) + " |")

@@ -32,6 +32,9 @@ PLANTS = {
         "runtime/drafters.py", "self.rows = self._base + min(n_accepted, self._k - 1)", "pass"),
     "prompt lookup proposes one token late": (
         "runtime/drafters.py", "start = int(hits[-1]) + n", "start = int(hits[-1]) + n + 1"),
+    "prompt lookup extends its matches against the wrong context token": (
+        "runtime/drafters.py", "t[np.maximum(before, 0)] == t[n_tok - n - 1 - d]",
+        "t[np.maximum(before, 0)] == t[n_tok - n - d]"),
     "a stop string ends the output at once, empty": (
         "runtime/decoder.py", 'stop_at, req.finish, out = min(hits), "stop", out[: j + 1]',
         'stop_at, req.finish, out = 0, "stop", out[: j + 1]'),

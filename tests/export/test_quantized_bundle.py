@@ -332,10 +332,13 @@ def test_an_integer_gemm_bundle_with_odd_widths_and_large_blocks_does_not_warn(q
         SpecDecoder.load(b, verify="none")
 
 
-def test_an_empty_lookup_ngram_range_names_both_options():
-    with pytest.raises(BundleError, match=r"--ngram-min 2 > --ngram-max 1"):
+def test_a_lookup_ngram_range_out_of_bounds_names_both_options_and_the_limits():
+    with pytest.raises(BundleError, match=r"range 2\.\.1 is not allowed: need 1 <= --ngram-min <= --ngram-max <= 64"):
         ExportOptions(lookup_ngram_max=1)
+    with pytest.raises(BundleError, match=r"range 2\.\.65 is not allowed"):  # a bundle the runtime would refuse
+        ExportOptions(lookup_ngram_max=65)
     assert ExportOptions(lookup_ngram_max=1, lookup_ngram_min=1).lookup_ngram_min == 1
+    assert ExportOptions().lookup_ngram_max == 32
 
 
 def test_an_int4_draft_gets_an_int4_head_and_the_target_keeps_its_int8_one(q_bundles):

@@ -127,6 +127,44 @@ def test_prompt_lookup_proposes_what_followed_the_match():
     assert d.propose(np.array([7, 8]), 2, SamplingParams(), np.random.default_rng(0)).tokens.tolist() == []
 
 
+def _lookup_by_each_length(tokens, k, ngram_max, ngram_min):
+    """The matcher as it was written before (one window search per n-gram length, longest first): the reference."""
+    n_tok = len(tokens)
+    for n in range(min(ngram_max, n_tok - 1), ngram_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)
+        hits = np.flatnonzero((windows == tokens[n_tok - n:]).all(axis=1))
+        if len(hits):
+            return tokens[int(hits[-1]) + n: int(hits[-1]) + n + k].tolist()
+    return []
+
+
+@pytest.mark.parametrize("ngram_max,ngram_min", [(3, 1), (3, 2), (8, 1), (32, 2), (64, 1)])
+def test_prompt_lookup_takes_the_occurrence_agreeing_with_the_longest_context(ngram_max, ngram_min):
+    """The matcher extends all matches of the last ngram_min tokens backwards at once; it must pick what a search
+    per length (ngram_max down to ngram_min, the most recent match of the longest) picks, on repetitive token
+    streams (small alphabets: many matches, long agreements) of every length."""
+    rng = np.random.default_rng(ngram_max * 10 + ngram_min)
+    d = PromptLookupDrafter(ngram_max, ngram_min)
+    for trial in range(300):
+        alphabet = int(rng.integers(2, 6))
+        base = rng.integers(0, alphabet, size=int(rng.integers(1, 40)))
+        tokens = np.concatenate([base, base[: int(rng.integers(0, len(base) + 1))], rng.integers(0, alphabet, size=3)])
+        tokens = tokens[: int(rng.integers(1, len(tokens) + 1))]
+        k = int(rng.integers(1, 9))
+        got = d.propose(tokens, k, SamplingParams(), rng).tokens.tolist()
+        assert got == _lookup_by_each_length(tokens, k, ngram_max, ngram_min), (trial, tokens.tolist(), k)
+
+
+def test_a_longer_context_picks_the_occurrence_that_continues_the_text():
+    """Two earlier occurrences of "1 2 3": the most recent one is followed by 7, the one whose preceding tokens
+    (4 5 6 ...) agree with the context's is followed by 8. A 3-token match takes the most recent; a longer
+    one, the occurrence the text is copying."""
+    tokens = np.array([4, 5, 6, 1, 2, 3, 8, 0, 9, 1, 2, 3, 7, 0, 4, 5, 6, 1, 2, 3])
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    assert PromptLookupDrafter(3, 2).propose(tokens, 1, params, rng).tokens.tolist() == [7]
+    assert PromptLookupDrafter(32, 2).propose(tokens, 1, params, rng).tokens.tolist() == [8]
+
+
 def test_a_new_model_drafter_keeps_the_draft_rows_that_agree():
     class FakeRunner:
         entry = type("E", (), {"widths": ()})()
