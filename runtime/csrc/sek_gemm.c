@@ -622,12 +622,12 @@ static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int
  * (AVX2). They give the same integers here (no pair sum can saturate, below), so the two paths are bitwise equal. */
 
 #ifdef SEK_HAVE_AVX2
-/* Rows per pass: SEK_R2V for AVX-VNNI, and for AVX2 on 4-bit blocks, one-level or Q4_K's (a 5-token verify in one
- * pass: Q4_K's 5-row passes made a Qwen2.5-Coder-1.5B T = 5 step 4-7 % faster than passes of 4 and 1, on a Zen 5
- * built for Haswell, seventeenth session); SEK_R2 for AVX2's 6- and 8-bit levels (Q6_K's five rows' sums, levels
- * and masks do not fit 16 registers). */
-#define SEK_R2V 5
-#define SEK_R2 4
+/* Rows per pass, every format (a 5-token verify in one pass). Until the seventeenth session AVX2 took 4 for all but
+ * one-level 4-bit blocks; 5 made a Qwen2.5-Coder-1.5B T = 5 step on Q4_K 4-7 % faster, built for Haswell on a
+ * Zen 5, and a Q6_K matrix's 5 rows 12-14 % (llvm-mca: 10 % fewer cycles on Haswell and Zen 2, 16 % on Skylake, 1 %
+ * on Zen 3; 8-bit -2..+4 %). Five rows' sums do not all fit 16 registers beside 6- and 8-bit levels: the
+ * compiler keeps some on the stack, off the multiply ports. */
+#define SEK_R2 5
 #ifdef SEK_HAVE_AVXVNNI
 static inline __attribute__((always_inline)) __m256i dp256(__m256i acc, __m256i u, __m256i s) {
     return _mm256_dpbusd_avx_epi32(acc, u, s);
@@ -656,7 +656,7 @@ static inline __attribute__((always_inline)) void scales256(const sek_weights *w
  * tile. maddubs (u8 x s8 pairs -> s16) cannot saturate here: 4-bit levels give pairs <= 2 * 15 * 127, 6-bit ones
  * 2 * 63 * 127 (two such pairs added: 4 * 63 * 127 < 2^15), and 8-bit levels are split into their two nibbles. */
 static inline __attribute__((always_inline)) void dots256(const sek_weights *w, const int8_t *qa, int64_t K, int64_t b,
-                                                         const int R, int64_t tile, __m256i acc[SEK_R2V][2],
+                                                         const int R, int64_t tile, __m256i acc[SEK_R2][2],
                                                          const int vnni) {
     const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -676,7 +676,7 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
          * before at 1-4 rows and 0-5 % slower at 5. */
         const int64_t nch = blk / 8, G = nch < 4 ? nch : 4;
         for (int64_t j0 = 0; j0 < nch; j0 += G) {
-            __m256i s16[SEK_R2V][2];
+            __m256i s16[SEK_R2][2];
             SEK_UNROLL
             for (int r = 0; r < R; r++) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
             for (int64_t j = j0; j < j0 + G && j < nch; j++) {
@@ -800,11 +800,11 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
     const int64_t nb = w->k / w->blk, K = x->k;
     const int8_t *qa = x->qa + r0 * K;
     const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
-    __m256 yv[SEK_R2V][2];
+    __m256 yv[SEK_R2][2];
     SEK_UNROLL
     for (int r = 0; r < R; r++) yv[r][0] = yv[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i acc[SEK_R2V][2];
+        __m256i acc[SEK_R2][2];
         SEK_UNROLL
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
         dots256(w, qa, K, b, R, tile, acc, vnni);
@@ -835,13 +835,13 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
     const int16_t *bsum = x->bsum + r0 * nb;
     const float *sa = x->sa + r0 * nsb;
     const int8_t *mv = w->mn ? w->mn : w->sc;
-    float yv[SEK_R2V][SEK_TILE] __attribute__((aligned(32)));
-    int32_t i1[SEK_R2V][SEK_TILE] __attribute__((aligned(32)));
+    float yv[SEK_R2][SEK_TILE] __attribute__((aligned(32)));
+    int32_t i1[SEK_R2][SEK_TILE] __attribute__((aligned(32)));
     memset(yv, 0, sizeof yv);
     for (int64_t sb = 0; sb < nsb; sb++) {
         memset(i1, 0, sizeof i1);
         for (int64_t b = sb * per; b < (sb + 1) * per; b++) {
-            __m256i acc[SEK_R2V][2];
+            __m256i acc[SEK_R2][2];
             SEK_UNROLL
             for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
             dots256(w, qa, K, b, R, tile, acc, vnni);
@@ -858,7 +858,7 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
         const int64_t so = (tile * nsb + sb) * SEK_TILE;
         SEK_UNROLL
         for (int h = 0; h < 2; h++) {
-            __m256i mm[SEK_R2V];
+            __m256i mm[SEK_R2];
             SEK_UNROLL
             for (int r = 0; r < R; r++) mm[r] = _mm256_setzero_si256();
             for (int64_t b = sb * per; b < (sb + 1) * per; b += 2) { /* M: blocks in pairs, one vpmaddwd per pair */
@@ -894,10 +894,10 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
     for (int r = 0; r < R; r++) memcpy(y + (r0 + r) * ldy + tile * SEK_TILE, yv[r], sizeof yv[r]);
 }
 
-/* Tiles [t0, t1), the rows in passes of up to SEK_R2V (AVX2 with 6- or 8-bit levels: SEK_R2). */
+/* Tiles [t0, t1), the rows in passes of up to SEK_R2. */
 static inline __attribute__((always_inline)) void tiles_avx2_any(const sek_rows *x, const sek_weights *w, float *y,
                                                                 int64_t ldy, int64_t t0, int64_t t1, const int vnni) {
-    const int sb = w->sc != NULL, per = vnni || w->bits == 4 ? SEK_R2V : SEK_R2;
+    const int sb = w->sc != NULL, per = SEK_R2;
     for (int64_t t = t0; t < t1; t++)
         for (int64_t r0 = 0; r0 < x->m; r0 += per) {
             const int R = x->m - r0 < per ? (int)(x->m - r0) : per;
