@@ -11,15 +11,13 @@ for each ``--cpus`` model (its scheduling model, not a measurement: no memory st
 model's). Each region is one inlined copy of a loop body; ``rows`` is its vpmaddubsw count / 4, the rows of the
 pass for AVX2's 4-bit loop (`avx2_q4`), whose iteration is one 8-k chunk of a 16-column tile. Compare sources with
 ``--src`` (a copy of runtime/csrc with the markers where you want them).
-Needs llvm-mca (Debian: llvm) and the C compiler the runtime uses ($CC, else cc).
+Needs llvm-mca (Debian: llvm) and the C compiler the runtime uses ($CC, else cc, gcc or clang).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -55,11 +53,14 @@ def main() -> int:
     if not mca:
         print("llvm-mca not found: install LLVM (Debian: apt install llvm)", file=sys.stderr)
         return 2
-    cc = shlex.split(os.environ.get("CC", "cc"))
+    from specedge.runtime.kernels import CFLAGS, _compiler
+
+    cc = _compiler()  # the runtime's own choice ($CC, else cc, gcc or clang) and flags, less -shared
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "sek_gemm.s"
-        r = subprocess.run([*cc, "-O3", "-fPIC", "-std=c11", "-D_GNU_SOURCE", "-DSEK_MCA", f"-march={a.march}", "-S",
-                            "-o", str(out), str(a.src / "sek_gemm.c")], capture_output=True, text=True)
+        flags = [f for f in CFLAGS if f != "-shared"]
+        r = subprocess.run([*cc, *flags, "-DSEK_MCA", f"-march={a.march}", "-S", "-o", str(out),
+                            str(a.src / "sek_gemm.c")], capture_output=True, text=True)
         if r.returncode:
             print(r.stderr[-3000:], file=sys.stderr)
             return 1
@@ -68,7 +69,7 @@ def main() -> int:
         print(f"no marked regions in {a.src / 'sek_gemm.c'} built for -march={a.march}", file=sys.stderr)
         return 1
     cpus = a.cpus.split(",")
-    print(f"llvm-mca cycles per loop iteration; {a.src} built with {' '.join(cc)} -O3 -march={a.march}\n")
+    print(f"llvm-mca cycles per loop iteration; {a.src} built with {' '.join([*cc, *flags])} -march={a.march}\n")
     print("| region | rows | " + " | ".join(cpus) + " |\n|---|---|" + "---|" * len(cpus))
     seen = set()
     for name, body in found:
