@@ -66,3 +66,81 @@ def test_bound_on_a_sequence_worked_by_hand():
     steps = {2: 1.0, 4: 1.5, 6: 2.0, 10: 3.0}
     assert lr.bound(seq, 9, steps, K, 3, 2) == pytest.approx(4.5)
     assert lr.replay(lambda c: NoDrafter(), seq, 9, steps, K, 3) == (pytest.approx(5.0), 5)
+
+
+DRAFT = {1: 0.010, 2: 0.011, 4: 0.012, 64: 0.050}  # a draft model's step times by width (the prompt fits a chunk)
+
+
+def replay_model(lr, seq, P, right=True, warm=False):
+    """A recorded draft that proposes the text itself (right) or a token the text never has, 90 % sure."""
+    nxt = [seq[n] if right else 5000 for n in range(P + 1, len(seq))]
+    return lr.ReplayModel(nxt, [0.9] * len(nxt), P, DRAFT, 64, warm=warm)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_a_replayed_draft_pays_its_catch_up_and_its_draft_steps(warm):
+    """model:4 through 24 new tokens of a draft that is always right: rounds of 5 tokens. A cold draft's first round
+    catches up on the prompt with its first draw (one 64-wide step, the prompt fits), then 3 single steps; later
+    rounds leave the draft one token behind (its last draw, never fed), caught up with the next first draw in a
+    2-wide step; each verify runs at width 6 (the smallest that holds 5 tokens)."""
+    lr = load()
+    seq, P = sequences()["fresh"][0][:45], 20
+    model = replay_model(lr, seq, P, warm=warm)
+    t, rounds = lr.replay(lambda c: lr._FixedModel(model, 4), seq, P, STEPS, K, 3, model=model)
+    assert rounds == 5  # 24 tokens: 5 + 5 + 5 + 5 + 4 (the last round drafts 3: the text ends)
+    first = DRAFT[1] if warm else DRAFT[64]  # the first draw: alone (warm) or with the prompt's catch-up
+    drafting = first + 3 * DRAFT[1] + 3 * (DRAFT[2] + 3 * DRAFT[1]) + DRAFT[2] + 2 * DRAFT[1]
+    assert t == pytest.approx(4 * STEPS[6] + STEPS[4] + drafting)
+    assert model.spent == pytest.approx(drafting)
+
+
+def test_replayed_auto_drafts_with_a_draft_that_is_right_and_not_with_one_that_is_not():
+    lr = load()
+    seq, P = sequences()["fresh"]
+    times = {}
+    for right in (True, False):
+        model = replay_model(lr, seq, P, right=right, warm=True)
+        times[right] = lr.replay(lambda c: AutoDrafter(c, PromptLookupDrafter(3, 2), model), seq, P, STEPS, K, 3,
+                                 costs=lr.CostModel(dict(STEPS), DRAFT[1], draft_widths=dict(DRAFT)), model=model)[0]
+    t_plain = lr.replay(lambda c: NoDrafter(), seq, P, STEPS, K, 3)[0]
+    assert times[True] < 0.6 * t_plain  # several tokens a round, once its acceptance is learned
+    assert times[False] < 1.15 * t_plain  # its probes cost a little, and then it decodes plainly
+
+
+def test_replay_times_autos_pace_by_the_replayed_seconds():
+    """auto's pace (``AutoDrafter._gap``) reads its clock: in a replay, the seconds replayed so far, not the host's
+    (which replays a request in milliseconds: a pace of 40,000 tok/s)."""
+    lr = load()
+    seq, P = sequences()["copy"]
+    seen = []
+
+    class Watched(AutoDrafter):
+        def propose(self, tokens, k, params, rng):  # noqa: ANN001
+            seen.append(self.clock())
+            return super().propose(tokens, k, params, rng)
+
+    t, _ = lr.replay(lambda c: Watched(c, PromptLookupDrafter(3, 2), None), seq, P, STEPS, K, 3)
+    assert seen[0] == 0.0 and all(a < b for a, b in zip(seen, seen[1:])) and seen[-1] < t
+
+
+def test_traces_record_what_the_draft_proposes_in_a_real_round(decoders):
+    """The recorded draft choices (one draft step per position) are what the decoder's own draft proposes in a
+    round starting anywhere in the text, as far as its drafts agree with the text."""
+    from specedge.runtime import SamplingParams
+
+    lr = load()
+    dec = decoders["model"]
+    prompt = dec.encode_prompt("def fib(n):", False)
+    out = dec.generate("def fib(n):", SamplingParams(max_new_tokens=24), drafter="none", chat=False).token_ids
+    seq, P = prompt + out, len(prompt)
+    nxt, conf = lr.draft_choices(dec, seq, P)
+    assert len(nxt) == len(conf) == len(seq) - P - 1
+    rng = np.random.default_rng(0)
+    for n in (P + 1, P + 5, P + 13, len(seq) - 4):
+        model = dec.make_drafter("model")
+        prop = model.propose(np.asarray(seq[:n]), 3, SamplingParams(max_new_tokens=4), rng, keep=lambda c: True)
+        assert prop.tokens[0] == nxt[n - P - 1] and model.confidences[0] == pytest.approx(conf[n - P - 1], rel=1e-3)
+        for i in range(1, 3):
+            if prop.tokens[i - 1] != seq[n + i - 1]:
+                break
+            assert prop.tokens[i] == nxt[n + i - P - 1]

@@ -14,11 +14,20 @@ typical context length), and replays, round by round, with those step times:
 * prompt lookup at fixed k (the drafter and the decoder's rules: no draft -> plain round with its guess);
 * auto's lookup policy (``AutoDrafter`` itself, without a draft model: only lookup and plain);
 * the bound: the best any policy choosing how many of lookup's tokens to send each round could do (dynamic
-  programming over the trace, knowing the future) — what no choice of draft length can beat with this matcher.
+  programming over the trace, knowing the future) — what no choice of draft length can beat with this matcher;
+* with a draft model (a bundle that has one): the draft at a fixed k (``model:k``) and ``auto`` with every option
+  (``auto+model``, the decoder's own policy). The traces then carry the draft's greedy token and its confidence
+  at every position of the output, given the committed text before it (one draft step per position): a draft
+  round proposes those while its drafts agree with the text, which is all greedy acceptance looks at (after its
+  first miss, the confidences the gate sees are the ones the text would have given: an approximation). A round
+  pays the draft's catch-up (full prefill chunks, then one step of the cheapest width that holds the rest, at the
+  draft's measured step times; the prompt too: the draft starts cold) and its single draft steps. Cost-model state
+  (the draft's acceptance, the runs learned) carries over from prompt to prompt in trace order, as in one decoder.
 
-Speeds are tokens over summed step times (host work and the prefill left out), so ratios between rows are what
-the step costs and the acceptance make them, free of a shared machine's noise; a real run (``spec-run bench``)
-says what the rest costs. Draft-model rounds are not replayed (they need the draft's own outputs).
+Plain rounds run at width 2 with the free guess where the bundle's target has no width-1 step (batch-invariant
+steps), else at width 1 without one. Speeds are tokens over summed step times (host work and the prefill left
+out), so ratios between rows are what the step costs and the acceptance make them, free of a shared machine's
+noise; a real run (``spec-run bench``) says what the rest costs.
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ from typing import Callable
 import numpy as np
 
 from specedge.runtime.adaptive import AutoDrafter, CostModel
-from specedge.runtime.drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, Drafter, NoDrafter, PromptLookupDrafter
+from specedge.runtime.drafters import (
+    DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, EMPTY, Drafter, NoDrafter, PromptLookupDrafter, Proposal,
+)
 from specedge.runtime.sampling import SamplingParams
 
 PARAMS = SamplingParams(max_new_tokens=1 << 30)
@@ -48,17 +59,40 @@ def make_traces(bundle: str, suites: list[str], max_new: int, prompts: str | Non
     for bp in load_prompts(prompts) if prompts else suite_prompts(suites):
         prompt, chat = bp.as_request()
         r = dec.generate(prompt, SamplingParams(max_new_tokens=max_new), drafter="none", chat=chat)
-        rows.append({"id": bp.id, "prompt": dec.encode_prompt(prompt, chat), "output": r.token_ids})
+        row = {"id": bp.id, "prompt": dec.encode_prompt(prompt, chat), "output": r.token_ids}
+        if dec.draft_runner is not None:
+            row["draft_next"], row["draft_conf"] = draft_choices(dec, row["prompt"] + row["output"], len(row["prompt"]))
+        rows.append(row)
         print(f"  trace {bp.id}: {len(r.token_ids)} tokens", file=sys.stderr, flush=True)
     # at the traces' typical context length; the fastest of 10 (a single busy moment doubled a 10 ms step)
     past = int(np.mean([len(r["prompt"]) + len(r["output"]) // 2 for r in rows]))
-    steps = dec.time_steps(repeats=10, past_len=past, all_logits_only=True)["target"]
-    steps = {T: s for T, s in steps.items() if T >= dec.target.min_width}
+    timed = dec.time_steps(repeats=10, past_len=past, all_logits_only=True)
+    steps = {T: s for T, s in timed["target"].items() if T >= dec.target.min_width}
     m = machine_info()
     dp = dec.manifest.drafter_params
-    return {"bundle": bundle, "k": dec.manifest.k, "ngram": [dp.get("ngram_max", DEFAULT_NGRAM_MAX),
-                                                            dp.get("ngram_min", DEFAULT_NGRAM_MIN)],
-            "steps": {str(T): s for T, s in steps.items()}, "cpu": m["cpu"], "cpu_flags": m["cpu_flags"], "rows": rows}
+    out = {"bundle": bundle, "k": dec.manifest.k, "ngram": [dp.get("ngram_max", DEFAULT_NGRAM_MAX),
+                                                           dp.get("ngram_min", DEFAULT_NGRAM_MIN)],
+           "steps": {str(T): s for T, s in steps.items()}, "cpu": m["cpu"], "cpu_flags": m["cpu_flags"], "rows": rows}
+    if dec.draft_runner is not None:  # every width the draft's catch-up may take (its prefill chunk too)
+        draft = dec.time_steps(repeats=10, past_len=past, roles=("draft",))["draft"]
+        out.update(draft_steps={str(T): s for T, s in draft.items()}, prefill_chunk=dec.manifest.prefill_chunk)
+    return out
+
+
+def draft_choices(dec, seq: list[int], n_prompt: int) -> tuple[list[int], list[float]]:  # noqa: ANN001
+    """The draft's greedy token and its top probability after seq[:n], for n = n_prompt + 1 .. len(seq) - 1: what
+    a draft round starting at n proposes while its drafts agree with the text. One draft step per position (the
+    decoder's own drafter, a one-token round each time)."""
+    model = dec.make_drafter("model")
+    greedy, rng = SamplingParams(max_new_tokens=1), np.random.default_rng(0)
+    tokens = np.asarray(seq, dtype=np.int64)
+    nxt, conf = [], []
+    for n in range(n_prompt + 1, len(seq)):
+        prop = model.propose(tokens[:n], 1, greedy, rng, keep=lambda c: True)
+        nxt.append(int(prop.tokens[0]))
+        conf.append(float(model.confidences[0]))
+        model.commit(0)
+    return nxt, conf
 
 
 def accepted(draft: np.ndarray, future: list[int]) -> int:
@@ -71,19 +105,27 @@ def accepted(draft: np.ndarray, future: list[int]) -> int:
 
 
 def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, steps: dict[int, float],
-           k: int, ngram_max: int) -> tuple[float, int]:
-    """Seconds of target steps and rounds to decode seq[n_prompt + 1:] (the prefill gave seq[n_prompt]) with the
-    drafter, under the (batch-invariant) decoder's rules: an empty proposal runs a plain width-2 round whose second row checks
-    the free guess (the decoder's own guesser); a round commits the accepted tokens and the target's next."""
-    costs = CostModel(dict(steps))
+           k: int, ngram_max: int, costs: CostModel | None = None,
+           model: "ReplayModel | None" = None) -> tuple[float, int]:
+    """Seconds of steps and rounds to decode seq[n_prompt + 1:] (the prefill gave seq[n_prompt]) with the drafter,
+    under the decoder's rules: an empty proposal runs a plain round — at width 2 with the free guess (the decoder's
+    own guesser) in its second row where the target has no width-1 step, else a width-1 step; a round commits the
+    accepted tokens and the target's next. ``costs``: the cost model to decide with (default: a new one from
+    ``steps``); ``model``: the replayed draft the drafter proposes with, whose catch-ups and draft steps count."""
+    costs = CostModel(dict(steps)) if costs is None else costs
     drafter = make(costs)
     drafter.reset()
+    now = [0.0]
+    if hasattr(drafter, "clock"):  # auto times the request's pace: by the replayed seconds, not the host's
+        drafter.clock = lambda: now[0]
     guesser = PromptLookupDrafter(ngram_max, 1)
+    guessing = min(steps) >= 2
     tokens = np.asarray(seq, dtype=np.int64)
     n, t, rounds = n_prompt + 1, 0.0, 0
+    spent0 = model.spent if model is not None else 0.0
     while n < len(seq):
         prop = drafter.propose(tokens[:n], min(k, len(seq) - n - 1), PARAMS, None)
-        guess = len(prop.tokens) == 0
+        guess = len(prop.tokens) == 0 and guessing
         draft = prop.tokens
         if guess:  # the decoder's free guess: lookup's first token, else the last token again
             draft = guesser.propose(tokens[:n], 1, PARAMS, None).tokens
@@ -95,7 +137,99 @@ def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, 
         t += costs.verify_time(len(draft) + 1)
         n += m + 1
         rounds += 1
-    return t, rounds
+        now[0] = t + (model.spent - spent0 if model is not None else 0.0)
+    return now[0], rounds
+
+
+class ReplayModel:
+    """The draft model as a trace recorded it (``draft_choices``), behind ``ModelDrafter``'s interface: what
+    ``AutoDrafter`` and a fixed ``model:k`` call. Its rows follow ModelDrafter's invariant; its seconds (``spent``)
+    are the draft's measured step times: a catch-up of the committed tokens it has not seen (full prefill chunks,
+    then the cheapest width that holds the rest, the first draw riding in that step) and one step per other draw."""
+
+    name = "model"
+
+    def __init__(self, nxt: list[int], conf: list[float], n_prompt: int, draft_steps: dict[int, float], chunk: int,
+                 warm: bool = False):
+        self.nxt, self.conf, self.first = nxt, conf, n_prompt + 1  # nxt[i]: the draft's token after seq[:first + i]
+        self.warm = warm
+        self.draft_steps, self.chunk = draft_steps, chunk
+        self.rows, self._base, self._k = 0, 0, 0
+        self.spent = self.time_catch_up = 0.0
+        self.step_time: float | None = None
+        self.dropped: tuple[int, float] | None = None
+        self.last_was_stopper = False
+        self.confidences: list[float] = []
+
+    def reset(self) -> None:
+        # cold: the prompt is caught up in the first round that drafts; warm: the draft cache holds it already
+        self.rows, self._k = (self.first - 1 if self.warm else 0), 0
+
+    def _step(self, take: int) -> float:
+        return min(s for T, s in self.draft_steps.items() if T >= take)
+
+    def catchup_plan(self, n_tokens: int, tokens=None) -> list[int]:  # noqa: ANN001
+        behind = n_tokens - 1 - self.rows
+        if behind <= 0:
+            return []
+        rest, plan = behind + 1, []
+        while rest > self.chunk:
+            plan.append(self.chunk)
+            rest -= self.chunk
+        return plan + [rest]
+
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None) -> Proposal:  # noqa: ANN001
+        n = len(tokens)
+        plan = self.catchup_plan(n) if k > 0 else []
+        catchup = sum(self._step(take) for take in plan)
+        self.spent += catchup
+        self.time_catch_up += catchup
+        self.rows = max(self.rows, n - 1)
+        self._base, self.confidences, self.dropped, self.last_was_stopper = n, [], None, False
+        if k <= 0:
+            self._k = 0
+            return EMPTY
+        draft, kept, steps = [], k, k
+        for i in range(k):
+            token, conf = self.nxt[n + i - self.first], self.conf[n + i - self.first]
+            if keep is not None and not keep(conf) and i > 0:
+                steps = i + 1
+                if keep_last is not None and keep_last(conf, i + 1):
+                    draft.append(token)
+                    self.confidences.append(conf)
+                    kept, self.last_was_stopper = i + 1, True
+                else:
+                    kept, self.dropped = i, (token, conf)
+                break
+            draft.append(token)
+            self.confidences.append(conf)
+        singles = steps - bool(plan)
+        self.step_time = self.draft_steps[1] if singles else None
+        self.spent += singles * self.draft_steps[1]
+        self._k, self.rows = kept, n - 1 + kept
+        return Proposal(np.array(draft, dtype=np.int64), None)
+
+    def commit(self, n_accepted: int) -> None:
+        if self._k > 0:
+            self.rows = self._base + min(n_accepted, self._k - 1)
+
+
+class _FixedModel(NoDrafter):
+    """The draft model at a fixed k (what ``--spec model:k`` runs)."""
+
+    name = "model"
+
+    def __init__(self, model: ReplayModel, k: int):
+        self.model, self.k = model, k
+
+    def reset(self) -> None:
+        self.model.reset()
+
+    def propose(self, tokens, k, params, rng):  # noqa: ANN001
+        return self.model.propose(tokens, min(k, self.k), params, rng)
+
+    def commit(self, n_accepted: int) -> None:
+        self.model.commit(n_accepted)
 
 
 def bound(seq: list[int], n_prompt: int, steps: dict[int, float], k: int, ngram_max: int, ngram_min: int) -> float:
@@ -127,6 +261,11 @@ def main() -> int:
     ap.add_argument("--traces", action="append", default=[], help="replay saved traces instead of running BUNDLE")
     ap.add_argument("--ngram-max", type=int, default=None,
                     help="replay with this matcher length instead of the bundle's (1..64)")
+    ap.add_argument("--warm-draft", action="store_true",
+                    help="the draft has seen each prompt when its request starts (a chat turn whose history the draft "
+                    "cache holds; a benchmark that ran model:k on the same prompt first); default: cold")
+    ap.add_argument("--model-k", type=int, default=4, help="the fixed draft length of the model:k row (traces of a "
+                    "bundle with a draft model)")
     a = ap.parse_args()
     if a.ngram_max is not None and not 1 <= a.ngram_max <= 64:
         ap.error(f"--ngram-max must be in 1..64, got {a.ngram_max}")
@@ -144,12 +283,20 @@ def main() -> int:
         nmax = max(a.ngram_max, nmin) if a.ngram_max is not None else nmax
         ks_here = [k for k in ks if k <= K]
         flags = run["cpu_flags"] if isinstance(run["cpu_flags"], str) else " ".join(run["cpu_flags"])
-        print(f"\n## {run['bundle']} (K={K}; lookup n-grams {nmin}..{nmax}; CPU {run['cpu']}; flags {flags})")
+        drafted = "draft_steps" in run and all("draft_next" in row for row in run["rows"])
+        print(f"\n## {run['bundle']} (K={K}; lookup n-grams {nmin}..{nmax}; CPU {run['cpu']}; flags {flags})"
+              + (f"; draft {'warm' if a.warm_draft else 'cold'} at each prompt" if drafted else ""))
         print("step ms: " + ", ".join(f"T={T} {s * 1e3:.1f}" for T, s in sorted(steps.items())))
+        mk = min(a.model_k, K)
         cols = ["plain", *[f"lookup:{k}" for k in ks_here], "auto", "bound"]
+        if drafted:
+            cols[-1:-1] = [f"model:{mk}", "auto+model"]
+            draft_steps = {int(T): s for T, s in run["draft_steps"].items()}
+            carried = CostModel(dict(steps), draft_steps[1], draft_widths=dict(draft_steps))  # one decoder's
         print("\n| prompt | tokens | plain tok/s | " + " | ".join(c for c in cols[1:]) + " |")
         print("|---" * (len(cols) + 2) + "|")
         ratios: dict[str, list[float]] = {c: [] for c in cols[1:]}
+        by_suite: dict[str, list[float]] = {}  # auto+model / the best fixed configuration, per prompt
         makers: dict[str, Callable[[CostModel], Drafter]] = {"plain": lambda c: NoDrafter()}
         for k in ks_here:
             makers[f"lookup:{k}"] = functools.partial(lambda c, k: _Fixed(PromptLookupDrafter(nmax, nmin), k), k=k)
@@ -159,8 +306,18 @@ def main() -> int:
             gen = len(seq) - P - 1
             if gen < 2:
                 continue
-            t = {name: replay(mk, seq, P, steps, K, nmax)[0] for name, mk in makers.items()}
+            t = {name: replay(make, seq, P, steps, K, nmax)[0] for name, make in makers.items()}
             t["bound"] = bound(seq, P, steps, K, nmax, nmin)
+            if drafted:
+                def model() -> ReplayModel:
+                    return ReplayModel(row["draft_next"], row["draft_conf"], P, draft_steps, run["prefill_chunk"],
+                                       a.warm_draft)
+                m1, m2 = model(), model()
+                t[f"model:{mk}"] = replay(lambda c: _FixedModel(m1, mk), seq, P, steps, K, nmax, model=m1)[0]
+                t["auto+model"] = replay(lambda c: AutoDrafter(c, PromptLookupDrafter(nmax, nmin), m2), seq, P, steps,
+                                         K, nmax, costs=carried, model=m2)[0]
+                fixed = min(t[c] for c in cols[1:] if c.startswith(("lookup:", "model:")))
+                by_suite.setdefault(row["id"].rsplit("-", 1)[0], []).append(fixed / t["auto+model"])
             for c in cols[1:]:
                 ratios[c].append(t["plain"] / t[c])
             print(f"| {row['id']} | {gen} | {gen / t['plain']:.1f} | "
@@ -169,6 +326,9 @@ def main() -> int:
             print("(no prompt generated two tokens or more: nothing to replay)")
             continue
         print("| mean / min | | | " + " | ".join(f"{np.mean(v):.3f} / {min(v):.2f}" for v in ratios.values()) + " |")
+        if by_suite:
+            print("\nauto+model / the best fixed configuration (geometric mean, min): " + ", ".join(
+                f"{name} {np.exp(np.mean(np.log(v))):.3f} ({min(v):.2f})" for name, v in by_suite.items()))
     return 0
 
 
