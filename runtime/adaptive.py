@@ -20,7 +20,10 @@ draft model's catch-up (the committed tokens it has not seen, priced per step of
 ``feed`` will run: prefill chunks for a prompt, a single step for a round's leftover token) is
 charged to the round that would use it (spread over the runs of model rounds seen so far where the
 request copies its context, over the request where it does not), and a model round must be predicted
-``MODEL_MARGIN`` faster than the alternatives. Prompt lookup is asked every round, so what it would
+``MODEL_MARGIN`` faster than the alternatives. In a gap between two lookup matches of a request that copies its
+context, the options are weighed by the seconds they save rather than by tokens per second: what a round commits
+past the gap (its expected length learned from the request's earlier gaps) lookup would have committed at the
+request's own pace (``decide``'s ``gap`` and ``pace``). Prompt lookup is asked every round, so what it would
 have proposed in rounds it did not run is checked against the committed text too: its acceptance
 (and how much of the request it matches) is learned from every round. The step costs and the
 draft's acceptance live in the decoder's :class:`CostModel`, so a request starts from what the
@@ -38,6 +41,7 @@ greedy output and the sampled distribution stay exact.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -220,6 +224,7 @@ class Decision:
     kind: str  # "none" | "prompt-lookup" | "model"
     k: int
     rate: float  # predicted tokens per second
+    tokens: float = 1.0  # predicted tokens committed by the round (its seconds: tokens / rate)
 
 
 # A draft-model round must be predicted this much faster than the alternatives to be chosen. Its prediction carries
@@ -229,29 +234,53 @@ MODEL_MARGIN = 1.04
 
 
 def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: float | None, k_max: int,
-           mode: str = "auto", model_overhead: float = 0.0, horizon: int | None = None) -> Decision:
+           mode: str = "auto", model_overhead: float = 0.0, horizon: int | None = None,
+           gap: float = float("inf"), pace: float = 0.0) -> Decision:
     """The option with the highest predicted tokens/s (pure function of the cost model and the estimates).
 
     auto: best of plain, prompt lookup (the first 1..lookup_len tokens of its match) and the draft model at
     k = 1..k_max (charged ``model_overhead`` seconds of catch-up: to this round alone, or, given the ``horizon`` of
     tokens the request may still generate, spread over them — the catch-up is paid once and serves every later
-    model round: rate = horizon / (overhead + horizon / rate without it)). hybrid: prompt lookup when it has a match, else the draft model's best k (never plain).
+    model round: rate = horizon / (overhead + horizon / rate without it)). hybrid: prompt lookup when it has a
+    match, else the draft model's best k (never plain).
+
+    ``gap`` (expected tokens until prompt lookup matches again, where it has no match now) and ``pace`` (the
+    tokens/s the request runs at): the highest tokens/s is the best choice when the next round faces the same
+    options, as through a chat answer. A copying request's gap between two lookup matches does not: what a round
+    commits past the gap, lookup would have committed at the request's pace. So each option is scored by the time
+    it saves: its tokens within the gap at the best rate now, those past it at the pace, less its seconds. With no
+    gap (or a pace below the best rate) that is the fastest option again.
     """
-    options = [Decision("none", 0, costs.rate_plain())]
-    options += [Decision("prompt-lookup", m, costs.rate_lookup(alpha_lookup, m)) for m in range(1, lookup_len + 1)]
+    options = [Decision("none", 0, costs.rate_plain(), 1.0 + costs.guess_alpha)]
+    options += [Decision("prompt-lookup", m, costs.rate_lookup(alpha_lookup, m),
+                         expected_tokens_per_round(alpha_lookup, m)) for m in range(1, lookup_len + 1)]
     if alpha_model is not None and costs.draft is not None:
-        if horizon is None or model_overhead <= 0.0:
-            options += [Decision("model", k, costs.rate_model(alpha_model, k, model_overhead)) for k in range(1, k_max + 1)]
-        else:
-            for k in range(1, k_max + 1):
+        for k in range(1, k_max + 1):
+            e = expected_tokens_per_round(alpha_model, k)
+            if horizon is None or model_overhead <= 0.0:
+                options.append(Decision("model", k, costs.rate_model(alpha_model, k, model_overhead), e))
+            else:
                 r0 = costs.rate_model(alpha_model, k)
-                options.append(Decision("model", k, horizon / (model_overhead + horizon / r0) if r0 > 0 else 0.0))
+                options.append(Decision("model", k, horizon / (model_overhead + horizon / r0) if r0 > 0 else 0.0, e))
     if mode == "hybrid":
         lookup = [o for o in options if o.kind == "prompt-lookup"]
         model = [o for o in options if o.kind == "model"]
         pool = lookup or model or options
         return max(pool, key=lambda o: o.rate)
-    return max(options, key=lambda o: o.rate / (MODEL_MARGIN if o.kind == "model" else 1.0))
+
+    def worth(o: Decision) -> float:  # (a model round's tokens discounted by its margin)
+        return o.tokens / (MODEL_MARGIN if o.kind == "model" else 1.0)
+
+    best = max(options, key=lambda o: worth(o) / o.tokens * o.rate)
+    rate = worth(best) / best.tokens * best.rate
+    if gap == float("inf") or rate <= 0:
+        return best
+    pace = max(pace, rate)
+
+    def saves(o: Decision) -> float:  # seconds saved against the best rate now
+        return min(worth(o), gap) / rate + max(0.0, worth(o) - gap) / pace - o.tokens / o.rate
+
+    return max((o for o in options if o.rate > 0), key=saves)
 
 
 class AutoDrafter:
@@ -267,6 +296,7 @@ class AutoDrafter:
     # (the catch-up then spread over the runs learned, ``_streak_priced``; below it, over the request)
     COPYING = 0.2
     COPY_TOKENS = 24  # tokens before a request's share says it does not copy (a summary's first ones may not match)
+    clock = staticmethod(time.perf_counter)  # the request's pace is timed with it (tests set their own)
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -302,6 +332,9 @@ class AutoDrafter:
         self._round_start = 0
         self.rounds = {}
         self._start: int | None = None  # context length at the request's first round
+        self._t_first = 0.0  # clock at the request's first round
+        self._gap_from: int | None = None  # context length where lookup's current gap (no match) began
+        self._gaps = (0, 0)  # tokens and number of this request's gaps between lookup matches, ended so far
         self._copied = 0  # tokens of this request's text its lookup proposals matched (run or not: ``_learn_lookup``)
         self._streak = 0  # model rounds in a row so far
 
@@ -323,13 +356,14 @@ class AutoDrafter:
         plan = self.model.catchup_plan(len(tokens), tokens) if self.model is not None else []
         catchup = self.costs.catchup_time(plan)
         if self._start is None:
-            self._start = len(tokens)  # the prompt and the token its prefill produced
+            self._start, self._t_first = len(tokens), self.clock()  # the prompt and the token its prefill produced
         horizon = min(self.HORIZON_CAP, max(1, params.max_new_tokens - 1 - (len(tokens) - self._start)))
         if self.model is not None and catchup > 0 and self._copying(len(tokens) - self._start):
             catchup = self._streak_priced(catchup, horizon, k)
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
+        gap, pace = self._gap(tokens, len(look.tokens) > 0, params, rng)
         d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,
-                   model_overhead=catchup, horizon=horizon)
+                   model_overhead=catchup, horizon=horizon, gap=gap, pace=pace)
         self._probing = False
         if self._probe_left > 0 and self.model is not None:  # a draft-model probe runs PROBE_ROUNDS rounds
             self._probe_left -= 1
@@ -405,6 +439,31 @@ class AutoDrafter:
         matches and a model run lasts the request."""
         run = max(1.0, self.costs.model_streak * expected_tokens_per_round(self.alpha["model"].alpha, min(k, 4)))
         return catchup * max(1.0, horizon / run)
+
+    def _gap(self, tokens: np.ndarray, matched: bool, params, rng) -> tuple[float, float]:  # noqa: ANN001
+        """(expected tokens until lookup matches again, the request's tokens/s) for ``decide``, where this round is
+        in a gap of a copying request (lookup has no match; its proposals matched ``COPYING`` of the text, past
+        ``COPY_TOKENS``) whose earlier gaps say how long one lasts (their mean: ~2 tokens through summarize-2, 4-11
+        through the edits, 13-16 through code); else (inf, 0): the fastest option, as without it. A summary
+        realigns with its source within a token or two, so a draft-model round in its gap commits what lookup would
+        have committed at ~150 tok/s: auto ran such rounds (predicted 46-58 tok/s, run at 43-45 with their
+        catch-up, where a plain step ran 52) and summarize-2 at 0.76-0.85x fixed lookup. A longer gap (an edit
+        writing new lines) keeps the model rounds that pay there. A gap ends where lookup would have matched again,
+        which may be inside the round that ended it: measured to the round's end, a model round's 3-4 tokens made
+        summarize-2's gaps look 4.5 tokens long, and its rounds kept their place there."""
+        n_tokens = len(tokens)
+        if matched and self._gap_from is not None:  # a gap ends: where, within the last round?
+            end = next((p for p in range(self._gap_from + 1, n_tokens)
+                        if len(self.lookup.propose(tokens[:p], 1, params, rng).tokens)), n_tokens)
+            self._gaps = (self._gaps[0] + end - self._gap_from, self._gaps[1] + 1)
+            self._gap_from = None
+        elif not matched and self._gap_from is None:
+            self._gap_from = n_tokens
+        committed, seconds = n_tokens - (self._start or 0), self.clock() - self._t_first
+        if matched or not self._gaps[1] or seconds <= 0 or committed < self.COPY_TOKENS \
+                or not self._copying(committed):
+            return float("inf"), 0.0
+        return self._gaps[0] / self._gaps[1], committed / seconds  # (gaps taken as memoryless: their mean)
 
     def _copying(self, committed: int) -> bool:
         """Whether this request copies its context: the lookup's proposals (in its own rounds and, asked for free,

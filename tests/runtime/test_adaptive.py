@@ -46,6 +46,25 @@ def test_decide_picks_the_fastest_option_and_turns_speculation_off_when_it_canno
     assert decide(c, 0.1, 3, alpha_model=0.99, k_max=8, mode="hybrid").kind == "prompt-lookup"
 
 
+def test_in_a_short_gap_between_lookup_matches_the_round_that_saves_most_time_wins():
+    """Tokens per second compares rounds when the next one faces the same options again (a chat answer). A copying
+    request's gap between two lookup matches does not: lookup resumes after it at 5-8 tokens a round, so what a
+    round commits past the gap is worth only the request's pace. Each option is then scored by the seconds it
+    saves: its tokens within the gap at the best rate now, past it at the pace, less its own seconds. A gap of a
+    token or two (a summary realigning with its source) takes the short plain step; a long one (new lines of an
+    edit), or none, the fastest option."""
+    c = costs()
+    fastest = decide(c, alpha_lookup=0.5, lookup_len=0, alpha_model=0.9, k_max=8)
+    assert fastest.kind == "model"
+    assert decide(c, 0.5, 0, 0.9, 8, gap=50.0, pace=100.0) == fastest  # a long gap: as without it
+    assert decide(c, 0.5, 0, 0.9, 8, gap=1.0, pace=fastest.rate * 0.9) == fastest  # no faster pace: as without it
+    assert decide(c, 0.5, 0, 0.9, 8, gap=1.0, pace=100.0).kind == "none"  # one token, then lookup at 10x plain
+    # the shorter the gap, the shorter the round
+    picks = [decide(c, 0.5, 0, 0.9, 8, gap=g, pace=100.0) for g in np.linspace(8.0, 1.0, 29)]
+    seconds = [d.tokens / d.rate for d in picks]
+    assert all(a >= b for a, b in zip(seconds, seconds[1:])) and len(set(seconds)) >= 3, picks
+
+
 def test_cost_model_follows_observed_timings():
     c = costs()
     for _ in range(100):
@@ -341,6 +360,45 @@ def test_the_drafts_catch_up_is_spread_over_the_runs_of_model_rounds_it_serves()
     auto._streak = 3
     auto.propose(np.arange(10, 40, dtype=np.int64), 8, SamplingParams(), np.random.default_rng(0))
     assert c.model_streak == pytest.approx(0.7 * 32 + 0.3 * 3) and auto._streak == 0
+
+
+@pytest.mark.parametrize("gaps,kind", [((40, 4), "model"), ((6, 4), "none"), ((0, 0), "model")])
+def test_a_copying_requests_gap_is_decided_by_how_long_its_gaps_last(gaps, kind):
+    """In a gap of a copying request (lookup has no match now; its proposals matched most of the text) the gaps it
+    has had say how soon lookup takes over again: ~2 tokens through summarize-2, where a draft-model round
+    (predicted 46-58 tok/s, run at 43-45 with its catch-up) cost auto 0.76-0.85x fixed lookup; 10 through an
+    edit writing new lines, where model rounds pay. Before its first gap has ended, the fastest option."""
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.006)
+    c.model_tried = True
+    c.model_acceptance = Acceptance(successes=95, failures=5)
+    auto = AutoDrafter(c, PromptLookupDrafter(ngram_max=3, ngram_min=2), ScriptedModel())
+    now = [100.0]
+    auto.clock = lambda: now[0]
+    tokens = np.arange(10, 100, dtype=np.int64)  # its last tokens match nothing: a gap
+    auto._start, auto._t_first, auto._copied = 30, now[0] - 0.3, 50  # 60 tokens at 200 tok/s, 50 matched by lookup
+    auto._gaps = gaps  # (tokens, count) of the gaps ended so far
+    auto.propose(tokens, 8, SamplingParams(max_new_tokens=200), np.random.default_rng(0))
+    assert auto._last[0] == kind
+    assert auto._gap_from == len(tokens)  # a gap began
+
+
+def test_a_gap_between_lookup_matches_ends_where_lookup_would_have_matched_again():
+    """Measured to the end of the round that closed it, a model round's 3-4 tokens made summarize-2's gaps look 4.5
+    tokens long (they are ~2): the gap ends at the first position where lookup has a match."""
+    auto = AutoDrafter(costs(), PromptLookupDrafter(ngram_max=3, ngram_min=2), None)
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    text = list(range(10, 30))  # nothing repeats: no match
+    auto._gap(np.array(text), False, params, rng)
+    text += [40, 41, 10, 11, 12, 13]  # a round of 6 tokens: lookup matches again after "10 11", 4 tokens in
+    auto._gap(np.array(text), True, params, rng)
+    assert auto._gaps == (4, 1) and auto._gap_from is None
+    text += [50]
+    auto._gap(np.array(text), False, params, rng)  # a gap begins ...
+    text += [51, 52]
+    auto._gap(np.array(text), False, params, rng)
+    text += [10, 11]
+    auto._gap(np.array(text), True, params, rng)  # ... and ends at the round's end: 4 tokens
+    assert auto._gaps == (8, 2)
 
 
 class BehindModel(ScriptedModel):
