@@ -288,8 +288,10 @@ class SpecDecoder:
         """Yield text as tokens are accepted. drafter: auto (default: picks plain, prompt lookup or the draft
         model with its k every round) | hybrid | model | prompt-lookup | none; k: (maximum) draft length,
         1..K of the bundle (default K). reuse_prefix: start the prefill after the leading tokens whose rows the
-        previous request left in the cache (a chat turn pays only for its new tokens; ``Stats.reused_tokens``);
-        the output is the same either way."""
+        previous request left in the cache (a chat turn pays only for its new tokens; ``Stats.reused_tokens``), and
+        let a model drafter keep the draft's rows that agree with the prompt; False: a new request's cost, nothing
+        cached is reused (benchmarks: a configuration run after another on the same prompt would otherwise find the
+        draft caught up on it). The output is the same either way."""
         K = self.manifest.k
         k = K if k is None else k
         if not 0 <= k <= K:
@@ -329,6 +331,8 @@ class SpecDecoder:
         with self._lock:
             t_start = time.perf_counter()
             start = self._cached_prefix(tokens[: req.n]) if reuse_prefix else 0
+            if not reuse_prefix and self.draft_runner is not None:  # nor the draft's rows: a model drafter starts cold
+                self.draft_runner.draft_owner = self.draft_runner.draft_rows_for = None
             self._owner = req
             logits = feed(self.target, tokens[start: req.n], start, self.manifest.prefill_chunk)
             stats.reused_tokens = start

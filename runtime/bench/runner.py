@@ -153,7 +153,8 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
                                         seed=plan.seed + rep if temp > 0 else None, ignore_eos=plan.ignore_eos)
                 for drafter, k in configs:
                     i += 1
-                    res = dec.generate(prompt, params, drafter=drafter, k=k, chat=chat)
+                    # a new request each time (nothing cached: the run before it had the same prompt)
+                    res = dec.generate(prompt, params, drafter=drafter, k=k, chat=chat, reuse_prefix=False)
                     s = res.stats.as_dict()
                     runs.append({"suite": bp.suite, "prompt_id": bp.id, "repeat": rep, "temperature": temp,
                                  "drafter": drafter, "k": k, **{x: s[x] for x in _STAT_KEYS},

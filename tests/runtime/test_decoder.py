@@ -252,6 +252,23 @@ def test_a_second_turn_reuses_the_cached_prefix_and_gives_the_same_text(decoders
     assert again.stats.reused_tokens == n_prompt - 1 and again.token_ids == fresh.token_ids
 
 
+def test_a_request_that_reuses_nothing_finds_the_draft_cold_too(decoders):
+    """reuse_prefix=False is a new request's cost for the draft as well: run after model:4 on the same prompt, a
+    benchmark's next configuration found the draft caught up on the prompt (auto measured against a model:k that had
+    paid that catch-up in its first round)."""
+    dec = decoders["model"]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    dec.generate(PROMPTS[0], params, drafter="model")
+    model = dec.make_drafter("model")
+    n = len(dec.encode_prompt(PROMPTS[0]))
+    ids = np.asarray(dec.encode_prompt(PROMPTS[0]) + [1])
+    assert model.catchup_plan(n + 1, ids) == []  # the draft holds the prompt already
+    stream = dec.stream(PROMPTS[0], params, drafter="model", reuse_prefix=False)
+    next(stream)  # the prefill, before any round
+    assert sum(model.catchup_plan(n + 1, ids)) == n + 1  # everything
+    stream.close()
+
+
 def test_lookup_drafts_need_a_two_token_match_while_the_free_guess_takes_any(decoders):
     """A one-token match is a weak guess: as a multi-token draft it widens the verify step for little (measured:
     fixed-k lookup on Qwen at 0.73-0.88x plain with 1-gram drafts, 0.95-1.05x without; docs/benchmarks.md), but
