@@ -72,7 +72,8 @@ def make_traces(bundle: str, suites: list[str], max_new: int, prompts: str | Non
     dp = dec.manifest.drafter_params
     out = {"bundle": bundle, "k": dec.manifest.k, "ngram": [dp.get("ngram_max", DEFAULT_NGRAM_MAX),
                                                            dp.get("ngram_min", DEFAULT_NGRAM_MIN)],
-           "steps": {str(T): s for T, s in steps.items()}, "cpu": m["cpu"], "cpu_flags": m["cpu_flags"], "rows": rows}
+           "steps": {str(T): s for T, s in steps.items()}, "cpu": m["cpu"], "cpu_flags": m["cpu_flags"], "rows": rows,
+           "max_new_tokens": max_new}
     if dec.draft_runner is not None:  # every width the draft's catch-up may take (its prefill chunk too)
         draft = dec.time_steps(repeats=10, past_len=past, roles=("draft",))["draft"]
         out.update(draft_steps={str(T): s for T, s in draft.items()}, prefill_chunk=dec.manifest.prefill_chunk)
@@ -106,12 +107,13 @@ def accepted(draft: np.ndarray, future: list[int]) -> int:
 
 def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, steps: dict[int, float],
            k: int, ngram_max: int, costs: CostModel | None = None,
-           model: "ReplayModel | None" = None) -> tuple[float, int]:
+           model: "ReplayModel | None" = None, max_new: int | None = None) -> tuple[float, int]:
     """Seconds of steps and rounds to decode seq[n_prompt + 1:] (the prefill gave seq[n_prompt]) with the drafter,
     under the decoder's rules: an empty proposal runs a plain round — at width 2 with the free guess (the decoder's
     own guesser) in its second row where the target has no width-1 step, else a width-1 step; a round commits the
     accepted tokens and the target's next. ``costs``: the cost model to decide with (default: a new one from
-    ``steps``); ``model``: the replayed draft the drafter proposes with, whose catch-ups and draft steps count."""
+    ``steps``); ``model``: the replayed draft the drafter proposes with, whose catch-ups and draft steps count;
+    ``max_new``: the request's max_new_tokens (what ``auto`` spreads a catch-up over; default: unbounded)."""
     costs = CostModel(dict(steps)) if costs is None else costs
     drafter = make(costs)
     drafter.reset()
@@ -123,8 +125,9 @@ def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, 
     tokens = np.asarray(seq, dtype=np.int64)
     n, t, rounds = n_prompt + 1, 0.0, 0
     spent0 = model.spent if model is not None else 0.0
+    params = PARAMS if max_new is None else SamplingParams(max_new_tokens=max_new)
     while n < len(seq):
-        prop = drafter.propose(tokens[:n], min(k, len(seq) - n - 1), PARAMS, None)
+        prop = drafter.propose(tokens[:n], min(k, len(seq) - n - 1), params, None)
         guess = len(prop.tokens) == 0 and guessing
         draft = prop.tokens
         if guess:  # the decoder's free guess: lookup's first token, else the last token again
@@ -306,16 +309,18 @@ def main() -> int:
             gen = len(seq) - P - 1
             if gen < 2:
                 continue
-            t = {name: replay(make, seq, P, steps, K, nmax)[0] for name, make in makers.items()}
+            mx = run.get("max_new_tokens")  # (older trace files: unbounded)
+            t = {name: replay(make, seq, P, steps, K, nmax, max_new=mx)[0] for name, make in makers.items()}
             t["bound"] = bound(seq, P, steps, K, nmax, nmin)
             if drafted:
                 def model() -> ReplayModel:
                     return ReplayModel(row["draft_next"], row["draft_conf"], P, draft_steps, run["prefill_chunk"],
                                        a.warm_draft)
                 m1, m2 = model(), model()
-                t[f"model:{mk}"] = replay(lambda c: _FixedModel(m1, mk), seq, P, steps, K, nmax, model=m1)[0]
+                t[f"model:{mk}"] = replay(lambda c: _FixedModel(m1, mk), seq, P, steps, K, nmax, model=m1,
+                                          max_new=mx)[0]
                 t["auto+model"] = replay(lambda c: AutoDrafter(c, PromptLookupDrafter(nmax, nmin), m2), seq, P, steps,
-                                         K, nmax, costs=carried, model=m2)[0]
+                                         K, nmax, costs=carried, model=m2, max_new=mx)[0]
                 fixed = min(t[c] for c in cols[1:] if c.startswith(("lookup:", "model:")))
                 by_suite.setdefault(row["id"].rsplit("-", 1)[0], []).append(fixed / t["auto+model"])
             for c in cols[1:]:

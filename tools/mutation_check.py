@@ -149,6 +149,15 @@ PLANTS = {
     "auto prices a catch-up with the first draw's step in it twice": (
         "runtime/adaptive.py", "self._catchup_prediction(plan) - (self.draft or 0.0))",
         "self._catchup_prediction(plan))", ["tests/runtime/test_adaptive.py"]),
+    "auto scores a copying request's gap by tokens per second again": (
+        "runtime/adaptive.py", 'if gap == float("inf") or rate <= 0:', "if True:", ["tests/runtime/test_adaptive.py"]),
+    "auto measures a gap to the end of the round that closed it": (
+        "runtime/adaptive.py", "if len(self.lookup.propose(tokens[:p], 1, params, rng).tokens)), n_tokens)",
+        "if False), n_tokens)", ["tests/runtime/test_adaptive.py"]),
+    "reuse_prefix=False leaves the draft's rows to be adopted": (
+        "runtime/decoder.py", "if not reuse_prefix and self.draft_runner is not None:", "if False:"),
+    "the replayed draft's catch-up costs nothing": (
+        "tools/lookup_replay.py", "        self.spent += catchup\n", "", ["tests/test_lookup_replay.py"]),
     "lookup bound assumes every drafted token passes": (
         "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),
