@@ -41,14 +41,18 @@ def test_lookup_replay_commits_a_copied_span_in_few_rounds():
     assert r_look < 0.7 * r_plain and t_look < 0.9 * t_plain  # 9 tokens a round through the copy, 2 in plain
 
 
+@pytest.mark.parametrize("width_1", [False, True])
 @pytest.mark.parametrize("name", ["fresh", "copy"])
-def test_bound_is_no_slower_than_any_replayed_lookup_policy(name):
+def test_bound_is_no_slower_than_any_replayed_lookup_policy(name, width_1):
+    """Also where the target has a width-1 step (plain rounds there, no guess): a bound that priced plain rounds at
+    width 2 sat above auto's replay on such a bundle."""
     lr = load()
     seq, P = sequences()[name]
-    best = lr.bound(seq, P, STEPS, K, 3, 2)
+    steps = {1: 0.030, **STEPS} if width_1 else STEPS
+    best = lr.bound(seq, P, steps, K, 3, 2)
     policies = [lambda c: NoDrafter(), lambda c: AutoDrafter(c, PromptLookupDrafter(3, 2), None)]
     policies += [(lambda k: lambda c: lr._Fixed(PromptLookupDrafter(3, 2), k))(k) for k in (2, 4, 8)]
-    times = [lr.replay(p, seq, P, STEPS, K, 3)[0] for p in policies]
+    times = [lr.replay(p, seq, P, steps, K, 3)[0] for p in policies]
     assert best <= min(times) + 1e-12
     if name == "fresh":  # nothing to gain: the bound is plain decoding
         assert best == pytest.approx(times[0])

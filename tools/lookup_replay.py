@@ -236,19 +236,25 @@ class _FixedModel(NoDrafter):
 
 
 def bound(seq: list[int], n_prompt: int, steps: dict[int, float], k: int, ngram_max: int, ngram_min: int) -> float:
-    """Least seconds any per-round choice of lookup draft length (0: plain round with its guess) can take."""
+    """Least seconds any per-round choice of lookup draft length (0: a plain round, at width 2 with its guess where
+    the target has no width-1 step, else at width 1) can take."""
     costs = CostModel(dict(steps))
     look, guesser = PromptLookupDrafter(ngram_max, ngram_min), PromptLookupDrafter(ngram_max, 1)
+    guessing = min(steps) >= 2
     tokens = np.asarray(seq, dtype=np.int64)
     N, start = len(seq), n_prompt + 1
     best = np.zeros(N + 1)
     for n in range(N - 1, start - 1, -1):
-        g = guesser.propose(tokens[:n], 1, PARAMS, None).tokens
-        g = g if len(g) else tokens[n - 1: n]
-        options = [costs.verify_time(2) + best[min(N, n + 1 + accepted(g, seq[n:]))]]
+        if guessing:
+            g = guesser.propose(tokens[:n], 1, PARAMS, None).tokens
+            g = g if len(g) else tokens[n - 1: n]
+            options = [costs.verify_time(2) + best[min(N, n + 1 + accepted(g, seq[n:]))]]
+        else:
+            options = [costs.verify_time(1) + best[n + 1]]
         cont = look.propose(tokens[:n], min(k, N - n - 1), PARAMS, None).tokens
         a = accepted(cont, seq[n:])
-        options += [costs.verify_time(j + 1) + best[min(N, n + 1 + min(j, a))] for j in range(2, len(cont) + 1)]
+        options += [costs.verify_time(j + 1) + best[min(N, n + 1 + min(j, a))]
+                    for j in range(2 if guessing else 1, len(cont) + 1)]
         best[n] = min(options)
     return float(best[start])
 
