@@ -20,7 +20,8 @@ draft model's catch-up (the committed tokens it has not seen, priced per step of
 ``feed`` will run: prefill chunks for a prompt, a single step for a round's leftover token) is
 charged to the round that would use it (spread over the runs of model rounds seen so far where the
 request copies its context, over the request where it does not), and a model round must be predicted
-``MODEL_MARGIN`` faster than the alternatives. In a gap between two lookup matches of a request that copies its
+``MODEL_MARGIN`` faster than the alternatives (``PROMPT_MARGIN`` where it would first catch the draft up on the
+prompt). In a gap between two lookup matches of a request that copies its
 context, the options are weighed by the seconds they save rather than by tokens per second: what a round commits
 past the gap (its expected length learned from the request's earlier gaps) lookup would have committed at the
 request's own pace (``decide``'s ``gap`` and ``pace``). Prompt lookup is asked every round, so what it would
@@ -231,11 +232,18 @@ class Decision:
 # more error than the others' (draft step noise, sampling on the host, a cache shared with the target): on the Qwen
 # chat prompt a model round predicted level with plain ran 5 % slower, and auto lost 5 % there by taking it.
 MODEL_MARGIN = 1.04
+# ... and this much where the round would first catch the draft up on the request's prompt: an investment of
+# ~0.2-0.6 s made once, on what earlier requests said, before this one has shown whether lookup will serve it. With
+# MODEL_MARGIN the first edit after code prompts paid it in its first round (predicted 50 tok/s against 46 for plain;
+# lookup then ran at ~90): replayed with a cold draft (tools/lookup_replay.py), edit 0.87 -> 0.94x and chat 1.02 ->
+# 1.09x our best fixed configuration, every other suite and every warm-draft replay unchanged (the same from 1.08 to
+# 1.12; from 1.15 chat's gain goes).
+PROMPT_MARGIN = 1.1
 
 
 def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: float | None, k_max: int,
            mode: str = "auto", model_overhead: float = 0.0, horizon: int | None = None,
-           gap: float = float("inf"), pace: float = 0.0) -> Decision:
+           gap: float = float("inf"), pace: float = 0.0, margin: float = MODEL_MARGIN) -> Decision:
     """The option with the highest predicted tokens/s (pure function of the cost model and the estimates).
 
     auto: best of plain, prompt lookup (the first 1..lookup_len tokens of its match) and the draft model at
@@ -250,6 +258,9 @@ def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: 
     commits past the gap, lookup would have committed at the request's pace. So each option is scored by the time
     it saves: its tokens within the gap at the best rate now, those past it at the pace, less its seconds. With no
     gap (or a pace below the best rate) that is the fastest option again.
+
+    ``margin``: how much faster a draft-model round must be predicted than the alternatives (``MODEL_MARGIN``,
+    ``PROMPT_MARGIN``).
     """
     options = [Decision("none", 0, costs.rate_plain(), 1.0 + costs.guess_alpha)]
     options += [Decision("prompt-lookup", m, costs.rate_lookup(alpha_lookup, m),
@@ -269,7 +280,7 @@ def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: 
         return max(pool, key=lambda o: o.rate)
 
     def worth(o: Decision) -> float:  # (a model round's tokens discounted by its margin)
-        return o.tokens / (MODEL_MARGIN if o.kind == "model" else 1.0)
+        return o.tokens / (margin if o.kind == "model" else 1.0)
 
     best = max(options, key=lambda o: worth(o) / o.tokens * o.rate)
     rate = worth(best) / best.tokens * best.rate
@@ -362,8 +373,10 @@ class AutoDrafter:
             catchup = self._streak_priced(catchup, horizon, k)
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
         gap, pace = self._gap(tokens, len(look.tokens) > 0, params, rng)
+        behind_prompt = sum(plan) > len(tokens) - self._start + 1  # the draft has not seen the whole prompt
         d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,
-                   model_overhead=catchup, horizon=horizon, gap=gap, pace=pace)
+                   model_overhead=catchup, horizon=horizon, gap=gap, pace=pace,
+                   margin=PROMPT_MARGIN if behind_prompt else MODEL_MARGIN)
         self._probing = False
         if self._probe_left > 0 and self.model is not None:  # a draft-model probe runs PROBE_ROUNDS rounds
             self._probe_left -= 1

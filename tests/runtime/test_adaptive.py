@@ -416,6 +416,29 @@ class BehindModel(ScriptedModel):
         return super().propose(tokens, k, params, rng, keep=keep, keep_last=keep_last)
 
 
+@pytest.mark.parametrize("behind", [0, 40])
+def test_catching_the_draft_up_on_a_prompt_needs_a_wider_margin(behind):
+    """A model round predicted 7 % faster than plain is taken where the draft holds the prompt (MODEL_MARGIN), not
+    where it would first catch up on it (PROMPT_MARGIN): that is an investment made before the request has shown
+    whether lookup will serve it (the first edit after code prompts paid it in its first round, lookup then running
+    at twice the model's rate)."""
+    from specedge.runtime.adaptive import MODEL_MARGIN, PROMPT_MARGIN
+
+    assert MODEL_MARGIN < 1.07 < PROMPT_MARGIN
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.011})
+    c.model_tried, c.model_acceptance = True, Acceptance(successes=95, failures=5)
+    auto = AutoDrafter(c, NoDrafter(), BehindModel(behind=behind))
+    params = SamplingParams(max_new_tokens=4096)  # the catch-up (one draft step's worth) spread to nothing
+    tokens = np.arange(10, 80, dtype=np.int64)
+    for c.draft in np.linspace(0.002, 0.03, 400):  # a draft step that puts the model ~7 % ahead of plain
+        if 1.06 < decide(c, 0.5, 0, c.model_acceptance.alpha, 8, margin=1.0).rate / c.rate_plain() < 1.08:
+            break
+    else:
+        pytest.fail("no draft step time puts the model 6-8 % ahead of plain")
+    auto.propose(tokens, 8, params, np.random.default_rng(0))
+    assert auto._last[0] == ("model" if behind == 0 else "none")
+
+
 @pytest.mark.parametrize("copying", [False, True])
 def test_short_model_runs_of_copying_requests_do_not_price_the_draft_out_of_others(copying):
     """The catch-up is priced over the run of model rounds it serves, as long as runs have lasted (learned across
