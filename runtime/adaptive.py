@@ -279,17 +279,18 @@ def decide(costs: CostModel, alpha_lookup: float, lookup_len: int, alpha_model: 
         pool = lookup or model or options
         return max(pool, key=lambda o: o.rate)
 
-    def worth(o: Decision) -> float:  # (a model round's tokens discounted by its margin)
-        return o.tokens / (margin if o.kind == "model" else 1.0)
+    def discount(o: Decision) -> float:  # a model round's predictions are discounted by its margin
+        return margin if o.kind == "model" else 1.0
 
-    best = max(options, key=lambda o: worth(o) / o.tokens * o.rate)
-    rate = worth(best) / best.tokens * best.rate
+    best = max(options, key=lambda o: o.rate / discount(o))
+    rate = best.rate / discount(best)
     if gap == float("inf") or rate <= 0:
         return best
     pace = max(pace, rate)
 
     def saves(o: Decision) -> float:  # seconds saved against the best rate now
-        return min(worth(o), gap) / rate + max(0.0, worth(o) - gap) / pace - o.tokens / o.rate
+        worth = o.tokens / discount(o)
+        return min(worth, gap) / rate + max(0.0, worth - gap) / pace - o.tokens / o.rate
 
     return max((o for o in options if o.rate > 0), key=saves)
 
@@ -345,6 +346,7 @@ class AutoDrafter:
         self._start: int | None = None  # context length at the request's first round
         self._t_first = 0.0  # clock at the request's first round
         self._gap_from: int | None = None  # context length where lookup's current gap (no match) began
+        self._asked = 0  # context length at the last round lookup was asked at (_gap)
         self._gaps = (0, 0)  # tokens and number of this request's gaps between lookup matches, ended so far
         self._copied = 0  # tokens of this request's text its lookup proposals matched (run or not: ``_learn_lookup``)
         self._streak = 0  # model rounds in a row so far
@@ -465,13 +467,15 @@ class AutoDrafter:
         which may be inside the round that ended it: measured to the round's end, a model round's 3-4 tokens made
         summarize-2's gaps look 4.5 tokens long, and its rounds kept their place there."""
         n_tokens = len(tokens)
-        if matched and self._gap_from is not None:  # a gap ends: where, within the last round?
-            end = next((p for p in range(self._gap_from + 1, n_tokens)
+        if matched and self._gap_from is not None:  # a gap ends: where, within the last round? (earlier rounds'
+            # starts were asked at the time: no match)
+            end = next((p for p in range(max(self._gap_from, self._asked) + 1, n_tokens)
                         if len(self.lookup.propose(tokens[:p], 1, params, rng).tokens)), n_tokens)
             self._gaps = (self._gaps[0] + end - self._gap_from, self._gaps[1] + 1)
             self._gap_from = None
         elif not matched and self._gap_from is None:
             self._gap_from = n_tokens
+        self._asked = n_tokens
         committed, seconds = n_tokens - (self._start or 0), self.clock() - self._t_first
         if matched or not self._gaps[1] or seconds <= 0 or committed < self.COPY_TOKENS \
                 or not self._copying(committed):
