@@ -71,14 +71,22 @@ class CostModel:
     request starts from the earlier ones' estimate (at the weight of ``AutoDrafter.CARRY_WEIGHT`` tokens), which
     its own rounds then move.
 
-    ``observe_*`` fold new timings in with an exponential moving average, so the model follows a
-    device that heats up or gets busy.
+    Times are a shape times the machine's ``speed``: the seconds of a target step at width T are ``speed *
+    target[T]``, of a draft step ``speed * draft``. Every target step moves ``speed`` (an exponential moving average
+    of its ratio to the prediction, at ``decay``), so the model follows a device that heats up or a shared machine
+    that changes phase, and widths not run lately move with it; the shape (one width against another) learns at
+    ``shape_decay``, slowly. Averaged per width alone, the widths auto had not run for a while kept the speed of
+    another phase: a run on a shared VM ended with T=1 at 26.8 ms against T=2 at 24.5 (their fastest, 21.6 and
+    22.1), so plain looked slower than a round that drafts one token. The draft's step and catch-up keep their own
+    averages (at ``decay``: they include host work the load-time timing leaves out), relative to ``speed``.
     """
 
-    target: dict[int, float]  # width T -> seconds of one target step
-    draft: float | None = None  # seconds of one 1-token draft step
+    target: dict[int, float]  # width T -> seconds of one target step, at speed 1 (the load-time timing's)
+    draft: float | None = None  # seconds of one 1-token draft step, at speed 1
     decay: float = 0.9
     draft_widths: dict[int, float] = field(default_factory=dict)  # width T -> seconds of one draft step (its prefill)
+    speed: float = 1.0  # the machine's seconds now against a second of the shape's (running)
+    shape_decay: float = 0.98
     catchup_scale: float = 1.0  # catch-ups' measured time over their prediction (running)
     guess_alpha: float = 0.0  # how often a plain round's free one-token guess is confirmed (invariant decoders)
     model_tried: bool = False  # whether auto has run a draft-model round on this decoder yet
@@ -89,13 +97,16 @@ class CostModel:
     def verify_time(self, n: int) -> float:
         """Time of the target step that n tokens run in (the smallest width >= n)."""
         fits = [t for t in self.target if t >= n]
-        return self.target[min(fits)] if fits else float("inf")
+        return self.speed * self.target[min(fits)] if fits else float("inf")
 
     def observe_target(self, n: int, seconds: float) -> None:
+        """A target step of n tokens took ``seconds``: the speed takes (1 - decay) of its log-ratio to the
+        prediction, the width's shape (1 - shape_decay) of what is left."""
         fits = [t for t in self.target if t >= n]
-        if fits:
+        if fits and seconds > 0:
             w = min(fits)
-            self.target[w] = self.decay * self.target[w] + (1 - self.decay) * seconds
+            self.speed *= (seconds / (self.speed * self.target[w])) ** (1 - self.decay)
+            self.target[w] *= (seconds / (self.speed * self.target[w])) ** (1 - self.shape_decay)
 
     def _catchup_prediction(self, plan: list[int]) -> float:
         steps = 0.0
@@ -105,7 +116,7 @@ class CostModel:
                 steps += take * (self.draft or 0.0)
             else:
                 steps += self.draft_widths[min(fits)]
-        return steps
+        return self.speed * steps
 
     def catchup_time(self, plan: list[int]) -> float:
         """Time for the draft model to catch up on the committed tokens it has not seen, fed in the steps of
@@ -116,7 +127,7 @@ class CostModel:
         catch-up costs the plan less one draft step."""
         if not plan:
             return 0.0
-        return max(0.0, self.catchup_scale * self._catchup_prediction(plan) - (self.draft or 0.0))
+        return max(0.0, self.catchup_scale * self._catchup_prediction(plan) - self.draft_time())
 
     def observe_catchup(self, plan: list[int], seconds: float) -> None:
         predicted = self._catchup_prediction(plan)
@@ -124,8 +135,12 @@ class CostModel:
             self.catchup_scale = self.decay * self.catchup_scale + (1 - self.decay) * seconds / predicted
 
     def observe_draft(self, seconds_per_step: float) -> None:
-        self.draft = seconds_per_step if self.draft is None else \
-            self.decay * self.draft + (1 - self.decay) * seconds_per_step
+        shape = seconds_per_step / self.speed
+        self.draft = shape if self.draft is None else self.decay * self.draft + (1 - self.decay) * shape
+
+    def draft_time(self) -> float:
+        """Seconds of one 1-token draft step now (0 without a draft)."""
+        return self.speed * (self.draft or 0.0)
 
     # -- predicted tokens per second ------------------------------------------------
     def observe_guess(self, confirmed: int) -> None:
@@ -148,7 +163,8 @@ class CostModel:
         if self.draft is None:
             return 0.0
         draft_steps = k + alpha ** k * self.behind_one()
-        return expected_tokens_per_round(alpha, k) / (draft_steps * self.draft + self.verify_time(k + 1) + overhead)
+        return expected_tokens_per_round(alpha, k) / (draft_steps * self.draft_time() + self.verify_time(k + 1)
+                                                      + overhead)
 
     def behind_one(self) -> float:
         """Draft steps (of one token) that a round leaving the draft one token behind adds to the next round: that
@@ -162,7 +178,7 @@ class CostModel:
     def break_even_acceptance(self, k_max: int) -> float:
         """Acceptance a draft token needs to pay for itself: (t_d + marginal verify time) / t_v(1)."""
         marginal = max(0.0, (self.verify_time(k_max + 1) - self.verify_time(1)) / max(k_max, 1))
-        return ((self.draft or 0.0) + marginal) / self.verify_time(1)
+        return (self.draft_time() + marginal) / self.verify_time(1)
 
 
 @dataclass

@@ -127,6 +127,34 @@ def test_replay_times_autos_pace_by_the_replayed_seconds():
     assert seen[0] == 0.0 and all(a < b for a, b in zip(seen, seen[1:])) and seen[-1] < t
 
 
+def test_a_drifting_machine_is_felt_by_auto_and_scored_at_the_measured_step_times():
+    """``--drift``: the drafter observes the drifted seconds (its cost model's speed follows the machine, its pace
+    is timed by them), while the seconds replay returns price its rounds at ``steps``: a drafter that never looks at
+    the clock scores the same with and without drift, and a history is one seeded function of replayed time."""
+    lr = load()
+    seq, P = sequences()["fresh"][0][:45], 20
+    a, b = lr.Drift(7), lr.Drift(7)
+    assert [a.level(t) for t in np.linspace(0, 30, 61)] == [b.level(t) for t in np.linspace(0, 30, 61)]
+    assert 0.8 <= min(a.levels) and max(a.levels) <= 1.25 and len(set(a.levels)) > 3
+    slow = lr.Drift(0, low=1.5, high=1.5, jitter=0.0)  # one slow phase
+    model = replay_model(lr, seq, P)
+    steady = lr.replay(lambda c: lr._FixedModel(model, 4), seq, P, STEPS, K, 3, model=model)
+    model = replay_model(lr, seq, P)
+    assert lr.replay(lambda c: lr._FixedModel(model, 4), seq, P, STEPS, K, 3, model=model, drift=slow) == steady
+    assert model.felt == pytest.approx(1.5 * model.spent)
+    costs, seen = lr.CostModel(dict(STEPS), DRAFT[1], draft_widths=dict(DRAFT)), []
+
+    class Watched(AutoDrafter):
+        def propose(self, tokens, k, params, rng):  # noqa: ANN001
+            seen.append(self.clock())
+            return super().propose(tokens, k, params, rng)
+
+    t, _ = lr.replay(lambda c: Watched(c, PromptLookupDrafter(3, 2), None), seq, P, STEPS, K, 3, costs=costs,
+                     drift=slow)
+    assert costs.verify_time(2) == pytest.approx(1.5 * STEPS[2], rel=0.02) and costs.speed > 1.3
+    assert seen[-1] > 1.4 * t  # the pace was timed by the drifted seconds; t prices the rounds at STEPS
+
+
 def test_traces_record_what_the_draft_proposes_in_a_real_round(decoders):
     """The recorded draft choices (one draft step per position) are what the decoder's own draft proposes in a
     round starting anywhere in the text, as far as its drafts agree with the text."""

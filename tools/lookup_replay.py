@@ -107,24 +107,30 @@ def accepted(draft: np.ndarray, future: list[int]) -> int:
 
 def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, steps: dict[int, float],
            k: int, ngram_max: int, costs: CostModel | None = None,
-           model: "ReplayModel | None" = None, max_new: int | None = None) -> tuple[float, int]:
+           model: "ReplayModel | None" = None, max_new: int | None = None,
+           drift: "Drift | None" = None) -> tuple[float, int]:
     """Seconds of steps and rounds to decode seq[n_prompt + 1:] (the prefill gave seq[n_prompt]) with the drafter,
     under the decoder's rules: an empty proposal runs a plain round — at width 2 with the free guess (the decoder's
     own guesser) in its second row where the target has no width-1 step, else a width-1 step; a round commits the
     accepted tokens and the target's next. ``costs``: the cost model to decide with (default: a new one from
-    ``steps``); ``model``: the replayed draft the drafter proposes with, whose catch-ups and draft steps count;
-    ``max_new``: the request's max_new_tokens (what ``auto`` spreads a catch-up over; default: unbounded)."""
+    ``steps``), fed every step's time as the decoder feeds it; ``model``: the replayed draft the drafter proposes
+    with, whose catch-ups and draft steps count; ``max_new``: the request's max_new_tokens (what ``auto`` spreads a
+    catch-up over; default: unbounded); ``drift``: the machine's speed changing under the run (``Drift``): the
+    drafter observes (and times its pace by) the drifted seconds, and the seconds returned are still ``steps``'s,
+    so that they score its decisions, not the luck of the phases it ran in."""
     costs = CostModel(dict(steps)) if costs is None else costs
     drafter = make(costs)
     drafter.reset()
     now = [0.0]
     if hasattr(drafter, "clock"):  # auto times the request's pace: by the replayed seconds, not the host's
         drafter.clock = lambda: now[0]
+    if model is not None:
+        model.drift, model.clock = drift, (lambda: now[0])
     guesser = PromptLookupDrafter(ngram_max, 1)
     guessing = min(steps) >= 2
     tokens = np.asarray(seq, dtype=np.int64)
-    n, t, rounds = n_prompt + 1, 0.0, 0
-    spent0 = model.spent if model is not None else 0.0
+    n, t, felt, rounds = n_prompt + 1, 0.0, 0.0, 0
+    spent0, felt0 = (model.spent, model.felt) if model is not None else (0.0, 0.0)
     params = PARAMS if max_new is None else SamplingParams(max_new_tokens=max_new)
     while n < len(seq):
         prop = drafter.propose(tokens[:n], min(k, len(seq) - n - 1), params, None)
@@ -137,11 +143,44 @@ def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, 
         if guess:
             costs.observe_guess(m)
         drafter.commit(0 if guess else m)
-        t += costs.verify_time(len(draft) + 1)
+        nominal = width_time(steps, len(draft) + 1)
+        seconds = nominal if drift is None else drift.felt(now[0], nominal)
+        costs.observe_target(len(draft) + 1, seconds)
+        t, felt = t + nominal, felt + seconds
         n += m + 1
         rounds += 1
-        now[0] = t + (model.spent - spent0 if model is not None else 0.0)
-    return now[0], rounds
+        now[0] = felt + (model.felt - felt0 if model is not None else 0.0)
+    return t + (model.spent - spent0 if model is not None else 0.0), rounds
+
+
+def width_time(steps: dict[int, float], n: int) -> float:
+    """Seconds of the step that n tokens run in (the smallest width that holds them)."""
+    return steps[min(T for T in steps if T >= n)]
+
+
+class Drift:
+    """A shared machine's speed as it changes under a run: phases (exponential lengths, ``phase_s`` seconds on
+    average) at a level drawn log-uniformly from [low, high], times a per-step jitter (log-normal, ``jitter``).
+    The live cost model's per-width averages were seen drifting apart this way (a run ended with T=1 at 26.8 ms
+    against T=2 at 24.5, whose fastest-of-10 are 21.6 and 22.1). Every width and the draft are scaled alike: a
+    phase of a shared VM (a neighbour's memory traffic) slows them all. One seed gives one history, the same for
+    every drafter replayed on a prompt."""
+
+    def __init__(self, seed: int, phase_s: float = 2.0, low: float = 0.8, high: float = 1.25, jitter: float = 0.05):
+        self.rng, self.phase_s, self.low, self.high, self.jitter = np.random.default_rng(seed), phase_s, low, high, jitter
+        self.ends: list[float] = []
+        self.levels: list[float] = []
+        self.steps = np.random.default_rng(seed + 1_000_003)
+
+    def level(self, t: float) -> float:
+        while not self.ends or self.ends[-1] <= t:
+            self.ends.append((self.ends[-1] if self.ends else 0.0) + float(self.rng.exponential(self.phase_s)))
+            self.levels.append(float(np.exp(self.rng.uniform(np.log(self.low), np.log(self.high)))))
+        return self.levels[int(np.searchsorted(self.ends, t, side="right"))]
+
+    def felt(self, t: float, seconds: float) -> float:
+        """What ``seconds`` of work starting at replayed time t takes on the drifting machine."""
+        return seconds * self.level(t) * float(np.exp(self.steps.normal(0.0, self.jitter)))
 
 
 class ReplayModel:
@@ -158,7 +197,10 @@ class ReplayModel:
         self.warm = warm
         self.draft_steps, self.chunk = draft_steps, chunk
         self.rows, self._base, self._k = 0, 0, 0
-        self.spent = self.time_catch_up = 0.0
+        self.spent = self.time_catch_up = 0.0  # seconds at the measured step times
+        self.felt = 0.0  # the same under ``drift`` (what the drafter observes): set by ``replay``
+        self.drift: Drift | None = None
+        self.clock: Callable[[], float] = lambda: 0.0
         self.step_time: float | None = None
         self.dropped: tuple[int, float] | None = None
         self.last_was_stopper = False
@@ -186,7 +228,9 @@ class ReplayModel:
         plan = self.catchup_plan(n) if k > 0 else []
         catchup = sum(self._step(take) for take in plan)
         self.spent += catchup
+        catchup = self._felt(catchup)
         self.time_catch_up += catchup
+        self.felt += catchup
         self.rows = max(self.rows, n - 1)
         self._base, self.confidences, self.dropped, self.last_was_stopper = n, [], None, False
         if k <= 0:
@@ -207,10 +251,14 @@ class ReplayModel:
             draft.append(token)
             self.confidences.append(conf)
         singles = steps - bool(plan)
-        self.step_time = self.draft_steps[1] if singles else None
+        self.step_time = self._felt(self.draft_steps[1]) if singles else None
         self.spent += singles * self.draft_steps[1]
+        self.felt += singles * (self.step_time or 0.0)
         self._k, self.rows = kept, n - 1 + kept
         return Proposal(np.array(draft, dtype=np.int64), None)
+
+    def _felt(self, seconds: float) -> float:
+        return seconds if self.drift is None or seconds == 0 else self.drift.felt(self.clock(), seconds)
 
     def commit(self, n_accepted: int) -> None:
         if self._k > 0:
@@ -275,7 +323,13 @@ def main() -> int:
                     "cache holds; a benchmark that ran model:k on the same prompt first); default: cold")
     ap.add_argument("--model-k", type=int, default=4, help="the fixed draft length of the model:k row (traces of a "
                     "bundle with a draft model)")
+    ap.add_argument("--drift", type=int, default=0, metavar="N",
+                    help="replay auto under N histories of a machine whose speed changes (phases of a shared VM: "
+                    "Drift) and score its decisions at the measured step times (the mean over the N); default 0: "
+                    "a steady machine")
     a = ap.parse_args()
+    if a.drift < 0:
+        ap.error(f"--drift must be >= 0, got {a.drift}")
     if a.ngram_max is not None and not 1 <= a.ngram_max <= 64:
         ap.error(f"--ngram-max must be in 1..64, got {a.ngram_max}")
     if bool(a.bundle) == bool(a.traces):
@@ -297,11 +351,15 @@ def main() -> int:
               + (f"; draft {'warm' if a.warm_draft else 'cold'} at each prompt" if drafted else ""))
         print("step ms: " + ", ".join(f"T={T} {s * 1e3:.1f}" for T, s in sorted(steps.items())))
         mk = min(a.model_k, K)
+        histories = list(range(a.drift)) if a.drift else [None]
+        if a.drift:
+            print(f"auto under {a.drift} drifting-machine histories (Drift), scored at these step times")
         cols = ["plain", *[f"lookup:{k}" for k in ks_here], "auto", "bound"]
         if drafted:
             cols[-1:-1] = [f"model:{mk}", "auto+model"]
             draft_steps = {int(T): s for T, s in run["draft_steps"].items()}
-            carried = CostModel(dict(steps), draft_steps[1], draft_widths=dict(draft_steps))  # one decoder's
+            # one decoder's, per machine history
+            carried = [CostModel(dict(steps), draft_steps[1], draft_widths=dict(draft_steps)) for _ in histories]
         print("\n| prompt | tokens | plain tok/s | " + " | ".join(c for c in cols[1:]) + " |")
         print("|---" * (len(cols) + 2) + "|")
         ratios: dict[str, list[float]] = {c: [] for c in cols[1:]}
@@ -310,23 +368,31 @@ def main() -> int:
         for k in ks_here:
             makers[f"lookup:{k}"] = functools.partial(lambda c, k: _Fixed(PromptLookupDrafter(nmax, nmin), k), k=k)
         makers["auto"] = lambda c: AutoDrafter(c, PromptLookupDrafter(nmax, nmin), None)
-        for row in run["rows"]:
+        for i, row in enumerate(run["rows"]):
             seq, P = row["prompt"] + row["output"], len(row["prompt"])
             gen = len(seq) - P - 1
             if gen < 2:
                 continue
             mx = run.get("max_new_tokens")  # (older trace files: unbounded)
-            t = {name: replay(make, seq, P, steps, K, nmax, max_new=mx)[0] for name, make in makers.items()}
+            drifts = [None if h is None else Drift(1000 * h + i) for h in histories]
+            t = {name: replay(make, seq, P, steps, K, nmax, max_new=mx)[0] for name, make in makers.items()
+                 if name != "auto"}  # (fixed configurations do not look at the clock)
+            t["auto"] = float(np.mean([replay(makers["auto"], seq, P, steps, K, nmax, max_new=mx, drift=d)[0]
+                                       for d in drifts]))
             t["bound"] = bound(seq, P, steps, K, nmax, nmin)
             if drafted:
                 def model() -> ReplayModel:
                     return ReplayModel(row["draft_next"], row["draft_conf"], P, draft_steps, run["prefill_chunk"],
                                        a.warm_draft)
-                m1, m2 = model(), model()
+                m1 = model()
                 t[f"model:{mk}"] = replay(lambda c: _FixedModel(m1, mk), seq, P, steps, K, nmax, model=m1,
                                           max_new=mx)[0]
-                t["auto+model"] = replay(lambda c: AutoDrafter(c, PromptLookupDrafter(nmax, nmin), m2), seq, P, steps,
-                                         K, nmax, costs=carried, model=m2, max_new=mx)[0]
+                auto_model = []
+                for d, c in zip(drifts, carried):
+                    m2 = model()
+                    auto_model.append(replay(lambda c: AutoDrafter(c, PromptLookupDrafter(nmax, nmin), m2), seq, P,
+                                             steps, K, nmax, costs=c, model=m2, max_new=mx, drift=d)[0])
+                t["auto+model"] = float(np.mean(auto_model))
                 fixed = min(t[c] for c in cols[1:] if c.startswith(("lookup:", "model:")))
                 by_suite.setdefault(row["id"].rsplit("-", 1)[0], []).append(fixed / t["auto+model"])
             for c in cols[1:]:

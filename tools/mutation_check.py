@@ -147,8 +147,12 @@ PLANTS = {
         "runtime/drafters.py", "first = feed(self.runner, tokens[self.rows: n], self.rows",
         "first = feed(self.runner, tokens[self.rows: n - 1], self.rows"),
     "auto prices a catch-up with the first draw's step in it twice": (
-        "runtime/adaptive.py", "self._catchup_prediction(plan) - (self.draft or 0.0))",
+        "runtime/adaptive.py", "self._catchup_prediction(plan) - self.draft_time())",
         "self._catchup_prediction(plan))", ["tests/runtime/test_adaptive.py"]),
+    "auto's step costs averaged per width alone (widths not run keep an old phase's speed)": (
+        "runtime/adaptive.py", "self.speed *= (seconds / (self.speed * self.target[w])) ** (1 - self.decay)",
+        "self.target[w] *= (seconds / (self.speed * self.target[w])) ** (1 - self.decay)",
+        ["tests/runtime/test_adaptive.py"]),
     "auto scores a copying request's gap by tokens per second again": (
         "runtime/adaptive.py", 'if gap == float("inf") or rate <= 0:', "if True:", ["tests/runtime/test_adaptive.py"]),
     "auto measures a gap to the end of the round that closed it": (

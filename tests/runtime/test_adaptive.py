@@ -70,7 +70,31 @@ def test_cost_model_follows_observed_timings():
     for _ in range(100):
         c.observe_target(4, 0.5)  # 4 tokens run at width 5
         c.observe_draft(0.05)
-    assert c.target[5] == pytest.approx(0.5, rel=1e-3) and c.target[1] == 0.1 and c.draft == pytest.approx(0.05, rel=1e-3)
+    assert c.verify_time(5) == pytest.approx(0.5, rel=1e-3) and c.draft_time() == pytest.approx(0.05, rel=1e-3)
+
+
+def test_cost_model_moves_widths_not_run_with_the_machine():
+    """A shared machine changes phase: every step runs 1.3x slower. auto runs width 5 only for a while; the widths
+    it did not run must move too (averaged per width, T=1 kept the old phase's time and plain looked 1.3x cheaper
+    than it was), and the shape (T=5 against T=1) stays what it was."""
+    c = costs()
+    shape = c.verify_time(5) / c.verify_time(1)
+    for _ in range(60):
+        c.observe_target(4, 1.3 * 0.14)  # width 5's shape is 0.14 s
+    assert c.verify_time(5) == pytest.approx(1.3 * 0.14, rel=0.02)
+    assert c.verify_time(1) == pytest.approx(0.13, rel=0.05)
+    assert c.verify_time(5) / c.verify_time(1) == pytest.approx(shape, rel=0.05)
+    assert c.draft_time() == pytest.approx(1.3 * 0.01, rel=0.05)  # the draft's step with them
+
+
+def test_cost_model_learns_a_wrong_shape_from_widths_run_in_turn():
+    """The load-time timing had width 5 at 1.4x width 1; it runs at 2x. Run in turn, the shape learns it (slowly),
+    where a single speed could not fit both."""
+    c = costs()
+    for _ in range(400):
+        c.observe_target(1, 0.1)
+        c.observe_target(5, 0.2)
+    assert c.verify_time(1) == pytest.approx(0.1, rel=0.05) and c.verify_time(5) == pytest.approx(0.2, rel=0.05)
 
 
 def test_acceptance_estimate_and_confidence_gate():
