@@ -460,3 +460,24 @@ def test_step_costs_are_kept_between_processes(bundles, tmp_path, monkeypatch):
         assert third.cost_model().target and D._read_step_costs(path) is not None  # timed and kept again
     monkeypatch.setenv("SPECEDGE_COST_CACHE", "off")
     assert SpecDecoder.load(bundles["model"])._cost_cache_file() is None
+
+
+def test_step_timing_takes_the_widths_in_turn_so_a_phase_moves_them_alike(decoders, monkeypatch):
+    """``time_steps`` feeds auto's cost model its shape (one width against another). A shared machine that slows
+    down halfway through the timing must not make the widths timed late look dearer: each pass takes every width,
+    and each width's fastest is kept. (Timed one width after another, the later widths' times were all slow-phase.)"""
+    from specedge.runtime import decoder as D
+
+    dec = decoders["model"]
+    base = {T: 0.001 * T for T in (w.T for w in dec.target.entry.widths)}
+    clock, calls = [0.0], [0]
+
+    def step(ids, pos, all_logits=False, **kw):  # noqa: ANN001
+        calls[0] += 1
+        clock[0] += base[len(ids)] * (1.0 if calls[0] <= 2 * len(base) else 3.0)  # the machine slows down
+        return None
+
+    monkeypatch.setattr(dec.target, "step", step)
+    monkeypatch.setattr(D.time, "perf_counter", lambda: clock[0])
+    timed = dec.time_steps(repeats=4, roles=("target",))["target"]
+    assert timed == pytest.approx(base)
