@@ -167,7 +167,8 @@ class Drift:
     every drafter replayed on a prompt."""
 
     def __init__(self, seed: int, phase_s: float = 2.0, low: float = 0.8, high: float = 1.25, jitter: float = 0.05):
-        self.rng, self.phase_s, self.low, self.high, self.jitter = np.random.default_rng(seed), phase_s, low, high, jitter
+        self.rng = np.random.default_rng(seed)
+        self.phase_s, self.low, self.high, self.jitter = phase_s, low, high, jitter
         self.ends: list[float] = []
         self.levels: list[float] = []
         self.steps = np.random.default_rng(seed + 1_000_003)
@@ -286,7 +287,6 @@ class _FixedModel(NoDrafter):
 def bound(seq: list[int], n_prompt: int, steps: dict[int, float], k: int, ngram_max: int, ngram_min: int) -> float:
     """Least seconds any per-round choice of lookup draft length (0: a plain round, at width 2 with its guess where
     the target has no width-1 step, else at width 1) can take."""
-    costs = CostModel(dict(steps))
     look, guesser = PromptLookupDrafter(ngram_max, ngram_min), PromptLookupDrafter(ngram_max, 1)
     guessing = min(steps) >= 2
     tokens = np.asarray(seq, dtype=np.int64)
@@ -296,12 +296,12 @@ def bound(seq: list[int], n_prompt: int, steps: dict[int, float], k: int, ngram_
         if guessing:
             g = guesser.propose(tokens[:n], 1, PARAMS, None).tokens
             g = g if len(g) else tokens[n - 1: n]
-            options = [costs.verify_time(2) + best[min(N, n + 1 + accepted(g, seq[n:]))]]
+            options = [width_time(steps, 2) + best[min(N, n + 1 + accepted(g, seq[n:]))]]
         else:
-            options = [costs.verify_time(1) + best[n + 1]]
+            options = [width_time(steps, 1) + best[n + 1]]
         cont = look.propose(tokens[:n], min(k, N - n - 1), PARAMS, None).tokens
         a = accepted(cont, seq[n:])
-        options += [costs.verify_time(j + 1) + best[min(N, n + 1 + min(j, a))]
+        options += [width_time(steps, j + 1) + best[min(N, n + 1 + min(j, a))]
                     for j in range(2 if guessing else 1, len(cont) + 1)]
         best[n] = min(options)
     return float(best[start])
