@@ -38,15 +38,20 @@ from .text import IncrementalDetokenizer, TextCodec
 
 Prompt = str | Sequence[dict[str, Any]]
 COST_CACHE_MAX_AGE_S = 24 * 3600  # step costs kept between processes this long (SpecDecoder.cost_model)
+# How the kept step costs were timed; entries of another timing are timed again. 2: widths in turn in each pass
+# (``SpecDecoder.time_steps``). Entries of the older order (one width after another) kept a phase of a shared machine
+# as their shape for a day: a 2-token step at 1.4x a 1-token one on the Haswell build, where it runs 1.04-1.08x.
+STEP_TIMING = 2
 
 
 def _read_step_costs(path: Path | None) -> dict[str, dict[int, float]] | None:
-    """Step costs a previous process measured ({role: {width: seconds}}), or None (none kept, too old, unreadable)."""
+    """Step costs a previous process measured ({role: {width: seconds}}), or None (none kept, too old, timed another
+    way, unreadable)."""
     if path is None:
         return None
     try:
         raw = json.loads(path.read_text())
-        if not 0 <= time.time() - float(raw["measured_at"]) <= COST_CACHE_MAX_AGE_S:
+        if raw.get("timing") != STEP_TIMING or not 0 <= time.time() - float(raw["measured_at"]) <= COST_CACHE_MAX_AGE_S:
             return None
         steps = {role: {int(t): float(s) for t, s in raw["steps"][role].items()} for role in raw["steps"]}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -65,7 +70,7 @@ def _write_step_costs(path: Path | None, steps: dict[str, dict[int, float]]) -> 
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
             tmp = f.name
-            json.dump({"measured_at": time.time(), "steps": {r: {str(t): s for t, s in d.items()}
+            json.dump({"timing": STEP_TIMING, "measured_at": time.time(), "steps": {r: {str(t): s for t, s in d.items()}
                                                              for r, d in steps.items()}}, f)
         os.replace(tmp, path)
     except OSError:

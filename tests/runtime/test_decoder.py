@@ -430,8 +430,8 @@ def test_the_draw_that_rides_with_the_catch_up_is_the_one_a_single_step_gives(de
 
 def test_step_costs_are_kept_between_processes(bundles, tmp_path, monkeypatch):
     """auto's step costs are timed once and kept for the next process (a command-line run paid ~1.5 s for them on
-    each call): a second decoder of the same bundle reads them instead of timing; a corrupt, stale or foreign entry
-    is timed again."""
+    each call): a second decoder of the same bundle reads them instead of timing; a corrupt, stale or foreign entry,
+    or one timed the older way, is timed again."""
     import json as _json
     import time as _time
 
@@ -451,9 +451,12 @@ def test_step_costs_are_kept_between_processes(bundles, tmp_path, monkeypatch):
     assert SpecDecoder.load(bundles["model"], threads=1)._cost_cache_file() != path  # other threads: another key
     monkeypatch.undo()
     monkeypatch.setenv("SPECEDGE_COST_CACHE", str(tmp_path / "costs"))
-    for bad in ("{not json", _json.dumps({"measured_at": _time.time() - 2 * D.COST_CACHE_MAX_AGE_S,
-                                          "steps": {"target": {"2": 0.01}}}),
-                _json.dumps({"measured_at": _time.time(), "steps": {"target": {"2": -1}}})):
+    fresh = {"timing": D.STEP_TIMING, "measured_at": _time.time(), "steps": {"target": {"2": 0.01}}}
+    assert D._read_step_costs(path) is not None
+    for bad in ("{not json", _json.dumps({**fresh, "measured_at": _time.time() - 2 * D.COST_CACHE_MAX_AGE_S}),
+                _json.dumps({**fresh, "steps": {"target": {"2": -1}}}),
+                _json.dumps({**fresh, "timing": D.STEP_TIMING - 1}),  # timed the older way: its shape is suspect
+                _json.dumps({k: v for k, v in fresh.items() if k != "timing"})):
         path.write_text(bad)
         assert D._read_step_costs(path) is None
         third = SpecDecoder.load(bundles["model"])
