@@ -466,16 +466,21 @@ class SpecDecoder:
         return StreamEvent(piece, out, done, req.finish, req.stats if done else None)
 
     def time_steps(self, repeats: int = 5, past_len: int | None = None, all_logits_only: bool = False,
-                   roles: tuple[str, ...] = ("target", "draft")) -> dict[str, dict[int, float]]:
+                   roles: tuple[str, ...] = ("target", "draft"), stat: str = "min") -> dict[str, dict[int, float]]:
         """Seconds of one forward step per model and declared width, the fastest of ``repeats`` after a warm-up
         (the minimum is what the hardware can do; a median still carries the noise of a shared machine):
-        {"target": {T: s}, "draft": {T: s}}.
+        {"target": {T: s}, "draft": {T: s}}. ``stat="median"``: the typical step instead, what a run pays on
+        average (on a shared VM a memory-bound step's median sits further above its fastest than a compute-bound
+        one's: the fastest favours the narrow widths).
 
         The cost model's inputs (draft/target cost ratio, verify vs 1-token cost). Runs dummy tokens
         at ``past_len`` (default: a quarter of S_max); the rows it writes are never read, because
         every request starts with its own prefill. ``all_logits_only`` skips the prefill widths
         (the expensive ones); ``roles`` limits it to some of the models.
         """
+        reduce = {"min": np.min, "median": np.median}.get(stat)
+        if reduce is None:
+            raise OptionError(f"time_steps: stat must be 'min' or 'median', got {stat!r}")
         S = self.manifest.max_context
         out: dict[str, dict[int, float]] = {}
         with self._lock:
@@ -500,7 +505,7 @@ class SpecDecoder:
                         t0 = time.perf_counter()
                         runner.step(ids, pos, all_logits=all_logits)
                         times[w.T].append(time.perf_counter() - t0)
-                out[role] = {T: float(np.min(ts)) for T, ts in times.items()}
+                out[role] = {T: float(reduce(ts)) for T, ts in times.items()}
         return out
 
     def close(self) -> None:

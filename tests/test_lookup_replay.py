@@ -176,3 +176,44 @@ def test_traces_record_what_the_draft_proposes_in_a_real_round(decoders):
             if prop.tokens[i - 1] != seq[n + i - 1]:
                 break
             assert prop.tokens[i] == nxt[n + i - P - 1]
+
+
+def test_retime_keeps_the_traces_and_takes_every_width_at_the_stat_asked(decoders, monkeypatch):
+    """``--retime``: saved traces replayed at step times taken now (another kernel build, another phase): the rows
+    stay, every width of the target and the draft is timed with the statistic asked for, and a trace of another
+    bundle is refused."""
+    lr = load()
+    dec = decoders["model"]
+    seen = []
+
+    def time_steps(self, repeats=5, past_len=None, all_logits_only=False, roles=("target", "draft"), stat="min"):  # noqa: ANN001
+        seen.append((roles, stat, past_len))
+        runner = self.target if roles == ("target",) else self.draft_runner
+        return {roles[0]: {w.T: 0.01 * w.T for w in runner.entry.widths}}
+
+    monkeypatch.setattr(type(dec), "time_steps", time_steps)
+    run = {"bundle": "b", "k": dec.manifest.k, "ngram": [8, 2], "steps": {"2": 1.0}, "draft_steps": {"1": 1.0},
+           "rows": [{"id": "x-0", "prompt": [1, 2, 3, 4], "output": [5, 6, 7, 8, 9, 10]}], "max_new_tokens": 8}
+    out = lr.retime(run, dec, "median")
+    assert out["rows"] == run["rows"] and out["step_stat"] == "median" and run["steps"] == {"2": 1.0}
+    assert [s[:2] for s in seen] == [(("target",), "median"), (("draft",), "median")] and seen[0][2] == 4 + 3
+    assert out["steps"] == {str(w.T): 0.01 * w.T for w in dec.target.entry.widths if w.T >= dec.target.min_width}
+    assert out["draft_steps"] == {str(w.T): 0.01 * w.T for w in dec.draft_runner.entry.widths}
+
+
+def test_retime_refuses_traces_of_another_bundle(bundles, tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    lr = load()
+    path = tmp_path / "traces.json"
+    path.write_text(json.dumps({"bundle": "other", "k": 99, "ngram": [8, 2], "steps": {"2": 0.01},
+                                "cpu": "x", "cpu_flags": "", "rows": [], "max_new_tokens": 8}))
+    monkeypatch.setattr(sys, "argv", ["lookup_replay", "--traces", str(path), "--retime", str(bundles["model"])])
+    with pytest.raises(SystemExit) as e:
+        lr.main()
+    assert e.value.code == 2 and "not the bundle of the traces" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["lookup_replay", str(bundles["model"]), "--retime", str(bundles["model"])])
+    with pytest.raises(SystemExit):
+        lr.main()
+    assert "give --traces" in capsys.readouterr().err

@@ -4,11 +4,13 @@
     python tools/lookup_replay.py BUNDLE [--suite code,edit,... | --prompts FILE.jsonl] [--max-new-tokens 192]
                                   [--save-traces F]
     python tools/lookup_replay.py --traces F [--traces G ...]        # replay saved traces again (no model run)
+    python tools/lookup_replay.py --traces F --retime BUNDLE          # ... at step times taken now
 
 Greedy output does not depend on the drafter (speculative = plain, bitwise), so one plain generation per prompt
 fixes what every drafter's tokens would be checked against. This tool makes those traces with the bundle, takes
-its target's step time at each width it runs (``SpecDecoder.time_steps``: the fastest of 10, at the traces'
-typical context length), and replays, round by round, with those step times:
+its target's step time at each width it runs (``SpecDecoder.time_steps``: the median of 10, at the traces'
+typical context length; ``--step-stat min``: the fastest, as traces saved before had; ``--retime``: taken again
+for saved traces, on another kernel build or phase), and replays, round by round, with those step times:
 
 * plain: width-2 rounds with the decoder's free one-token guess (as the batch-invariant decoder runs them);
 * prompt lookup at fixed k (the drafter and the decoder's rules: no draft -> plain round with its guess);
@@ -49,9 +51,9 @@ from specedge.runtime.sampling import SamplingParams
 PARAMS = SamplingParams(max_new_tokens=1 << 30)
 
 
-def make_traces(bundle: str, suites: list[str], max_new: int, prompts: str | None = None) -> dict:
+def make_traces(bundle: str, suites: list[str], max_new: int, prompts: str | None = None,
+                stat: str = "median") -> dict:
     from specedge.runtime import SpecDecoder
-    from specedge.runtime.bench.runner import machine_info
     from specedge.runtime.bench.suites import load_prompts, suite_prompts
 
     dec = SpecDecoder.load(bundle)
@@ -64,18 +66,32 @@ def make_traces(bundle: str, suites: list[str], max_new: int, prompts: str | Non
             row["draft_next"], row["draft_conf"] = draft_choices(dec, row["prompt"] + row["output"], len(row["prompt"]))
         rows.append(row)
         print(f"  trace {bp.id}: {len(r.token_ids)} tokens", file=sys.stderr, flush=True)
-    # at the traces' typical context length; the fastest of 10 (a single busy moment doubled a 10 ms step)
-    past = int(np.mean([len(r["prompt"]) + len(r["output"]) // 2 for r in rows]))
-    timed = dec.time_steps(repeats=10, past_len=past, all_logits_only=True)
-    steps = {T: s for T, s in timed["target"].items() if T >= dec.target.min_width}
-    m = machine_info()
     dp = dec.manifest.drafter_params
     out = {"bundle": bundle, "k": dec.manifest.k, "ngram": [dp.get("ngram_max", DEFAULT_NGRAM_MAX),
                                                            dp.get("ngram_min", DEFAULT_NGRAM_MIN)],
-           "steps": {str(T): s for T, s in steps.items()}, "cpu": m["cpu"], "cpu_flags": m["cpu_flags"], "rows": rows,
-           "max_new_tokens": max_new}
+           "rows": rows, "max_new_tokens": max_new}
+    return retime(out, dec, stat)
+
+
+def retime(run: dict, dec, stat: str = "median") -> dict:  # noqa: ANN001
+    """The traces ``run`` with step times taken now, with ``dec`` (their bundle) on this machine and kernel build:
+    greedy output is the same on every build of the kernels (bitwise), so traces made once replay another build's
+    (``SPECEDGE_KERNEL_MARCH``) or another phase's costs. At the traces' typical context length, 10 steps per width
+    taken in turn; ``stat`` "median" (the default) keeps the typical step, what a live run pays; "min" the fastest.
+    Built for Haswell on a shared Zen 5 VM, the fastest made a 5-token step 1.93x and 2.39x a 1-token one in two
+    passes a second apart, the median 2.03x and 2.10x (a live run's cost model had learned 2.06x): a memory-bound
+    step's fastest strays further from its typical time, and replayed at the fastest, the draft model did not pay on
+    the JSON prompts where it ran 1.2-1.35x plain live."""
+    from specedge.runtime.bench.runner import machine_info
+
+    rows = run["rows"]
+    past = int(np.mean([len(r["prompt"]) + len(r["output"]) // 2 for r in rows]))
+    timed = dec.time_steps(repeats=10, past_len=past, all_logits_only=True, roles=("target",), stat=stat)
+    m = machine_info()
+    out = {**run, "steps": {str(T): s for T, s in timed["target"].items() if T >= dec.target.min_width},
+           "cpu": m["cpu"], "cpu_flags": m["cpu_flags"], "step_stat": stat}
     if dec.draft_runner is not None:  # every width the draft's catch-up may take (its prefill chunk too)
-        draft = dec.time_steps(repeats=10, past_len=past, roles=("draft",))["draft"]
+        draft = dec.time_steps(repeats=10, past_len=past, roles=("draft",), stat=stat)["draft"]
         out.update(draft_steps={str(T): s for T, s in draft.items()}, prefill_chunk=dec.manifest.prefill_chunk)
     return out
 
@@ -315,6 +331,10 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--k", default="2,4,8", help="fixed lookup draft lengths to replay")
     ap.add_argument("--save-traces", help="write the traces and step times here (JSON)")
+    ap.add_argument("--retime", metavar="BUNDLE", help="replay --traces with step times taken now with BUNDLE (the "
+                    "traces' own) on this machine and kernel build (SPECEDGE_KERNEL_MARCH), not the saved ones")
+    ap.add_argument("--step-stat", choices=("median", "min"), default="median",
+                    help="step times taken here: the median of 10 per width (default: what a run pays) or the fastest")
     ap.add_argument("--traces", action="append", default=[], help="replay saved traces instead of running BUNDLE")
     ap.add_argument("--ngram-max", type=int, default=None,
                     help="replay with this matcher length instead of the bundle's (1..64)")
@@ -334,8 +354,19 @@ def main() -> int:
         ap.error(f"--ngram-max must be in 1..64, got {a.ngram_max}")
     if bool(a.bundle) == bool(a.traces):
         ap.error("give a BUNDLE or --traces FILE")
+    if a.retime and not a.traces:
+        ap.error("--retime re-times saved traces: give --traces FILE")
     runs = ([_read_traces(ap, f) for f in a.traces] if a.traces
-            else [make_traces(a.bundle, a.suite.split(","), a.max_new_tokens, a.prompts)])
+            else [make_traces(a.bundle, a.suite.split(","), a.max_new_tokens, a.prompts, a.step_stat)])
+    if a.retime:
+        from specedge.runtime import SpecDecoder
+
+        dec = SpecDecoder.load(a.retime)
+        for run in runs:
+            if run.get("k") != dec.manifest.k or ("draft_steps" in run) != (dec.draft_runner is not None):
+                ap.error(f"--retime {a.retime}: not the bundle of the traces ({run.get('bundle')}: K={run.get('k')}, "
+                         f"{'with' if 'draft_steps' in run else 'without'} a draft model)")
+        runs = [retime(run, dec, a.step_stat) for run in runs]
     if a.save_traces:
         with open(a.save_traces, "w") as fh:
             json.dump(runs[0], fh)
@@ -349,7 +380,8 @@ def main() -> int:
         drafted = "draft_steps" in run and all("draft_next" in row for row in run["rows"])
         print(f"\n## {run['bundle']} (K={K}; lookup n-grams {nmin}..{nmax}; CPU {run['cpu']}; flags {flags})"
               + (f"; draft {'warm' if a.warm_draft else 'cold'} at each prompt" if drafted else ""))
-        print("step ms: " + ", ".join(f"T={T} {s * 1e3:.1f}" for T, s in sorted(steps.items())))
+        print(f"step ms ({run.get('step_stat', 'min')}): "
+              + ", ".join(f"T={T} {s * 1e3:.1f}" for T, s in sorted(steps.items())))
         mk = min(a.model_k, K)
         histories = list(range(a.drift)) if a.drift else [None]
         if a.drift:

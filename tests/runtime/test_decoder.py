@@ -10,7 +10,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from specedge.runtime import (
-    BundleError, ContextLengthError, PromptError, SamplingParams, SamplingParamsError, SpecDecoder,
+    BundleError, ContextLengthError, OptionError, PromptError, SamplingParams, SamplingParamsError, SpecDecoder,
 )
 from specedge.runtime.drafters import feed
 
@@ -484,3 +484,8 @@ def test_step_timing_takes_the_widths_in_turn_so_a_phase_moves_them_alike(decode
     monkeypatch.setattr(D.time, "perf_counter", lambda: clock[0])
     timed = dec.time_steps(repeats=4, roles=("target",))["target"]
     assert timed == pytest.approx(base)
+    calls[0] = 0  # the median instead: the warm-up and one pass fast, three slow
+    assert dec.time_steps(repeats=4, roles=("target",), stat="median")["target"] == pytest.approx(
+        {T: 3.0 * t for T, t in base.items()})
+    with pytest.raises(OptionError, match="median"):
+        dec.time_steps(stat="mean")
