@@ -166,3 +166,19 @@ def test_an_ortgenai_job_runs_through_the_worker_config_by_config(monkeypatch, c
     tool.cmd_generate(types.SimpleNamespace(job="-"))
     res = json.loads(capsys.readouterr().out)
     assert res["results"]["plain"] == {"error": "RuntimeError: out of memory"}
+
+
+def test_the_spread_between_rounds_is_reported_per_configuration():
+    """Each configuration's rounds of one prompt, (fastest - slowest) / mean: the median and the largest over the
+    prompts, with the prompt it was on; nothing with a single round, a failed run left out."""
+    def cell(*v):
+        return {"decode_tok_s": sorted(v)[len(v) // 2], "decode_tok_s_rounds": list(v)}
+
+    rows = [{"id": "code-0", "ours plain": cell(40.0, 60.0), "peer plain": cell(30.0, 30.0)},
+            {"id": "json-0", "ours plain": cell(45.0, 55.0), "peer plain": cell(0.0, 30.0)},
+            {"id": "chat-0", "ours plain": cell(50.0, 50.0), "peer plain": cell(33.0, 27.0)}]
+    table = _tool().spread_table(rows, ["ours plain", "peer plain"])
+    assert table[2] == "| ours plain | 20 % | 40 % (code-0) |"
+    assert table[3] == "| peer plain | 10 % | 20 % (chat-0) |"
+    assert _tool().spread_table([{"id": "x-0", "ours plain": {"decode_tok_s": 1.0, "decode_tok_s_rounds": [1.0]}}],
+                                ["ours plain"]) == []

@@ -422,6 +422,26 @@ def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
     return merged
 
 
+def spread_table(rows: list[dict], names: list[str]) -> list[str]:
+    """How far one configuration's rounds of the same prompt are apart: (fastest - slowest) / mean per prompt, the
+    median and largest over the prompts. A fixed configuration makes the same rounds every time, so its spread is
+    the machine's (a shared VM's phases: over two whole runs, neither round was faster across the board): what a ratio
+    between two configurations can be trusted to. ``auto``'s adds its choices, which move with the step times it
+    observes."""
+    out = ["| engine / config | round-to-round spread, median over prompts | largest (prompt) |", "|---|---|---|"]
+    for n in names:
+        spread = []
+        for r in rows:
+            vals = r[n].get("decode_tok_s_rounds", [])
+            if len(vals) > 1 and min(vals) > 0:
+                spread.append(((max(vals) - min(vals)) / statistics.mean(vals), r["id"]))
+        if spread:
+            worst = max(spread)
+            out.append(f"| {n} | {100 * statistics.median(v for v, _ in spread):.0f} % | "
+                       f"{100 * worst[0]:.0f} % ({worst[1]}) |")
+    return out if len(out) > 2 else []
+
+
 def parse_specs(s: str) -> list[tuple[str, int]]:
     out = []
     for item in filter(None, s.split(",")):
@@ -594,6 +614,9 @@ def main() -> None:
         lines.append(f"| {n} | **{med[n]:.2f}** ({per_prompt}) | "
                      f"{med[n] / med['ours plain']:.2f}× | {med[n] / base:.2f}× | {same} |")
     lines += ["", *per_prompt_table(rows, names), "", *per_suite_table(rows, names)]
+    spread = spread_table(rows, names)
+    if spread:
+        lines += ["", "Round to round, the same prompt (a fixed configuration's spread is the machine's):", "", *spread]
     notes = list(dict.fromkeys(NOTES))  # every round adds the same ones
     if notes:
         lines += ["", *(f"* {n}" for n in notes)]
