@@ -196,6 +196,7 @@ def test_retime_keeps_the_traces_and_takes_every_width_at_the_stat_asked(decoder
            "rows": [{"id": "x-0", "prompt": [1, 2, 3, 4], "output": [5, 6, 7, 8, 9, 10]}], "max_new_tokens": 8}
     out = lr.retime(run, dec, "median")
     assert out["rows"] == run["rows"] and out["step_stat"] == "median" and run["steps"] == {"2": 1.0}
+    assert out["kernel_build"].startswith(("-march=", "-mcpu="))
     assert [s[:2] for s in seen] == [(("target",), "median"), (("draft",), "median")] and seen[0][2] == 4 + 3
     assert out["steps"] == {str(w.T): 0.01 * w.T for w in dec.target.entry.widths if w.T >= dec.target.min_width}
     assert out["draft_steps"] == {str(w.T): 0.01 * w.T for w in dec.draft_runner.entry.widths}

@@ -82,6 +82,7 @@ def retime(run: dict, dec, stat: str = "median") -> dict:  # noqa: ANN001
     passes a second apart, the median 2.03x and 2.10x (a live run's cost model had learned 2.06x): a memory-bound
     step's fastest strays further from its typical time, and replayed at the fastest, the draft model did not pay on
     the JSON prompts where it ran 1.2-1.35x plain live."""
+    from specedge.runtime import kernels
     from specedge.runtime.bench.runner import machine_info
 
     rows = run["rows"]
@@ -89,7 +90,7 @@ def retime(run: dict, dec, stat: str = "median") -> dict:  # noqa: ANN001
     timed = dec.time_steps(repeats=10, past_len=past, all_logits_only=True, roles=("target",), stat=stat)
     m = machine_info()
     out = {**run, "steps": {str(T): s for T, s in timed["target"].items() if T >= dec.target.min_width},
-           "cpu": m["cpu"], "cpu_flags": m["cpu_flags"], "step_stat": stat}
+           "cpu": m["cpu"], "cpu_flags": m["cpu_flags"], "step_stat": stat, "kernel_build": kernels._march()}
     if dec.draft_runner is not None:  # every width the draft's catch-up may take (its prefill chunk too)
         draft = dec.time_steps(repeats=10, past_len=past, roles=("draft",), stat=stat)["draft"]
         out.update(draft_steps={str(T): s for T, s in draft.items()}, prefill_chunk=dec.manifest.prefill_chunk)
@@ -378,7 +379,8 @@ def main() -> int:
         ks_here = [k for k in ks if k <= K]
         flags = run["cpu_flags"] if isinstance(run["cpu_flags"], str) else " ".join(run["cpu_flags"])
         drafted = "draft_steps" in run and all("draft_next" in row for row in run["rows"])
-        print(f"\n## {run['bundle']} (K={K}; lookup n-grams {nmin}..{nmax}; CPU {run['cpu']}; flags {flags})"
+        build = f"; kernels {run['kernel_build']}" if run.get("kernel_build") else ""
+        print(f"\n## {run['bundle']} (K={K}; lookup n-grams {nmin}..{nmax}; CPU {run['cpu']}; flags {flags}{build})"
               + (f"; draft {'warm' if a.warm_draft else 'cold'} at each prompt" if drafted else ""))
         print(f"step ms ({run.get('step_stat', 'min')}): "
               + ", ".join(f"T={T} {s * 1e3:.1f}" for T, s in sorted(steps.items())))

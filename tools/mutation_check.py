@@ -165,6 +165,15 @@ PLANTS = {
         "runtime/decoder.py", "if not reuse_prefix and self.draft_runner is not None:", "if False:"),
     "the replayed draft's catch-up costs nothing": (
         "tools/lookup_replay.py", "        self.spent += catchup\n", "", ["tests/test_lookup_replay.py"]),
+    "a kept step-cost entry of another timing is read": (
+        "runtime/decoder.py", 'if raw.get("timing") != STEP_TIMING or not', "if not",
+        ["tests/runtime/test_decoder.py"]),
+    "step timing keeps the fastest whatever is asked": (
+        "runtime/decoder.py", 'out[role] = {T: float(reduce(ts))', 'out[role] = {T: float(np.min(ts))',
+        ["tests/runtime/test_decoder.py"]),
+    "re-timed traces keep their old step times": (
+        "tools/lookup_replay.py", '"steps": {str(T): s for T, s in timed["target"].items()',
+        '"steps": run["steps"] or {str(T): s for T, s in timed["target"].items()', ["tests/test_lookup_replay.py"]),
     "lookup bound assumes every drafted token passes": (
         "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),
