@@ -86,7 +86,7 @@ def retime(run: dict, dec, stat: str = "median") -> dict:  # noqa: ANN001
     from specedge.runtime.bench.runner import machine_info
 
     rows = run["rows"]
-    past = int(np.mean([len(r["prompt"]) + len(r["output"]) // 2 for r in rows]))
+    past = int(np.mean([len(r["prompt"]) + len(r["output"]) // 2 for r in rows])) if rows else None
     timed = dec.time_steps(repeats=10, past_len=past, all_logits_only=True, roles=("target",), stat=stat)
     m = machine_info()
     out = {**run, "steps": {str(T): s for T, s in timed["target"].items() if T >= dec.target.min_width},
