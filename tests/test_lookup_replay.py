@@ -180,13 +180,14 @@ def test_traces_record_what_the_draft_proposes_in_a_real_round(decoders):
 
 def test_retime_keeps_the_traces_and_takes_every_width_at_the_stat_asked(decoders, monkeypatch):
     """``--retime``: saved traces replayed at step times taken now (another kernel build, another phase): the rows
-    stay, every width of the target and the draft is timed with the statistic asked for, and a trace of another
-    bundle is refused."""
+    stay (the saved ones untouched), every width of the target and the draft is timed with the statistic asked for,
+    at the traces' typical context length, and the kernel build is recorded."""
     lr = load()
     dec = decoders["model"]
     seen = []
 
-    def time_steps(self, repeats=5, past_len=None, all_logits_only=False, roles=("target", "draft"), stat="min"):  # noqa: ANN001
+    def time_steps(self, repeats=5, past_len=None, all_logits_only=False,  # noqa: ANN001
+                   roles=("target", "draft"), stat="min"):
         seen.append((roles, stat, past_len))
         runner = self.target if roles == ("target",) else self.draft_runner
         return {roles[0]: {w.T: 0.01 * w.T for w in runner.entry.widths}}
@@ -203,6 +204,7 @@ def test_retime_keeps_the_traces_and_takes_every_width_at_the_stat_asked(decoder
 
 
 def test_retime_refuses_traces_of_another_bundle(bundles, tmp_path, monkeypatch, capsys):
+    """``--retime`` with a bundle whose K or draft model differs from the traces', or without --traces: a usage error."""
     import json
     import sys
 
