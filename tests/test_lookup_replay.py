@@ -204,7 +204,8 @@ def test_retime_keeps_the_traces_and_takes_every_width_at_the_stat_asked(decoder
 
 
 def test_retime_refuses_traces_of_another_bundle(bundles, tmp_path, monkeypatch, capsys):
-    """``--retime`` with a bundle whose K or draft model differs from the traces', or without --traces: a usage error."""
+    """``--retime`` with a bundle whose K or draft model differs from the traces', or without --traces: a usage
+    error."""
     import json
     import sys
 
