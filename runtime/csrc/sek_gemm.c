@@ -56,6 +56,13 @@
 #endif
 
 #define SEK_RMAX 10 /* rows per pass (AVX512): a verify step of up to 10 rows unpacks each weight chunk once */
+/* ... but a step of more than SEK_ONE_PASS rows (a prefill chunk, a 9- or 10-token verify) takes them SEK_RPASS at a
+ * time: with 10 rows x 2 tiles, GCC 12 keeps part of the 20 accumulators and the row pointers on the stack and the
+ * loop runs at 2/3 of vpdpbusd's rate. Passes of 6 run 1.4x faster at 64 rows and 1.15-1.3x at 9-10 (one thread,
+ * in cache, Zen 5); a 64-token prefill chunk of Qwen 1.5B 0.78x the time (docs/benchmarks.md, twenty-first
+ * session). The bits do not change: a row's sums are its own whatever the pass. */
+#define SEK_ONE_PASS 8
+#define SEK_RPASS 6
 
 /* Eight activation levels a[0..7] as two 4-byte words, each broadcast to every lane of a dot product. */
 static inline void four_pair(const int8_t *a, int32_t *a0, int32_t *a1) {
@@ -577,11 +584,13 @@ static inline __attribute__((always_inline)) void strip_sb_vnni512(const sek_row
 #define SEK_PAIR_K 4096 /* rows of weights at least this long are read two tiles at a time whatever the rows */
 #define SEK_PAIR_ROWS 6 /* and so are steps of more rows than this (more than SEK_PAIR_ROWS_SB: two-level scales) */
 #define SEK_PAIR_ROWS_SB 2
-/* Tiles [t0, t1) in pairs (or one at a time: see `single`), the rows in passes of up to SEK_RMAX (SEK_RMAX_SB with
- * two-level scales). */
+/* Tiles [t0, t1) in pairs (or one at a time: see `single`), the rows in passes of up to SEK_RMAX (SEK_RPASS past
+ * SEK_ONE_PASS rows; SEK_RMAX_SB with two-level scales, except a step of 7 to 10 rows: one tile, every row). Past
+ * SEK_RMAX rows (a prefill chunk) two-level scales take passes of SEK_RMAX_SB over tile pairs: a 64-row Q6_K product
+ * 0.85x the time of 10-row passes over single tiles, Q4_K 0.94x (one thread, in cache, Zen 5). */
 static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
-    const int sb = w->sc != NULL, wide_sb = sb && x->m > SEK_RMAX_SB + 1;
-    const int rmax = sb && !wide_sb ? SEK_RMAX_SB : SEK_RMAX;
+    const int sb = w->sc != NULL, wide_sb = sb && x->m > SEK_RMAX_SB + 1 && x->m <= SEK_RMAX;
+    const int rmax = sb && !wide_sb ? SEK_RMAX_SB : sb || x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;
     /* Two tiles side by side share each activation broadcast, which pays at many rows and along long rows of
      * weights; a short row of weights (K < SEK_PAIR_K) read by few rows goes faster as one stream, a tile at a time
      * (one thread, out of cache, K = 896 / 1536: 8-25 % faster at 1-5 rows, the Q6_K head's blocks 20-23 % at 1-2
