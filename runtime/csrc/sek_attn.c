@@ -42,27 +42,48 @@ static void rope(float *x, const float *cs, const float *sn, int64_t d) {
     }
 }
 
+/* The lane sums of a . b: two accumulators over alternate 16-lane chunks (AVX-512; the last odd chunk to the
+ * first), one over 8-lane chunks (AVX2), two over 4-lane chunks (NEON). */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 lanes512(const float *a, const float *b, int64_t d) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= d; i += 32) {
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+    }
+    if (i < d) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    return _mm512_add_ps(s0, s1);
+}
+
+/* A vector's 16 lanes summed as a tree: i + (i + 8), then i + (i + 4), i + (i + 2), 0 + 1 (GCC's
+ * _mm512_reduce_add_ps, written out so that every compiler adds in this order and dot4's shared trees match it). */
+static inline __attribute__((always_inline)) float hsum512(__m512 u) {
+    const __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
+    const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
+    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) __m256 lanes256(const float *a, const float *b, int64_t d) {
+    __m256 s0 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    return s0;
+}
+
+/* 8 lanes as a tree: i + (i + 4), then i + (i + 2), 0 + 1. */
+static inline __attribute__((always_inline)) float hsum256(__m256 u) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 static float dot(const float *a, const float *b, int64_t d) {
 #if defined(__AVX512F__)
-    if (d % 16 == 0) {
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 32 <= d; i += 32) {
-            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
-        }
-        if (i < d) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-        return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-    }
+    if (d % 16 == 0) return hsum512(lanes512(a, b, d));
 #elif defined(__AVX2__) && defined(__FMA__)
-    if (d % 8 == 0) {
-        __m256 s0 = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        return _mm_cvtss_f32(s);
-    }
+    if (d % 8 == 0) return hsum256(lanes256(a, b, d));
 #elif defined(SEK_ATTN_NEON)
     if (d % 8 == 0) {
         float32x4_t s0 = vdupq_n_f32(0.f), s1 = vdupq_n_f32(0.f);
@@ -76,6 +97,63 @@ static float dot(const float *a, const float *b, int64_t d) {
     float s = 0.f;
     for (int64_t i = 0; i < d; i++) s = fmaf(a[i], b[i], s);
     return s;
+}
+
+/* out[0..3] = dot(a, b + c d) for the four rows c of b: each exactly dot()'s value (the same lane sums, the same
+ * reduction tree), the four trees' shuffles shared, so a key's score has the same bits scored alone or in a four. */
+static void dot4(const float *a, const float *b, int64_t d, float out[4]) {
+#if defined(__AVX512F__)
+    if (d % 16 == 0) {
+        /* lanes512's sums for the four keys, interleaved: each chunk of a loaded once for all four */
+        __m512 s0[4], s1[4];
+        for (int c = 0; c < 4; c++) s0[c] = s1[c] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 32 <= d; i += 32) {
+            const __m512 x0 = _mm512_loadu_ps(a + i), x1 = _mm512_loadu_ps(a + i + 16);
+            for (int c = 0; c < 4; c++) {
+                s0[c] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(b + c * d + i), s0[c]);
+                s1[c] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(b + c * d + i + 16), s1[c]);
+            }
+        }
+        if (i < d) {
+            const __m512 x0 = _mm512_loadu_ps(a + i);
+            for (int c = 0; c < 4; c++) s0[c] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(b + c * d + i), s0[c]);
+        }
+        const __m512 u0 = _mm512_add_ps(s0[0], s1[0]), u1 = _mm512_add_ps(s0[1], s1[1]), u2 = _mm512_add_ps(s0[2], s1[2]),
+                     u3 = _mm512_add_ps(s0[3], s1[3]);
+        /* 128-bit blocks: [u0 lanes 0-7 + 8-15 | u1's], [u2's | u3's]: each key's i + (i + 8) */
+        const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x44), _mm512_shuffle_f32x4(u0, u1, 0xEE));
+        const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x44), _mm512_shuffle_f32x4(u2, u3, 0xEE));
+        /* block k: key k's i + (i + 4) */
+        const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xDD));
+        const __m512 e = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));          /* lanes 0, 1: i + (i + 2) */
+        const __m512 f = _mm512_add_ps(e, _mm512_permute_ps(e, 0xB1));          /* lane 0: 0 + 1 */
+        _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0,
+                                                                                          0, 0, 0, 0, 0, 0), f)));
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (d % 8 == 0) {
+        __m256 u[4];
+        for (int c = 0; c < 4; c++) u[c] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) { /* lanes256's sums for the four keys, each chunk of a loaded once */
+            const __m256 x = _mm256_loadu_ps(a + i);
+            for (int c = 0; c < 4; c++) u[c] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + c * d + i), u[c]);
+        }
+        const __m256 u0 = u[0], u1 = u[1], u2 = u[2], u3 = u[3];
+        /* halves: [u0's i + (i + 4) | u1's], [u2's | u3's] */
+        const __m256 v01 = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+        const __m256 v23 = _mm256_add_ps(_mm256_permute2f128_ps(u2, u3, 0x20), _mm256_permute2f128_ps(u2, u3, 0x31));
+        const __m256 e01 = _mm256_add_ps(v01, _mm256_permute_ps(v01, 0x4E)), e23 = _mm256_add_ps(v23, _mm256_permute_ps(v23, 0x4E));
+        const __m256 f01 = _mm256_add_ps(e01, _mm256_permute_ps(e01, 0xB1)), f23 = _mm256_add_ps(e23, _mm256_permute_ps(e23, 0xB1));
+        /* lane 0 of each half: u0, u1 (f01), u2, u3 (f23) */
+        const __m256 g = _mm256_shuffle_ps(f01, f23, 0x00); /* [f01.0, f01.0, f23.0, f23.0 | f01.4, f01.4, f23.4, f23.4] */
+        const __m128 lo = _mm256_castps256_ps128(g), hi = _mm256_extractf128_ps(g, 1);
+        _mm_storeu_ps(out, _mm_shuffle_ps(_mm_unpacklo_ps(lo, hi), _mm_unpackhi_ps(lo, hi), 0x44));
+        return;
+    }
+#endif
+    for (int c = 0; c < 4; c++) out[c] = dot(a, b + c * d, d);
 }
 
 /* acc[d] = acc * alpha + p * v (alpha applied first); vectorized where d allows, same order per element. */
@@ -260,7 +338,13 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, int64
     for (int64_t j0 = 0; j0 < cmax; j0 += SEK_SUB)
         for (int64_t p = 0; p < nq; p++) {
             const int64_t j1 = j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p];
-            for (int64_t j = j0; j < j1; j++) s[p][j] = dot(q + p * d, kc + (c0 + j) * d, d) * scale;
+            int64_t j = j0;
+            for (; j + 4 <= j1; j += 4) {
+                float o[4];
+                dot4(q + p * d, kc + (c0 + j) * d, d, o);
+                for (int c = 0; c < 4; c++) s[p][j + c] = o[c] * scale;
+            }
+            for (; j < j1; j++) s[p][j] = dot(q + p * d, kc + (c0 + j) * d, d) * scale;
         }
     for (int64_t p = 0; p < nq; p++) {
         if (cn[p] <= 0) continue;
