@@ -295,6 +295,37 @@ static inline __attribute__((always_inline)) void pv_slice(float *acc, const flo
 }
 #endif
 
+#ifdef SEK_VW
+/* pv_slice for two queries over the same value rows: each row's vectors loaded once for both, each query's
+ * accumulators updated exactly as pv_slice updates them. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define SEK_PV_SLICE2 4 /* 16 ymm registers: 2 x 4 accumulators, a row's vector, 2 broadcasts */
+#else
+#define SEK_PV_SLICE2 8
+#endif
+static inline __attribute__((always_inline)) void pv_slice2(float *acc0, float *acc1, const float *v, const float *p0,
+                                                           const float *p1, int64_t cn, float alpha0, float alpha1,
+                                                           int64_t d, const int nv) {
+    sek_vec a0[SEK_PV_SLICE2], a1[SEK_PV_SLICE2];
+    for (int k = 0; k < nv; k++) {
+        a0[k] = VMUL(VLOAD(acc0 + k * SEK_VW), VSET1(alpha0));
+        a1[k] = VMUL(VLOAD(acc1 + k * SEK_VW), VSET1(alpha1));
+    }
+    for (int64_t j = 0; j < cn; j++) {
+        const sek_vec q0 = VSET1(p0[j]), q1 = VSET1(p1[j]);
+        for (int k = 0; k < nv; k++) {
+            const sek_vec x = VLOAD(v + j * d + k * SEK_VW);
+            a0[k] = VFMA(q0, x, a0[k]);
+            a1[k] = VFMA(q1, x, a1[k]);
+        }
+    }
+    for (int k = 0; k < nv; k++) {
+        VSTORE(acc0 + k * SEK_VW, a0[k]);
+        VSTORE(acc1 + k * SEK_VW, a1[k]);
+    }
+}
+#endif
+
 static void pv_chunk(float *acc, const float *v, const float *p, int64_t cn, float alpha, int64_t d) {
 #ifdef SEK_VW
     if (d % SEK_VW == 0) {
@@ -320,6 +351,20 @@ static void pv_chunk(float *acc, const float *v, const float *p, int64_t cn, flo
         axpby(acc, alpha, p[j], v + j * d, d);
         alpha = 1.f;
     }
+}
+
+/* pv_chunk for two queries with the same rows of the chunk: the same bits as two pv_chunk calls. */
+static void pv_chunk2(float *acc0, float *acc1, const float *v, const float *p0, const float *p1, int64_t cn,
+                      float alpha0, float alpha1, int64_t d) {
+#ifdef SEK_VW
+    if (d % (SEK_PV_SLICE2 * SEK_VW) == 0) {
+        for (int64_t i = 0; i < d; i += SEK_PV_SLICE2 * SEK_VW)
+            pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, SEK_PV_SLICE2);
+        return;
+    }
+#endif
+    pv_chunk(acc0, v, p0, cn, alpha0, d);
+    pv_chunk(acc1, v, p1, cn, alpha1, d);
 }
 
 #define SEK_SUB 16 /* cache rows the queries of an item take in turn: 8 KB of K (or V) at d = 128, L1-resident */
@@ -359,10 +404,17 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, int64
         m[p] = m_new;
     }
     for (int64_t j0 = 0; j0 < cmax; j0 += SEK_SUB)
-        for (int64_t p = 0; p < nq; p++) /* rows after the chunk's first: alpha 1 (acc * 1, as axpby does) */
-            if (j0 < cn[p])
-                pv_chunk(acc + p * d, vc + (c0 + j0) * d, pr[p] + j0,
-                         (j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p]) - j0, j0 ? 1.f : alpha[p], d);
+        for (int64_t p = 0; p < nq; p++) { /* rows after the chunk's first: alpha 1 (acc * 1, as axpby does) */
+            if (j0 >= cn[p]) continue;
+            const int64_t n = (j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p]) - j0;
+            if (p + 1 < nq && j0 < cn[p + 1] && (j0 + SEK_SUB < cn[p + 1] ? j0 + SEK_SUB : cn[p + 1]) - j0 == n) {
+                pv_chunk2(acc + p * d, acc + (p + 1) * d, vc + (c0 + j0) * d, pr[p] + j0, pr[p + 1] + j0, n,
+                          j0 ? 1.f : alpha[p], j0 ? 1.f : alpha[p + 1], d);
+                p++; /* two queries with the same rows of this chunk (heads of one row): one pass over them */
+            } else {
+                pv_chunk(acc + p * d, vc + (c0 + j0) * d, pr[p] + j0, n, j0 ? 1.f : alpha[p], d);
+            }
+        }
 }
 
 int64_t sek_attn_plan(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs, int64_t *rs) {
