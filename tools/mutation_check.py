@@ -116,6 +116,18 @@ PLANTS = {
     "specedge kernel: a block's integer scale skipped (scalar)": (
         "runtime/csrc/sek_gemm.c", "i1[c] += acc[c] * w->sc[o + c];", "i1[c] += acc[c];",
         ["tests/runtime/test_sek_kernel.py"]),
+    "specedge attention: a four-key score pass hands keys 3 and 4 each other's scores": (
+        "runtime/csrc/sek_attn.c", "_mm512_setr_epi32(0, 4, 8, 12,", "_mm512_setr_epi32(0, 4, 12, 8,",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge attention: a four-key score pass (AVX2) adds lanes i and i + 1 where the tree adds i and i + 2": (
+        "runtime/csrc/sek_attn.c", "e23 = _mm256_add_ps(v23, _mm256_permute_ps(v23, 0x4E));",
+        "e23 = _mm256_add_ps(v23, _mm256_permute_ps(v23, 0xB1));", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge attention: the second of two paired queries sums the values with the first one's weights": (
+        "runtime/csrc/sek_attn.c", "a1[k] = VFMA(q1, x, a1[k]);", "a1[k] = VFMA(q0, x, a1[k]);",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a many-row step's passes take eleven rows, which no pass computes": (
+        "runtime/csrc/sek_gemm.c", "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;",
+        "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RMAX + 1;", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
         "runtime/csrc/sek_attn.c", "        n[p] = pos + 1;\n", "        n[p] = pos;\n", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: the new k rows stored without RoPE": (

@@ -62,7 +62,8 @@ static inline __attribute__((always_inline)) __m512 lanes512(const float *a, con
 /* A vector's 16 lanes summed as a tree: i + (i + 8), then i + (i + 4), i + (i + 2), 0 + 1 (GCC's
  * _mm512_reduce_add_ps, written out so that every compiler adds in this order and dot4's shared trees match it). */
 static inline __attribute__((always_inline)) float hsum512(__m512 u) {
-    const __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1));
+    const __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(u), hi);
     const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
     const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
     return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
@@ -122,8 +123,8 @@ static void dot4(const float *a, const float *b, int64_t d, float out[4]) {
             const __m512 x0 = _mm512_loadu_ps(a + i);
             for (int c = 0; c < 4; c++) s0[c] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(b + c * d + i), s0[c]);
         }
-        const __m512 u0 = _mm512_add_ps(s0[0], s1[0]), u1 = _mm512_add_ps(s0[1], s1[1]), u2 = _mm512_add_ps(s0[2], s1[2]),
-                     u3 = _mm512_add_ps(s0[3], s1[3]);
+        const __m512 u0 = _mm512_add_ps(s0[0], s1[0]), u1 = _mm512_add_ps(s0[1], s1[1]),
+                     u2 = _mm512_add_ps(s0[2], s1[2]), u3 = _mm512_add_ps(s0[3], s1[3]);
         /* 128-bit blocks: [u0 lanes 0-7 + 8-15 | u1's], [u2's | u3's]: each key's i + (i + 8) */
         const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x44), _mm512_shuffle_f32x4(u0, u1, 0xEE));
         const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x44), _mm512_shuffle_f32x4(u2, u3, 0xEE));
@@ -147,10 +148,13 @@ static void dot4(const float *a, const float *b, int64_t d, float out[4]) {
         /* halves: [u0's i + (i + 4) | u1's], [u2's | u3's] */
         const __m256 v01 = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
         const __m256 v23 = _mm256_add_ps(_mm256_permute2f128_ps(u2, u3, 0x20), _mm256_permute2f128_ps(u2, u3, 0x31));
-        const __m256 e01 = _mm256_add_ps(v01, _mm256_permute_ps(v01, 0x4E)), e23 = _mm256_add_ps(v23, _mm256_permute_ps(v23, 0x4E));
-        const __m256 f01 = _mm256_add_ps(e01, _mm256_permute_ps(e01, 0xB1)), f23 = _mm256_add_ps(e23, _mm256_permute_ps(e23, 0xB1));
-        /* lane 0 of each half: u0, u1 (f01), u2, u3 (f23) */
-        const __m256 g = _mm256_shuffle_ps(f01, f23, 0x00); /* [f01.0, f01.0, f23.0, f23.0 | f01.4, f01.4, f23.4, f23.4] */
+        const __m256 e01 = _mm256_add_ps(v01, _mm256_permute_ps(v01, 0x4E)),
+                     e23 = _mm256_add_ps(v23, _mm256_permute_ps(v23, 0x4E));
+        const __m256 f01 = _mm256_add_ps(e01, _mm256_permute_ps(e01, 0xB1)),
+                     f23 = _mm256_add_ps(e23, _mm256_permute_ps(e23, 0xB1));
+        /* lane 0 of each half holds a key's score: u0, u1 (f01), u2, u3 (f23); g = [f01.0, f01.0, f23.0, f23.0 |
+         * f01.4, f01.4, f23.4, f23.4] */
+        const __m256 g = _mm256_shuffle_ps(f01, f23, 0x00);
         const __m128 lo = _mm256_castps256_ps128(g), hi = _mm256_extractf128_ps(g, 1);
         _mm_storeu_ps(out, _mm_shuffle_ps(_mm_unpacklo_ps(lo, hi), _mm_unpackhi_ps(lo, hi), 0x44));
         return;
@@ -309,7 +313,7 @@ static inline __attribute__((always_inline)) void pv_slice(float *acc, const flo
 static inline __attribute__((always_inline)) void pv_slice2(float *acc0, float *acc1, const float *v, const float *p0,
                                                            const float *p1, int64_t cn, float alpha0, float alpha1,
                                                            int64_t d, const int nv) {
-    sek_vec a0[SEK_PV_SLICE2], a1[SEK_PV_SLICE2];
+    sek_vec a0[SEK_PV_SLICE], a1[SEK_PV_SLICE]; /* nv <= 7 at every call (the rest of a head) or SEK_PV_SLICE2 */
     for (int k = 0; k < nv; k++) {
         a0[k] = VMUL(VLOAD(acc0 + k * SEK_VW), VSET1(alpha0));
         a1[k] = VMUL(VLOAD(acc1 + k * SEK_VW), VSET1(alpha1));
@@ -360,9 +364,20 @@ static void pv_chunk(float *acc, const float *v, const float *p, int64_t cn, flo
 static void pv_chunk2(float *acc0, float *acc1, const float *v, const float *p0, const float *p1, int64_t cn,
                       float alpha0, float alpha1, int64_t d) {
 #ifdef SEK_VW
-    if (d % (SEK_PV_SLICE2 * SEK_VW) == 0) {
-        for (int64_t i = 0; i < d; i += SEK_PV_SLICE2 * SEK_VW)
+    if (d % SEK_VW == 0) {
+        int64_t i = 0;
+        for (; i + SEK_PV_SLICE2 * SEK_VW <= d; i += SEK_PV_SLICE2 * SEK_VW)
             pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, SEK_PV_SLICE2);
+        switch ((d - i) / SEK_VW) { /* the rest of a head (d = 64 with AVX-512: 4 vectors), as a slice of its own */
+        case 0: break;
+        case 1: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 1); break;
+        case 2: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 2); break;
+        case 3: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 3); break;
+        case 4: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 4); break;
+        case 5: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 5); break;
+        case 6: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 6); break;
+        default: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 7); break;
+        }
         return;
     }
 #endif
