@@ -423,9 +423,9 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, int64
     }
     for (int64_t j0 = 0; j0 < cmax; j0 += SEK_SUB)
         for (int64_t p = 0; p < nq; p++) { /* rows after the chunk's first: alpha 1 (acc * 1, as axpby does) */
-            if (j0 >= cn[p]) continue;
-            const int64_t n = (j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p]) - j0;
-            if (p + 1 < nq && j0 < cn[p + 1] && (j0 + SEK_SUB < cn[p + 1] ? j0 + SEK_SUB : cn[p + 1]) - j0 == n) {
+            const int64_t n = (j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p]) - j0; /* query p's rows from j0 */
+            if (n <= 0) continue;
+            if (p + 1 < nq && (j0 + SEK_SUB < cn[p + 1] ? j0 + SEK_SUB : cn[p + 1]) - j0 == n) {
                 pv_chunk2(acc + p * d, acc + (p + 1) * d, vc + (c0 + j0) * d, pr[p] + j0, pr[p + 1] + j0, n,
                           j0 ? 1.f : alpha[p], j0 ? 1.f : alpha[p + 1], d);
                 p++; /* two queries with the same rows of this chunk (heads of one row): one pass over them */

@@ -590,7 +590,7 @@ static inline __attribute__((always_inline)) void strip_sb_vnni512(const sek_row
  * 0.78-0.89x the time of 10-row passes over single tiles, Q4_K 0.91-0.96x (one thread, in cache, Zen 5). */
 static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {
     const int sb = w->sc != NULL, wide_sb = sb && x->m > SEK_RMAX_SB + 1 && x->m <= SEK_RMAX;
-    const int rmax = sb && !wide_sb ? SEK_RMAX_SB : sb || x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;
+    const int rmax = sb ? (wide_sb ? SEK_RMAX : SEK_RMAX_SB) : x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;
     /* Two tiles side by side share each activation broadcast, which pays at many rows and along long rows of
      * weights; a short row of weights (K < SEK_PAIR_K) read by few rows goes faster as one stream, a tile at a time
      * (one thread, out of cache, K = 896 / 1536: 8-25 % faster at 1-5 rows, the Q6_K head's blocks 20-23 % at 1-2
