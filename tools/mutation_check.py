@@ -147,6 +147,12 @@ PLANTS = {
     "auto's catch-up spread over the request again, not over the model rounds' runs": (
         "runtime/adaptive.py", "return catchup * max(1.0, horizon / run)", "return catchup",
         ["tests/runtime/test_adaptive.py"]),
+    "auto prices a request's catch-up over short runs before it has shown whether it copies": (
+        "runtime/adaptive.py", "            run = max(run, self.UNSURE_SHARE * horizon)\n", "",
+        ["tests/runtime/test_adaptive.py"]),
+    "auto's probe overrides the estimate's choice of prompt lookup": (
+        "runtime/adaptive.py", "        if d.kind == \"prompt-lookup\":\n            self._probe_left = 0\n", "",
+        ["tests/runtime/test_adaptive.py"]),
     "auto's lookup learns only from the rounds it ran": (
         "runtime/adaptive.py", "            self._learn_lookup(tokens, *self._shadow)\n", "",
         ["tests/runtime/test_adaptive.py"]),

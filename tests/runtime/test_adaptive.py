@@ -476,17 +476,23 @@ def test_short_model_runs_of_copying_requests_do_not_price_the_draft_out_of_othe
     c.model_tried, c.model_streak = True, 2.0
     c.model_acceptance = Acceptance(successes=95, failures=5)
     auto = AutoDrafter(c, PromptLookupDrafter(ngram_max=3, ngram_min=2), BehindModel(behind=50))
+    auto.UNSURE_SHARE = 0.0  # its first COPY_TOKENS priced as a copying request's (the test after this one: how not)
     # a text without repeats (no lookup match) or one that repeats itself throughout (a match every round)
     text = list(np.tile(np.arange(10, 22), 5)) if copying else list(range(10, 70))
-    params, rng = SamplingParams(max_new_tokens=96), np.random.default_rng(0)
+    params, rng = SamplingParams(max_new_tokens=512), np.random.default_rng(0)
     kinds = []
     for _ in range(AutoDrafter.COPY_TOKENS + 4):
         prop = auto.propose(np.array(text, dtype=np.int64), 8, params, rng)
         kinds.append(auto._last[0])
         auto.commit(len(prop.tokens))  # everything passes
-        text += list(prop.tokens) + [text[-12] if copying else text[-1] + 1]
-    if copying:  # the learned runs: the prompt's catch-up spread over 2 rounds does not pay, lookup does
+        text += list(prop.tokens)
+        text.append(text[-12] if copying else text[-1] + 1)  # the period goes on (the tokens passed are its own)
+    if copying:  # the learned runs: the prompt's catch-up spread over 2 rounds does not pay, lookup does ...
         assert "model" not in kinds and "prompt-lookup" in kinds, kinds
+        assert len(text) - auto._start >= AutoDrafter.COPY_TOKENS  # (it has shown that it copies)
+        text += [999, 998]  # ... nor in a gap, where lookup has no match
+        auto.propose(np.array(text, dtype=np.int64), 8, params, rng)
+        assert auto._last[0] == "none"
     else:  # after its first rounds (which may not match in a copying request either), the draft
         assert "model" in kinds, kinds
 
@@ -529,3 +535,38 @@ def test_the_lookups_acceptance_is_learned_from_the_rounds_it_did_not_run():
     assert kinds[0] == "model" and "prompt-lookup" in kinds[:6], kinds
     assert auto.alpha["prompt-lookup"].alpha > 0.8
     assert auto._copied > 0.8 * (len(tokens) - 2 * len(period))  # the text is all copies
+
+
+def test_a_probe_ends_where_the_estimate_picks_prompt_lookup():
+    """A probe whose drafts all pass goes on (each round longer), so that a good draft is learned against what
+    earlier requests carried over. It ran on past the point where the estimate chose prompt lookup: after chat
+    answers, an edit whose draft passed every probe round ran the draft model to its end (18 rounds of 4 tokens)
+    where lookup ran at 2.09x plain against the model's 1.50x (replayed: auto 0.85x the best fixed configuration on
+    the edit suite)."""
+    model = ScriptedModel()
+    auto = AutoDrafter(costs(), PromptLookupDrafter(ngram_max=3, ngram_min=2), model)
+    auto.alpha["prompt-lookup"] = Acceptance(successes=50, failures=1)  # lookup's matches pass
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    tokens = np.array([5, 6, 7, 8, 9, 5, 6, 7], dtype=np.int64)  # lookup has a match
+    model.rows = len(tokens) - 1
+    auto._probe_left, auto._probe_k = 1, 8  # a probe going on
+    assert decide(auto.costs, auto.alpha["prompt-lookup"].alpha, 3, auto.alpha["model"].alpha, 8).kind \
+        == "prompt-lookup"
+    auto.propose(tokens, 8, params, rng)
+    assert auto._last[0] == "prompt-lookup" and auto._probe_left == 0
+
+
+def test_until_a_request_shows_whether_it_copies_its_catch_up_is_not_priced_over_short_runs():
+    """A request is taken to copy until COPY_TOKENS are committed, and a copying request's catch-up is priced over
+    the runs of model rounds learned. One summary whose model rounds alternated with lookup rounds left runs of ~2
+    rounds; the JSON answers after it ran plain for their first 24 tokens (0.56-0.73x model:4). Until the request
+    shows whether it copies, a run is taken to last at least UNSURE_SHARE of it."""
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.111})
+    c.model_tried, c.model_streak = True, 2.0
+    c.model_acceptance = Acceptance(successes=95, failures=5)
+    auto = AutoDrafter(c, PromptLookupDrafter(ngram_max=3, ngram_min=2), BehindModel(behind=50))
+    assert auto._streak_priced(0.1, 90, 8, sure=False) == pytest.approx(0.1 / AutoDrafter.UNSURE_SHARE)
+    assert auto._streak_priced(0.1, 90, 8) > 0.1 / AutoDrafter.UNSURE_SHARE  # the learned runs, once it is known
+    text = list(range(10, 70))  # no repeats: nothing for lookup
+    auto.propose(np.array(text, dtype=np.int64), 8, SamplingParams(max_new_tokens=96), np.random.default_rng(0))
+    assert auto._last[0] == "model"
