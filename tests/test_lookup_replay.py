@@ -221,3 +221,11 @@ def test_retime_refuses_traces_of_another_bundle(bundles, tmp_path, monkeypatch,
     with pytest.raises(SystemExit):
         lr.main()
     assert "give --traces" in capsys.readouterr().err
+
+
+def test_requests_replay_in_the_order_of_suites_asked():
+    lr = load()
+    run = {"bundle": "b", "rows": [{"id": i} for i in ("code-0", "code-1", "edit-0", "json-0", "json-1", "chat-0")]}
+    out = lr.in_order(run, "json, edit")
+    assert [r["id"] for r in out["rows"]] == ["json-0", "json-1", "edit-0", "code-0", "code-1", "chat-0"]
+    assert out["order"] == "json,edit" and [r["id"] for r in run["rows"]][0] == "code-0"  # (a copy)

@@ -5,6 +5,8 @@
                                   [--save-traces F]
     python tools/lookup_replay.py --traces F [--traces G ...]        # replay saved traces again (no model run)
     python tools/lookup_replay.py --traces F --retime BUNDLE          # ... at step times taken now
+    python tools/lookup_replay.py --traces F [--traces G] --drift 8 --order code,edit,chat,summarize,json \
+        --order json,summarize,edit,chat,code ...                     # auto in several request orders
 
 Greedy output does not depend on the drafter (speculative = plain, bitwise), so one plain generation per prompt
 fixes what every drafter's tokens would be checked against. This tool makes those traces with the bundle, takes
@@ -38,6 +40,7 @@ import argparse
 import functools
 import json
 import sys
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -348,6 +351,12 @@ def main() -> int:
                     help="replay auto under N histories of a machine whose speed changes (phases of a shared VM: "
                     "Drift) and score its decisions at the measured step times (the mean over the N); default 0: "
                     "a steady machine")
+    ap.add_argument("--order", action="append", default=[], metavar="SUITES",
+                    help="replay the traces' requests in this order of suites (comma-separated: code,json,...; a "
+                    "suite's prompts keep their order, suites not named come last); repeat for several orders: "
+                    "auto's cost model carries over from request to request, so what it learned on one kind of "
+                    "request prices the next. Ends with every order's auto+model / best fixed per suite and their "
+                    "geometric mean and lowest")
     a = ap.parse_args()
     if a.drift < 0:
         ap.error(f"--drift must be >= 0, got {a.drift}")
@@ -357,7 +366,7 @@ def main() -> int:
         ap.error("give a BUNDLE or --traces FILE")
     if a.retime and not a.traces:
         ap.error("--retime re-times saved traces: give --traces FILE")
-    runs = ([_read_traces(ap, f) for f in a.traces] if a.traces
+    runs = ([{**_read_traces(ap, f), "file": Path(f).name} for f in a.traces] if a.traces
             else [make_traces(a.bundle, a.suite.split(","), a.max_new_tokens, a.prompts, a.step_stat)])
     if a.retime:
         from specedge.runtime import SpecDecoder
@@ -371,6 +380,9 @@ def main() -> int:
     if a.save_traces:
         with open(a.save_traces, "w") as fh:
             json.dump(runs[0], fh)
+    if a.order:
+        runs = [in_order(run, order) for order in a.order for run in runs]
+    cells: list[tuple[str, str, float]] = []  # (run and order, suite, auto+model / the best fixed configuration)
     ks = [int(x) for x in a.k.split(",")]
     for run in runs:
         steps = {int(T): s for T, s in run["steps"].items()}
@@ -440,7 +452,29 @@ def main() -> int:
         if by_suite:
             print("\nauto+model / the best fixed configuration (geometric mean, min): " + ", ".join(
                 f"{name} {np.exp(np.mean(np.log(v))):.3f} ({min(v):.2f})" for name, v in by_suite.items()))
+            label = run.get("file", run["bundle"]) + (f" [{run['order']}]" if run.get("order") else "")
+            cells += [(label, name, float(np.exp(np.mean(np.log(v))))) for name, v in by_suite.items()]
+    if a.order and cells:
+        print("\n## auto+model / the best fixed configuration per suite, in every order replayed\n")
+        for label in dict.fromkeys(c[0] for c in cells):
+            print(f"- {label}: " + ", ".join(f"{s} {v:.3f}" for lb, s, v in cells if lb == label))
+        vals = [v for _, _, v in cells]
+        worst = min(cells, key=lambda c: c[2])
+        print(f"\nover {len(vals)} (trace set, order, suite): geometric mean {np.exp(np.mean(np.log(vals))):.4f}, "
+              f"{sum(v < 0.9 for v in vals)} below 0.9, lowest {worst[2]:.3f} ({worst[1]}, {worst[0]})")
     return 0
+
+
+def in_order(run: dict, order: str) -> dict:
+    """``run`` with its requests sorted by the suites of ``order`` (comma-separated; a suite's own prompts keep
+    their order, suites not named come after)."""
+    names = [s.strip() for s in order.split(",") if s.strip()]
+
+    def rank(i_row: tuple[int, dict]) -> tuple[int, int]:
+        suite = i_row[1]["id"].rsplit("-", 1)[0]
+        return (names.index(suite) if suite in names else len(names), i_row[0])
+
+    return {**run, "order": ",".join(names), "rows": [row for _, row in sorted(enumerate(run["rows"]), key=rank)]}
 
 
 def _read_traces(ap: argparse.ArgumentParser, path: str) -> dict:
