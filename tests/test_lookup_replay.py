@@ -229,3 +229,17 @@ def test_requests_replay_in_the_order_of_suites_asked():
     out = lr.in_order(run, "json, edit")
     assert [r["id"] for r in out["rows"]] == ["json-0", "json-1", "edit-0", "code-0", "code-1", "chat-0"]
     assert out["order"] == "json,edit" and [r["id"] for r in run["rows"]][0] == "code-0"  # (a copy)
+
+
+def test_an_order_naming_a_suite_the_traces_lack_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    lr = load()
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"bundle": "b", "k": 4, "ngram": [8, 2], "steps": {"2": 0.04}, "cpu": "c",
+                             "cpu_flags": "", "rows": [{"id": "code-0", "prompt": [1, 2], "output": [3, 4]}]}))
+    monkeypatch.setattr(sys, "argv", ["lookup_replay.py", "--traces", str(f), "--order", "code,jsn"])
+    with pytest.raises(SystemExit):
+        lr.main()
+    assert "jsn" in capsys.readouterr().err

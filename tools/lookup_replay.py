@@ -379,8 +379,13 @@ def main() -> int:
         runs = [retime(run, dec, a.step_stat) for run in runs]
     if a.save_traces:
         with open(a.save_traces, "w") as fh:
-            json.dump(runs[0], fh)
+            json.dump({k: v for k, v in runs[0].items() if k != "file"}, fh)
     if a.order:
+        suites = {row["id"].rsplit("-", 1)[0] for run in runs for row in run["rows"]}
+        unknown = sorted({s.strip() for order in a.order for s in order.split(",") if s.strip()} - suites)
+        if unknown:
+            ap.error(f"--order names suites the traces do not have: {', '.join(unknown)} "
+                     f"(they have {', '.join(sorted(suites))})")
         runs = [in_order(run, order) for order in a.order for run in runs]
     cells: list[tuple[str, str, float]] = []  # (run and order, suite, auto+model / the best fixed configuration)
     ks = [int(x) for x in a.k.split(",")]
@@ -470,11 +475,11 @@ def in_order(run: dict, order: str) -> dict:
     their order, suites not named come after)."""
     names = [s.strip() for s in order.split(",") if s.strip()]
 
-    def rank(i_row: tuple[int, dict]) -> tuple[int, int]:
-        suite = i_row[1]["id"].rsplit("-", 1)[0]
-        return (names.index(suite) if suite in names else len(names), i_row[0])
+    def rank(row: dict) -> int:  # (sorted is stable: a suite's prompts keep their order)
+        suite = row["id"].rsplit("-", 1)[0]
+        return names.index(suite) if suite in names else len(names)
 
-    return {**run, "order": ",".join(names), "rows": [row for _, row in sorted(enumerate(run["rows"]), key=rank)]}
+    return {**run, "order": ",".join(names), "rows": sorted(run["rows"], key=rank)}
 
 
 def _read_traces(ap: argparse.ArgumentParser, path: str) -> dict:
