@@ -28,7 +28,9 @@ request's own pace (``decide``'s ``gap`` and ``pace``). Prompt lookup is asked e
 have proposed in rounds it did not run is checked against the committed text too: its acceptance
 (and how much of the request it matches) is learned from every round. The step costs and the
 draft's acceptance live in the decoder's :class:`CostModel`, so a request starts from what the
-earlier ones measured.
+earlier ones measured; but until its own draft rounds speak, a request's prior for the draft is what its
+target's confidence predicts (:class:`TargetSplit`: the share of its tokens the target was sure of, from the
+top-1 probabilities the decoder passes for its first ``CONF_WINDOW`` tokens), not what other kinds of text left.
 
 Inside a model round drafting stops early when the draft's top probability falls below a
 threshold learned online: acceptance is tracked per confidence bin, and a token is drafted
@@ -93,6 +95,7 @@ class CostModel:
     model_streak: float = 32.0  # rounds a run of draft-model rounds lasts before another kind (running; prior: long)
     model_acceptance: Acceptance = field(default_factory=lambda: Acceptance())
     gate: ConfidenceGate = field(default_factory=lambda: ConfidenceGate())
+    target_split: TargetSplit = field(default_factory=lambda: TargetSplit())
 
     def verify_time(self, n: int) -> float:
         """Time of the target step that n tokens run in (the smallest width >= n)."""
@@ -200,11 +203,44 @@ class Acceptance:
         if total > weight:
             self.successes, self.failures = self.successes * weight / total, self.failures * weight / total
 
+    def reseed(self, alpha: float, weight: float) -> None:
+        """The estimate ``alpha`` at ``weight`` tokens of evidence (a request's prior from its target's confidence)."""
+        self.successes, self.failures = alpha * weight, (1.0 - alpha) * weight
+
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         self.successes = self.decay * self.successes + accepted
         self.failures = self.decay * self.failures + (1.0 if accepted < drafted else 0.0)
+
+
+@dataclass
+class TargetSplit:
+    """How often the draft's token passes where the target is sure of its next token (top-1 probability above
+    ``SURE``) and where it is not, learned from the verify rows of draft-model rounds. The target's confidence is
+    there in every round, plain ones too, so a request's share of sure tokens predicts the draft's acceptance on it
+    before the draft has run (``predict``). Measured on the Qwen pair (teacher-forced over the suites' answers,
+    docs/benchmarks.md, twenty-first session): where the 1.5B target was more than 90 % sure, the 0.5B draft agreed
+    89-100 % of the time, elsewhere mostly 60-70 %; JSON answers had 85-94 % sure tokens, chat answers 27-33 %.
+    Prior: those rates, worth ``PRIOR`` tokens each."""
+
+    SURE = 0.9
+    PRIOR = 4.0
+    agreed: np.ndarray = field(default_factory=lambda: np.array([0.65, 0.95]) * TargetSplit.PRIOR)
+    seen: np.ndarray = field(default_factory=lambda: np.full(2, TargetSplit.PRIOR))
+
+    def record(self, confs: list[float], accepted: int) -> None:
+        """Verify rows 0.. of a draft-model round, with their target top-1 probabilities ``confs``: the first
+        ``accepted`` drafts passed, the next one (if any) did not."""
+        for i, c in enumerate(confs[: accepted + 1]):
+            b = int(c > self.SURE)
+            self.seen[b] += 1
+            self.agreed[b] += 1.0 if i < accepted else 0.0
+
+    def predict(self, sure_share: float) -> float:
+        """The draft's expected acceptance on text with this share of sure tokens."""
+        lo, hi = self.agreed / self.seen
+        return float(sure_share * hi + (1.0 - sure_share) * lo)
 
 
 @dataclass
@@ -326,6 +362,10 @@ class AutoDrafter:
     COPY_TOKENS = 24  # tokens before a request's share says it does not copy (a summary's first ones may not match)
     # ... and until then, the runs a catch-up is spread over are taken to be at least this share of the request
     UNSURE_SHARE = 0.2
+    CONF_TOKENS = 4  # target confidences a request needs before their share of sure ones sets the draft's prior
+    # ... and the request's first tokens whose confidences the decoder computes (a softmax over the vocabulary per
+    # row: ~0.13 ms for Qwen's 151,936 logits, so not every round's; see ``wants_confidence``)
+    CONF_WINDOW = 64
     clock = staticmethod(time.perf_counter)  # the request's pace is timed with it (tests set their own)
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
@@ -368,6 +408,7 @@ class AutoDrafter:
         self._gaps = (0, 0)  # tokens and number of this request's gaps between lookup matches, ended so far
         self._copied = 0  # tokens of this request's text its lookup proposals matched (run or not: ``_learn_lookup``)
         self._streak = 0  # model rounds in a row so far
+        self._sure = [0, 0]  # this request's committed tokens the target was sure of (TargetSplit.SURE), and all
 
     def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
         if k <= 0:  # the last token of a request: nothing to draft
@@ -391,6 +432,12 @@ class AutoDrafter:
         horizon = min(self.HORIZON_CAP, max(1, params.max_new_tokens - 1 - (len(tokens) - self._start)))
         if self.model is not None and catchup > 0 and self._copying(len(tokens) - self._start):
             catchup = self._streak_priced(catchup, horizon, k, sure=len(tokens) - self._start >= self.COPY_TOKENS)
+        if self.model is not None and not self.rounds.get("model") and self._sure[1] >= self.CONF_TOKENS:
+            # until the request's own draft rounds speak, its prior is what its target's confidence predicts, not what
+            # the earlier requests carried: a JSON answer after chats and summaries carried their 0.71 and ran plain
+            # where model:4 ran 1.4-1.8x (docs/benchmarks.md, twenty-first session)
+            self.alpha["model"].reseed(self.costs.target_split.predict(self._sure[0] / self._sure[1]),
+                                       self.CARRY_WEIGHT)
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
         gap, pace = self._gap(tokens, len(look.tokens) > 0, params, rng)
         behind_prompt = sum(plan) > len(tokens) - self._start + 1  # the draft has not seen the whole prompt
@@ -550,6 +597,23 @@ class AutoDrafter:
         probe round whose drafts all pass doubles the next one's length (a 2-token round also pays an extra draft
         step for the bonus token the draft has not seen: half again the drafting of a 4-token round)."""
         return Decision(d.kind, min(d.k, self._probe_k), d.rate) if d.kind == "model" else d
+
+    def wants_confidence(self) -> bool:
+        """Whether the decoder should pass the round just committed's target confidences (``observe_confidence``):
+        only with a draft model, and only in the request's first ``CONF_WINDOW`` tokens. Its prior needs them only
+        before its first draft-model round, and ``TargetSplit`` learns well enough from every request's first
+        ones."""
+        return self.model is not None and self._sure[1] < self.CONF_WINDOW
+
+    def observe_confidence(self, confs: list[float]) -> None:
+        """The target's top-1 probability at each row of the round just committed (rows 0..m: the m accepted drafts'
+        and the target's own token): a draft-model round's rows teach ``CostModel.target_split`` what the draft
+        passes where the target is sure, and every round's rows add to the request's share of sure tokens."""
+        kind, n = self._last
+        if kind == "model" and n:
+            self.costs.target_split.record(list(confs[:n]), min(len(confs) - 1, n))
+        self._sure[0] += sum(c > TargetSplit.SURE for c in confs)
+        self._sure[1] += len(confs)
 
     def commit(self, n_accepted: int) -> None:
         kind, n = self._last

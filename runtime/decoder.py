@@ -31,8 +31,8 @@ from .drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, Drafter, ModelDrafte
 from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError
 from .manifest import (INTGEMM_FORMAT, MANIFEST_NAME, SEK_ATTENTION, SEK_FORMAT, VERIFY_MODES, Manifest,
                        read_manifest)
-from .sampling import (SamplingParams, accept_argmax, choose_next, process_logits, verify_greedy, verify_keyed,
-                       verify_sampled)
+from .sampling import (SamplingParams, accept_argmax, choose_next, process_logits, top1_probability, verify_greedy,
+                       verify_keyed, verify_sampled)
 from .stats import Stats
 from .text import IncrementalDetokenizer, TextCodec
 
@@ -398,6 +398,9 @@ class SpecDecoder:
         if guess and self._costs is not None:
             self._costs.observe_guess(m)  # what plain rounds really yield, for auto's choice
         drafter.commit(0 if guess else m)
+        wants = getattr(drafter, "wants_confidence", None)  # auto's prior (greedy on next_ids graphs: no logits)
+        if not ids_only and wants is not None and wants():
+            drafter.observe_confidence(top1_probability(out[: m + 1]))  # the rows whose tokens this round commits
         st.record_round(0 if guess else len(prop.tokens), 0 if guess else m, guessed=m if guess else None)
         ev = self._commit(req, [*prop.tokens[:m].tolist(), nxt])
         t3 = time.perf_counter()

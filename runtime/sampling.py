@@ -188,6 +188,13 @@ def verify_keyed(p_target: np.ndarray, draft_tokens: np.ndarray, seed: int, posi
     raise AssertionError("unreachable")
 
 
+def top1_probability(logits: np.ndarray) -> list[float]:
+    """The softmax's largest probability in each row of logits [n, V] (the model's own, at temperature 1): how
+    sure it is of its next token."""
+    rows = np.asarray(logits, dtype=np.float32)
+    return (1.0 / np.exp(rows - rows.max(axis=-1, keepdims=True)).sum(axis=-1)).tolist()
+
+
 def choose_next(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
                 position: int | None = None) -> int:
     """Plain sampling of one token from logits [V] (greedy at temperature 0) for sequence ``position``

@@ -49,7 +49,7 @@ from specedge.runtime.adaptive import AutoDrafter, CostModel
 from specedge.runtime.drafters import (
     DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, EMPTY, Drafter, NoDrafter, PromptLookupDrafter, Proposal,
 )
-from specedge.runtime.sampling import SamplingParams
+from specedge.runtime.sampling import SamplingParams, top1_probability
 
 PARAMS = SamplingParams(max_new_tokens=1 << 30)
 
@@ -65,6 +65,7 @@ def make_traces(bundle: str, suites: list[str], max_new: int, prompts: str | Non
         prompt, chat = bp.as_request()
         r = dec.generate(prompt, SamplingParams(max_new_tokens=max_new), drafter="none", chat=chat)
         row = {"id": bp.id, "prompt": dec.encode_prompt(prompt, chat), "output": r.token_ids}
+        row["target_conf"] = target_confidences(dec, row["prompt"] + row["output"], len(row["prompt"]))
         if dec.draft_runner is not None:
             row["draft_next"], row["draft_conf"] = draft_choices(dec, row["prompt"] + row["output"], len(row["prompt"]))
         rows.append(row)
@@ -100,6 +101,20 @@ def retime(run: dict, dec, stat: str = "median") -> dict:  # noqa: ANN001
     return out
 
 
+def target_confidences(dec, seq: list[int], n_prompt: int) -> list[float]:  # noqa: ANN001
+    """The target's top-1 probability for each output token seq[n_prompt:], given the text before it: the sequence
+    teacher-forced through the target's widest all-logits step (rows are the same at every width on a
+    batch-invariant target; elsewhere close)."""
+    runner = dec.target
+    w = max(x.T for x in runner.entry.widths if x.L == x.T)
+    conf: list[float] = []
+    for a in range(0, len(seq) - 1, w):
+        chunk = seq[a: min(a + w, len(seq) - 1)]
+        p = top1_probability(np.asarray(runner.step(chunk, a, all_logits=True)).reshape(len(chunk), -1))
+        conf += [float(p[i]) for i in range(len(chunk)) if a + i + 1 >= n_prompt]  # row i predicts seq[a + i + 1]
+    return conf
+
+
 def draft_choices(dec, seq: list[int], n_prompt: int) -> tuple[list[int], list[float]]:  # noqa: ANN001
     """The draft's greedy token and its top probability after seq[:n], for n = n_prompt + 1 .. len(seq) - 1: what
     a draft round starting at n proposes while its drafts agree with the text. One draft step per position (the
@@ -128,7 +143,7 @@ def accepted(draft: np.ndarray, future: list[int]) -> int:
 def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, steps: dict[int, float],
            k: int, ngram_max: int, costs: CostModel | None = None,
            model: "ReplayModel | None" = None, max_new: int | None = None,
-           drift: "Drift | None" = None) -> tuple[float, int]:
+           drift: "Drift | None" = None, target_conf: list[float] | None = None) -> tuple[float, int]:
     """Seconds of steps and rounds to decode seq[n_prompt + 1:] (the prefill gave seq[n_prompt]) with the drafter,
     under the decoder's rules: an empty proposal runs a plain round — at width 2 with the free guess (the decoder's
     own guesser) in its second row where the target has no width-1 step, else a width-1 step; a round commits the
@@ -137,7 +152,9 @@ def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, 
     with, whose catch-ups and draft steps count; ``max_new``: the request's max_new_tokens (what ``auto`` spreads a
     catch-up over; default: unbounded); ``drift``: the machine's speed changing under the run (``Drift``): the
     drafter observes (and times its pace by) the drifted seconds, and the seconds returned are still ``steps``'s,
-    so that they score its decisions, not the luck of the phases it ran in."""
+    so that they score its decisions, not the luck of the phases it ran in. ``target_conf``: the target's top-1
+    probability for each output token (the trace's ``target_conf``), passed to a drafter that asks for it as the
+    decoder passes it (``observe_confidence``: the rows each round commits)."""
     costs = CostModel(dict(steps)) if costs is None else costs
     drafter = make(costs)
     drafter.reset()
@@ -163,6 +180,8 @@ def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, 
         if guess:
             costs.observe_guess(m)
         drafter.commit(0 if guess else m)
+        if target_conf is not None and getattr(drafter, "wants_confidence", lambda: False)():
+            drafter.observe_confidence(target_conf[n - n_prompt: n - n_prompt + m + 1])
         nominal = width_time(steps, len(draft) + 1)
         seconds = nominal if drift is None else drift.felt(now[0], nominal)
         costs.observe_target(len(draft) + 1, seconds)
@@ -442,7 +461,8 @@ def main() -> int:
                 for d, c in zip(drifts, carried):
                     m2 = model()
                     auto_model.append(replay(lambda c: AutoDrafter(c, PromptLookupDrafter(nmax, nmin), m2), seq, P,
-                                             steps, K, nmax, costs=c, model=m2, max_new=mx, drift=d)[0])
+                                             steps, K, nmax, costs=c, model=m2, max_new=mx, drift=d,
+                                             target_conf=row.get("target_conf"))[0])
                 t["auto+model"] = float(np.mean(auto_model))
                 fixed = min(t[c] for c in cols[1:] if c.startswith(("lookup:", "model:")))
                 by_suite.setdefault(row["id"].rsplit("-", 1)[0], []).append(fixed / t["auto+model"])

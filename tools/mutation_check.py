@@ -153,6 +153,15 @@ PLANTS = {
     "auto's probe overrides the estimate's choice of prompt lookup": (
         "runtime/adaptive.py", "        if d.kind == \"prompt-lookup\":\n            self._probe_left = 0\n", "",
         ["tests/runtime/test_adaptive.py"]),
+    "auto keeps the carried acceptance whatever the request's target confidence predicts": (
+        "runtime/adaptive.py", "not self.rounds.get(\"model\") and self._sure[1] >= self.CONF_TOKENS",
+        "False", ["tests/runtime/test_adaptive.py"]),
+    "auto's split learns from the bonus row of a round whose drafts all passed": (
+        "runtime/adaptive.py", "target_split.record(list(confs[:n])", "target_split.record(list(confs)",
+        ["tests/runtime/test_adaptive.py"]),
+    "the decoder computes the target's confidence in every round of a request": (
+        "runtime/decoder.py", "if not ids_only and wants is not None and wants():",
+        "if not ids_only and wants is not None:", ["tests/runtime/test_decoder.py"]),
     "auto's lookup learns only from the rounds it ran": (
         "runtime/adaptive.py", "            self._learn_lookup(tokens, *self._shadow)\n", "",
         ["tests/runtime/test_adaptive.py"]),

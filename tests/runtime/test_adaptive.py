@@ -7,7 +7,7 @@ import pytest
 
 from specedge.runtime import SamplingParams
 from specedge.runtime.adaptive import (
-    Acceptance, AutoDrafter, ConfidenceGate, CostModel, decide, expected_tokens_per_round,
+    Acceptance, AutoDrafter, ConfidenceGate, CostModel, TargetSplit, decide, expected_tokens_per_round,
 )
 from specedge.runtime.drafters import NoDrafter, Proposal, PromptLookupDrafter
 
@@ -125,10 +125,10 @@ class ScriptedModel:
         self.calls += 1
         n = k
         for i in range(1, k):
-            if keep is not None and not keep(0.9):
+            if keep is not None and not keep(self.confidence):
                 n = i
                 break
-        self.confidences, self.step_time = [0.9] * n, 0.01
+        self.confidences, self.step_time = [self.confidence] * n, 0.01
         self.rows = len(tokens) - 1 + n  # always caught up: no catch-up cost
         return Proposal(np.full(n, 7, dtype=np.int64), None)
 
@@ -570,3 +570,101 @@ def test_until_a_request_shows_whether_it_copies_its_catch_up_is_not_priced_over
     text = list(range(10, 70))  # no repeats: nothing for lookup
     auto.propose(np.array(text, dtype=np.int64), 8, SamplingParams(max_new_tokens=96), np.random.default_rng(0))
     assert auto._last[0] == "model"
+
+
+def test_the_target_split_learns_how_often_the_draft_passes_where_the_target_is_sure_and_where_not():
+    split = TargetSplit()
+    assert split.predict(1.0) == pytest.approx(0.95) and split.predict(0.0) == pytest.approx(0.65)  # the prior
+    for _ in range(200):
+        split.record([0.99, 0.97, 0.5, 0.99], accepted=2)  # the sure rows' drafts passed, the unsure one failed
+        split.record([0.4], accepted=1)  # ... an unsure one passed (a round's rows are its drafts': no bonus row)
+    lo, hi = split.agreed / split.seen
+    assert hi > 0.98 and lo == pytest.approx(0.5, abs=0.02)
+    assert split.predict(0.5) == pytest.approx((hi + lo) / 2)
+
+
+QWEN = {1: 0.036, 2: 0.039, 4: 0.045, 5: 0.047, 9: 0.070}  # the specedge Qwen pair's step costs
+
+
+def run_request(auto: AutoDrafter, rounds: int, sure: float, passes: bool) -> list[tuple[str, int]]:
+    """Rounds of a request with no repeated n-gram, the decoder's way: propose, commit (the draft's tokens all pass
+    or all fail), then the committed rows' target confidences (``sure`` each) while the drafter asks for them."""
+    tokens = np.arange(10, 40, dtype=np.int64)
+    params, rng = SamplingParams(max_new_tokens=200), np.random.default_rng(0)
+    kinds = []
+    for _ in range(rounds):
+        prop = auto.propose(tokens, 8, params, rng)
+        kinds.append((auto._last[0], len(prop.tokens)))
+        m = len(prop.tokens) if passes else 0
+        auto.commit(m)
+        if auto.wants_confidence():
+            auto.observe_confidence([sure] * (m + 1))
+    return kinds
+
+
+def test_a_request_the_target_is_sure_of_drafts_in_full_whatever_the_last_ones_carried(monkeypatch):
+    """The draft's acceptance carries over from request to request. After chat answers, whose drafts failed, a JSON
+    answer started believing the draft does not pay: plain rounds, then short probes, where model:4 ran 1.4-1.8x
+    plain. Where the target is sure of most tokens the draft mostly agrees with it, so until its own draft rounds
+    speak, the request's prior is what its target's confidence predicts (``TargetSplit``)."""
+    c = CostModel(dict(QWEN), 0.0137)
+    chat = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel(confidence=0.4))  # the draft is unsure there too
+    run_request(chat, 40, sure=0.5, passes=False)
+    assert c.model_tried and c.model_acceptance.alpha < 0.3
+    monkeypatch.setattr(AutoDrafter, "FIRST_PROBE", 2 * AutoDrafter.CONF_TOKENS)  # no probe in the way
+    json_answer = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel())
+    kinds = run_request(json_answer, 12, sure=0.99, passes=True)
+    first = next(i for i, (kind, _) in enumerate(kinds) if kind == "model")
+    assert first == AutoDrafter.CONF_TOKENS and kinds[first][1] > AutoDrafter.PROBE_K, kinds  # drafting, not a probe
+
+
+def test_a_request_the_target_is_unsure_of_does_not_draft_on_what_the_last_ones_carried():
+    """The converse: after JSON answers (the draft passed), a summary copies its first sentence from the prompt
+    (prompt lookup) and then writes its own, where the target is unsure. The carried acceptance would run the draft
+    there; the target's confidence says it will not pay."""
+    c = CostModel(dict(QWEN), 0.0137)
+    run_request(AutoDrafter(c, PromptLookupDrafter(), ScriptedModel()), 40, sure=0.99, passes=True)  # JSON
+    assert c.model_acceptance.alpha > 0.9
+    summary = AutoDrafter(c, PromptLookupDrafter(ngram_max=3, ngram_min=2), ScriptedModel())
+    summary.alpha["prompt-lookup"] = Acceptance(successes=50, failures=1)
+    params, rng = SamplingParams(max_new_tokens=200), np.random.default_rng(0)
+    copying = np.array([5, 6, 7, 8, 9, 5, 6, 7], dtype=np.int64)  # lookup has a match
+    kinds = []
+    for tokens in [copying] * 3 + [np.arange(10, 40, dtype=np.int64)] * 6:  # then no match
+        prop = summary.propose(tokens, 8, params, rng)
+        kinds.append((summary._last[0], len(prop.tokens)))
+        m = len(prop.tokens) if kinds[-1][0] == "prompt-lookup" else 0
+        summary.commit(m)
+        summary.observe_confidence([0.3] * (m + 1))
+    assert kinds[:3] == [("prompt-lookup", 4)] * 3, kinds
+    # at most one short round where the gap's pace tempts it (carried, the draft ran 21 tokens in 5 rounds here)
+    assert sum(n for kind, n in kinds[3:] if kind == "model") <= 3 and kinds[-4:] == [("none", 0)] * 4, kinds
+
+
+def test_a_draft_rounds_rows_teach_the_split_what_its_drafts_did():
+    c = CostModel(dict(QWEN), 0.0137)
+    c.model_tried, c.model_acceptance = True, Acceptance(successes=95, failures=5)
+    auto = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel())
+    tokens, params, rng = np.arange(10, 40, dtype=np.int64), SamplingParams(max_new_tokens=200), np.random.default_rng()
+    split = c.target_split
+    for commit, confs, seen, agreed in [(4, [0.99] * 5, [0, 4], [0, 4]),  # all passed: row 4 is the target's own
+                                        (1, [0.99, 0.5], [1, 1], [0, 1])]:  # the second draft failed, the target unsure
+        before = split.seen.copy(), split.agreed.copy()
+        auto.propose(tokens, 4, params, rng)
+        assert auto._last == ("model", 4)
+        auto.commit(commit)
+        auto.observe_confidence(confs)
+        np.testing.assert_allclose(split.seen - before[0], seen)
+        np.testing.assert_allclose(split.agreed - before[1], agreed)
+
+
+def test_target_confidences_are_asked_for_in_a_requests_first_tokens_only_and_teach_the_split():
+    c = CostModel(dict(QWEN), 0.0137)
+    auto = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel())
+    seen = c.target_split.seen.copy()
+    kinds = run_request(auto, 60, sure=0.99, passes=True)
+    assert not auto.wants_confidence() and AutoDrafter.CONF_WINDOW <= auto._sure[1] < AutoDrafter.CONF_WINDOW + 9
+    drafted = sum(n for kind, n in kinds if kind == "model")
+    assert drafted > AutoDrafter.CONF_WINDOW  # the request drafted past its window: ...
+    assert 0 < (c.target_split.seen - seen)[1] < AutoDrafter.CONF_WINDOW  # ... its split learned inside it only
+    assert not AutoDrafter(c, PromptLookupDrafter(), None).wants_confidence()  # no draft model: nothing to predict

@@ -489,3 +489,26 @@ def test_step_timing_takes_the_widths_in_turn_so_a_phase_moves_them_alike(decode
         {T: 3.0 * t for T, t in base.items()})
     with pytest.raises(OptionError, match="median"):
         dec.time_steps(stat="mean")
+
+
+def test_auto_is_given_the_targets_confidence_in_the_rows_a_requests_first_rounds_commit(decoders, monkeypatch):
+    """auto's prior for a request is what its target's confidence predicts the draft passes (TargetSplit): the
+    decoder passes the top-1 probability of each row a round commits, for the request's first CONF_WINDOW
+    tokens only (a softmax over the vocabulary per row)."""
+    from specedge.runtime.adaptive import AutoDrafter
+
+    from ..tools_loader import load_tool
+
+    seen: list[float] = []
+    observe = AutoDrafter.observe_confidence
+    monkeypatch.setattr(AutoDrafter, "observe_confidence", lambda self, c: (seen.extend(c), observe(self, c)))
+    dec = decoders["model"]
+    r = dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=100, ignore_eos=True), drafter="auto")
+    assert AutoDrafter.CONF_WINDOW <= len(seen) <= AutoDrafter.CONF_WINDOW + dec.manifest.k
+    ids = dec.encode_prompt(PROMPTS[0])
+    # teacher-forced: the same rows, one per committed token after the prefill's
+    forced = load_tool("lookup_replay").target_confidences(dec, ids + r.token_ids, len(ids))[1:]
+    np.testing.assert_allclose(seen, forced[: len(seen)], rtol=1e-4)
+    seen.clear()
+    dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=20, ignore_eos=True), drafter="prompt-lookup")
+    assert not seen  # other drafters: no softmax

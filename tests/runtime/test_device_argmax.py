@@ -82,3 +82,17 @@ def test_fp16_graphs_keep_next_ids(pair, tmp_path):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     plain = dec.generate(PROMPTS[0], params, drafter="none").token_ids
     assert dec.generate(PROMPTS[0], params, drafter="model", k=3).token_ids == plain
+
+
+def test_greedy_rounds_on_next_ids_compute_no_confidence(pair, monkeypatch):
+    """With next_ids a greedy round has no logits on the host: auto goes without its target-confidence prior
+    (its carried acceptance instead), and the text is the same."""
+    from specedge.runtime.adaptive import AutoDrafter
+
+    seen: list[float] = []
+    monkeypatch.setattr(AutoDrafter, "observe_confidence", lambda self, confs: seen.extend(confs))
+    dec = SpecDecoder.load(pair[0])
+    dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=20, ignore_eos=True), drafter="auto")
+    assert not seen
+    dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8), drafter="auto")
+    assert seen  # sampled rounds bring their logits
