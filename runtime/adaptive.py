@@ -611,7 +611,7 @@ class AutoDrafter:
         passes where the target is sure, and every round's rows add to the request's share of sure tokens."""
         kind, n = self._last
         if kind == "model" and n:
-            self.costs.target_split.record(list(confs[:n]), min(len(confs) - 1, n))
+            self.costs.target_split.record(confs[:n], min(len(confs) - 1, n))
         self._sure[0] += sum(c > TargetSplit.SURE for c in confs)
         self._sure[1] += len(confs)
 

@@ -192,7 +192,8 @@ def top1_probability(logits: np.ndarray) -> list[float]:
     """The softmax's largest probability in each row of logits [n, V] (the model's own, at temperature 1): how
     sure it is of its next token."""
     rows = np.asarray(logits, dtype=np.float32)
-    return (1.0 / np.exp(rows - rows.max(axis=-1, keepdims=True)).sum(axis=-1)).tolist()
+    z = rows - rows.max(axis=-1, keepdims=True)  # one temporary [n, V], exponentiated in place
+    return (1.0 / np.exp(z, out=z).sum(axis=-1)).tolist()
 
 
 def choose_next(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,

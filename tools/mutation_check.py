@@ -157,7 +157,7 @@ PLANTS = {
         "runtime/adaptive.py", "not self.rounds.get(\"model\") and self._sure[1] >= self.CONF_TOKENS",
         "False", ["tests/runtime/test_adaptive.py"]),
     "auto's split learns from the bonus row of a round whose drafts all passed": (
-        "runtime/adaptive.py", "target_split.record(list(confs[:n])", "target_split.record(list(confs)",
+        "runtime/adaptive.py", "target_split.record(confs[:n]", "target_split.record(confs",
         ["tests/runtime/test_adaptive.py"]),
     "the decoder computes the target's confidence in every round of a request": (
         "runtime/decoder.py", "if not ids_only and wants is not None and wants():",
