@@ -527,11 +527,27 @@ class AutoDrafter:
         (0.56-0.73x model:4 that round). Replayed with runs of 2 learned before JSON: 0.69 -> 0.95-0.97x model:4 on
         json-0; over six request orders of the five suites on four sets of traces (native and Haswell builds,
         both bundles), auto / best fixed moved 0.9713 -> 0.9720 (geometric mean of 120, drifting machine), its
-        lowest unchanged."""
+        lowest unchanged. Where the target's confidence already says more, more (``_unsure_share``)."""
         run = max(1.0, self.costs.model_streak * expected_tokens_per_round(self.alpha["model"].alpha, min(k, 4)))
         if not sure:
-            run = max(run, self.UNSURE_SHARE * horizon)
+            run = max(run, self._unsure_share() * horizon)
         return catchup * max(1.0, horizon / run)
+
+    def _unsure_share(self) -> float:
+        """The share of the request a run of model rounds is taken to last while the request has not shown whether
+        it copies: ``UNSURE_SHARE``, or, where its lookup has matched nothing yet and the target's confidence is
+        known (``CONF_TOKENS``), the share of its tokens the target was sure of, if more. The draft's run lasts
+        until lookup cuts in or the draft fails, and where the target is sure it seldom fails: a JSON answer
+        (every token sure, nothing copied) after a chat answer whose model rounds lookup had cut into runs of 3.5
+        priced its long prompt's catch-up over a fifth of the request and ran 17 plain rounds before drafting, in
+        all four rounds of an AVX2-proxy run (`qwen-dv3`, twenty-third session). An edit whose first tokens the
+        target was half sure of, before lookup matched, paid for it in two of the 24 replayed cells (edit-0
+        2.09 -> 1.83x plain: model rounds that lookup rounds then cut short). Replayed over six request orders of the five
+        suites on four sets of traces, auto / best fixed moved 0.9768 -> 0.9785 steady, 0.9758 -> 0.9793
+        drifting (``docs/benchmarks.md``, twenty-fourth session)."""
+        if self._copied or self._sure[1] < self.CONF_TOKENS:
+            return self.UNSURE_SHARE
+        return max(self.UNSURE_SHARE, self._sure[0] / self._sure[1])
 
     def _gap(self, tokens: np.ndarray, matched: bool, params, rng) -> tuple[float, float]:  # noqa: ANN001
         """(expected tokens until lookup matches again, the request's tokens/s) for ``decide``, where this round is

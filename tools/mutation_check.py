@@ -156,6 +156,12 @@ PLANTS = {
     "auto keeps the carried acceptance whatever the request's target confidence predicts": (
         "runtime/adaptive.py", "not self.rounds.get(\"model\") and self._sure[1] >= self.CONF_TOKENS",
         "False", ["tests/runtime/test_adaptive.py"]),
+    "auto prices a sure request's catch-up over it although its lookup has matched": (
+        "runtime/adaptive.py", "if self._copied or self._sure[1] < self.CONF_TOKENS:",
+        "if self._sure[1] < self.CONF_TOKENS:", ["tests/runtime/test_adaptive.py"]),
+    "auto ignores the target's confidence while a request has not shown whether it copies": (
+        "runtime/adaptive.py", "return max(self.UNSURE_SHARE, self._sure[0] / self._sure[1])",
+        "return self.UNSURE_SHARE", ["tests/runtime/test_adaptive.py"]),
     "auto's split learns from the bonus row of a round whose drafts all passed": (
         "runtime/adaptive.py", "target_split.record(confs[:n]", "target_split.record(confs",
         ["tests/runtime/test_adaptive.py"]),

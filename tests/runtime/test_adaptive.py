@@ -572,6 +572,29 @@ def test_until_a_request_shows_whether_it_copies_its_catch_up_is_not_priced_over
     assert auto._last[0] == "model"
 
 
+
+@pytest.mark.parametrize("sure, copied, drafts", [(None, 0, False), ((8, 8), 0, True), ((6, 8), 0, True),
+                                                  ((4, 8), 0, False), ((8, 8), 3, False)])
+def test_a_request_the_target_is_sure_of_and_lookup_does_not_serve_prices_its_catch_up_over_itself(sure, copied,
+                                                                                                  drafts):
+    """Until a request shows whether it copies, its catch-up is spread over UNSURE_SHARE of it at least; where its
+    lookup has matched nothing and the target is sure of most of its tokens, over that share. A JSON answer after a
+    chat answer whose runs lookup had cut to ~2 rounds priced its long prompt's catch-up over a fifth of itself and
+    ran its first 17 rounds plain on the AVX2 proxy (qwen-dv3: a slow draft prefill)."""
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.3})
+    c.model_tried, c.model_streak = True, 2.0
+    c.model_acceptance = Acceptance(successes=95, failures=5)
+    auto = AutoDrafter(c, PromptLookupDrafter(ngram_max=3, ngram_min=2), BehindModel(behind=63))
+    if sure is not None:
+        auto._sure = list(sure)
+    auto._copied = copied
+    expect = AutoDrafter.UNSURE_SHARE if sure is None or copied else max(AutoDrafter.UNSURE_SHARE, sure[0] / sure[1])
+    assert auto._unsure_share() == pytest.approx(expect)
+    assert auto._streak_priced(0.1, 90, 8, sure=False) == pytest.approx(0.1 / expect)
+    text = np.arange(10, 70, dtype=np.int64)  # no repeats: nothing for lookup
+    auto.propose(text, 8, SamplingParams(max_new_tokens=96), np.random.default_rng(0))
+    assert (auto._last[0] == "model") == drafts, auto._last
+
 def test_the_target_split_learns_how_often_the_draft_passes_where_the_target_is_sure_and_where_not():
     split = TargetSplit()
     assert split.predict(1.0) == pytest.approx(0.95) and split.predict(0.0) == pytest.approx(0.65)  # the prior
