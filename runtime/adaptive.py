@@ -467,9 +467,12 @@ class AutoDrafter:
                 hope = self.OPTIMISTIC_ALPHA
                 model_turn = self.model is not None and (untried or self._probe_model_next)
                 self._probe_model_next = not model_turn
+                # a probe that would first catch the draft up on the prompt is that investment too (PROMPT_MARGIN):
+                # with MODEL_MARGIN, chat answers on the AVX2 build paid a ~150 ms prompt catch-up for a probe 37
+                # tokens in, 14 before their end, and ran 0.82-0.89x plain (replayed)
                 d = decide(self.costs, hope, 0 if model_turn else len(look.tokens),
                            hope if self.model is not None else None, k, self.mode, model_overhead=catchup,
-                           horizon=horizon)
+                           horizon=horizon, margin=PROMPT_MARGIN if behind_prompt else MODEL_MARGIN)
                 if d.kind == "model":  # one round is weak evidence (code's first draft round: 1 of 5 accepted)
                     self._probe_left, self._probe_k = self.PROBE_ROUNDS - 1, self.PROBE_K
                     d = self._probe_size(d)

@@ -156,6 +156,9 @@ PLANTS = {
     "auto keeps the carried acceptance whatever the request's target confidence predicts": (
         "runtime/adaptive.py", "not self.rounds.get(\"model\") and self._sure[1] >= self.CONF_TOKENS",
         "False", ["tests/runtime/test_adaptive.py"]),
+    "auto's probes catch the draft up on the prompt at the usual margin": (
+        "runtime/adaptive.py", "horizon=horizon, margin=PROMPT_MARGIN if behind_prompt else MODEL_MARGIN)",
+        "horizon=horizon)", ["tests/runtime/test_adaptive.py"]),
     "auto prices a sure request's catch-up over it although its lookup has matched": (
         "runtime/adaptive.py", "if self._copied or self._sure[1] < self.CONF_TOKENS:",
         "if self._sure[1] < self.CONF_TOKENS:", ["tests/runtime/test_adaptive.py"]),

@@ -463,6 +463,26 @@ def test_catching_the_draft_up_on_a_prompt_needs_a_wider_margin(behind):
     assert auto._last[0] == ("model" if behind == 0 else "none")
 
 
+@pytest.mark.parametrize("behind", [0, 40])
+def test_a_probe_that_would_catch_the_draft_up_on_the_prompt_needs_the_wider_margin_too(behind):
+    """The same for a re-probe, priced at its optimistic acceptance: chat answers on the AVX2 build paid a ~150 ms
+    prompt catch-up for a probe 37 tokens in, 14 before their end, and ran 0.82-0.89x plain (replayed)."""
+    from specedge.runtime.adaptive import MODEL_MARGIN, PROMPT_MARGIN
+
+    c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.011})
+    c.model_tried, c.model_acceptance = True, Acceptance(successes=30, failures=70)  # no round pays: plain
+    auto = AutoDrafter(c, NoDrafter(), BehindModel(behind=behind))
+    hope = AutoDrafter.OPTIMISTIC_ALPHA
+    for c.draft in np.linspace(0.002, 0.03, 400):  # a draft step that puts a hoped-for round ~7 % ahead of plain
+        if 1.06 < decide(c, hope, 0, hope, 8, margin=1.0).rate / c.rate_plain() < 1.08:
+            break
+    else:
+        pytest.fail("no draft step time puts the model 6-8 % ahead of plain")
+    assert MODEL_MARGIN < 1.06 and PROMPT_MARGIN > 1.08
+    auto._plain_streak = auto._probe_gap - 1  # this round re-probes
+    auto.propose(np.arange(10, 80, dtype=np.int64), 8, SamplingParams(max_new_tokens=4096), np.random.default_rng(0))
+    assert auto._last[0] == ("model" if behind == 0 else "none") and auto._probing == (behind == 0)
+
 @pytest.mark.parametrize("copying", [False, True])
 def test_short_model_runs_of_copying_requests_do_not_price_the_draft_out_of_others(copying):
     """The catch-up is priced over the run of model rounds it serves, as long as runs have lasted (learned across
