@@ -21,7 +21,7 @@ draft model's catch-up (the committed tokens it has not seen, priced per step of
 charged to the round that would use it (spread over the runs of model rounds seen so far where the
 request copies its context, over the request where it does not), and a model round must be predicted
 ``MODEL_MARGIN`` faster than the alternatives (``PROMPT_MARGIN`` where it would first catch the draft up on the
-prompt). In a gap between two lookup matches of a request that copies its
+prompt, a re-probe's too). In a gap between two lookup matches of a request that copies its
 context, the options are weighed by the seconds they save rather than by tokens per second: what a round commits
 past the gap (its expected length learned from the request's earlier gaps) lookup would have committed at the
 request's own pace (``decide``'s ``gap`` and ``pace``). Prompt lookup is asked every round, so what it would

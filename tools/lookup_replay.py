@@ -375,7 +375,7 @@ def main() -> int:
                     "suite's prompts keep their order, suites not named come last); repeat for several orders: "
                     "auto's cost model carries over from request to request, so what it learned on one kind of "
                     "request prices the next. Ends with every order's auto+model / best fixed per suite and their "
-                    "geometric mean and lowest")
+                    "geometric mean and lowest, then auto+model / plain per trace set and suite (the floor: 0.97)")
     a = ap.parse_args()
     if a.drift < 0:
         ap.error(f"--drift must be >= 0, got {a.drift}")
@@ -407,6 +407,7 @@ def main() -> int:
                      f"(they have {', '.join(sorted(suites))})")
         runs = [in_order(run, order) for order in a.order for run in runs]
     cells: list[tuple[str, str, float]] = []  # (run and order, suite, auto+model / the best fixed configuration)
+    vs_plain: list[tuple[str, str, float]] = []  # (run, suite, auto+model's speed / plain's), every order
     ks = [int(x) for x in a.k.split(",")]
     for run in runs:
         steps = {int(T): s for T, s in run["steps"].items()}
@@ -434,6 +435,7 @@ def main() -> int:
         print("|---" * (len(cols) + 2) + "|")
         ratios: dict[str, list[float]] = {c: [] for c in cols[1:]}
         by_suite: dict[str, list[float]] = {}  # auto+model / the best fixed configuration, per prompt
+        by_suite_plain: dict[str, list[float]] = {}  # auto+model / plain, per prompt
         makers: dict[str, Callable[[CostModel], Drafter]] = {"plain": lambda c: NoDrafter()}
         for k in ks_here:
             makers[f"lookup:{k}"] = functools.partial(lambda c, k: _Fixed(PromptLookupDrafter(nmax, nmin), k), k=k)
@@ -466,6 +468,7 @@ def main() -> int:
                 t["auto+model"] = float(np.mean(auto_model))
                 fixed = min(t[c] for c in cols[1:] if c.startswith(("lookup:", "model:")))
                 by_suite.setdefault(row["id"].rsplit("-", 1)[0], []).append(fixed / t["auto+model"])
+                by_suite_plain.setdefault(row["id"].rsplit("-", 1)[0], []).append(t["plain"] / t["auto+model"])
             for c in cols[1:]:
                 ratios[c].append(t["plain"] / t[c])
             print(f"| {row['id']} | {gen} | {gen / t['plain']:.1f} | "
@@ -479,6 +482,8 @@ def main() -> int:
                 f"{name} {np.exp(np.mean(np.log(v))):.3f} ({min(v):.2f})" for name, v in by_suite.items()))
             label = run.get("file", run["bundle"]) + (f" [{run['order']}]" if run.get("order") else "")
             cells += [(label, name, float(np.exp(np.mean(np.log(v))))) for name, v in by_suite.items()]
+            vs_plain += [(run.get("file", run["bundle"]), name, float(np.exp(np.mean(np.log(v)))))
+                         for name, v in by_suite_plain.items()]
     if a.order and cells:
         print("\n## auto+model / the best fixed configuration per suite, in every order replayed\n")
         for label in dict.fromkeys(c[0] for c in cells):
@@ -487,6 +492,14 @@ def main() -> int:
         worst = min(cells, key=lambda c: c[2])
         print(f"\nover {len(vals)} (trace set, order, suite): geometric mean {np.exp(np.mean(np.log(vals))):.4f}, "
               f"{sum(v < 0.9 for v in vals)} below 0.9, lowest {worst[2]:.3f} ({worst[1]}, {worst[0]})")
+        # the floor for auto is 0.97x plain decoding: per trace set and suite, over the orders
+        print("\n## auto+model / plain per suite (geometric mean over the orders; lowest order)\n")
+        for f in dict.fromkeys(c[0] for c in vs_plain):
+            per = {s: [v for ff, ss, v in vs_plain if ff == f and ss == s] for _, s, _ in vs_plain}
+            print(f"- {f}: " + ", ".join(f"{s} {np.exp(np.mean(np.log(v))):.3f} ({min(v):.2f})"
+                                        for s, v in per.items() if v))
+        low = [c for c in vs_plain if c[2] < 0.97]
+        print(f"\n{len(low)} of {len(vs_plain)} (trace set, order, suite) below 0.97x plain")
     return 0
 
 
