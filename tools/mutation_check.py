@@ -148,7 +148,7 @@ PLANTS = {
         "runtime/adaptive.py", "return catchup * max(1.0, horizon / run)", "return catchup",
         ["tests/runtime/test_adaptive.py"]),
     "auto prices a request's catch-up over short runs before it has shown whether it copies": (
-        "runtime/adaptive.py", "            run = max(run, self.UNSURE_SHARE * horizon)\n", "",
+        "runtime/adaptive.py", "            run = max(run, self._unsure_share() * horizon)\n", "",
         ["tests/runtime/test_adaptive.py"]),
     "auto's probe overrides the estimate's choice of prompt lookup": (
         "runtime/adaptive.py", "        if d.kind == \"prompt-lookup\":\n            self._probe_left = 0\n", "",
