@@ -545,8 +545,8 @@ class AutoDrafter:
         priced its long prompt's catch-up over a fifth of the request and ran 17 plain rounds before drafting, in
         all four rounds of an AVX2-proxy run (`qwen-dv3`, twenty-third session). An edit whose first tokens the
         target was half sure of, before lookup matched, paid for it in two of the 24 replayed cells (edit-0
-        2.09 -> 1.83x plain: model rounds that lookup rounds then cut short). Replayed over six request orders of the five
-        suites on four sets of traces, auto / best fixed moved 0.9768 -> 0.9785 steady, 0.9758 -> 0.9793
+        2.09 -> 1.83x plain: model rounds that lookup rounds then cut short). Replayed over six request orders of
+        the five suites on four sets of traces, auto / best fixed moved 0.9768 -> 0.9785 steady, 0.9758 -> 0.9793
         drifting (``docs/benchmarks.md``, twenty-fourth session)."""
         if self._copied or self._sure[1] < self.CONF_TOKENS:
             return self.UNSURE_SHARE

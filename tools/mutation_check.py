@@ -195,7 +195,8 @@ PLANTS = {
         "runtime/adaptive.py", "if len(self.lookup.propose(tokens[:p], 1, params, rng).tokens)), n_tokens)",
         "if False), n_tokens)", ["tests/runtime/test_adaptive.py"]),
     "auto's first catch-up on a prompt needs only the usual margin": (
-        "runtime/adaptive.py", "pace=pace,\n                   margin=PROMPT_MARGIN if behind_prompt else MODEL_MARGIN)",
+        "runtime/adaptive.py",
+        "pace=pace,\n                   margin=PROMPT_MARGIN if behind_prompt else MODEL_MARGIN)",
         "pace=pace,\n                   margin=MODEL_MARGIN)",
         ["tests/runtime/test_adaptive.py"]),
     "reuse_prefix=False leaves the draft's rows to be adopted": (
