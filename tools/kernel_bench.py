@@ -45,7 +45,7 @@ def packed(kernel: Kernel, rng, type_name: str, n: int, k: int) -> tuple[Callabl
     if type_name == "int4-b128":  # any byte is two valid levels; scales and zero points at random
         tiles, kb = -(-n // 16), k // 128
         b = rng.integers(0, 256, size=tiles * kb * 128 * 8, dtype=np.uint8)
-        s = (rng.random((tiles, kb, 16), dtype=np.float32) * 0.01).astype(np.float32)
+        s = rng.random((tiles, kb, 16), dtype=np.float32) * np.float32(0.01)
         z = rng.integers(0, 16, size=(tiles, kb, 16), dtype=np.uint8)
         return lambda x, isa: kernel.gemm(x, b, s, z, 16 * tiles, k, 128, 4, isa), b.nbytes + s.nbytes + z.nbytes
     bits, block, zp, _ = FORMS[type_name]
@@ -88,6 +88,7 @@ def main() -> None:
                         run(x, isa)
                     best = min(best, (time.perf_counter() - t) / calls)
                 print(f"| {type_name} | {isa} | {m} | {best * 1e3:.3f} | {nbytes / best / 1e9:.1f} |", flush=True)
+
 
 if __name__ == "__main__":
     main()
