@@ -98,6 +98,23 @@ def test_a_replayed_draft_pays_its_catch_up_and_its_draft_steps(warm):
     assert model.spent == pytest.approx(drafting)
 
 
+def test_a_replayed_catch_up_takes_the_steps_the_decoders_draft_takes(decoders, monkeypatch):
+    """A replayed draft catches up in the steps the decoder's own draft runs (``ModelDrafter.catchup_plan``: full
+    chunks, then the cheapest steps its measured prices give), so a replay prices what a run pays. With the widest
+    step dearer per token than smaller ones, some remainders split into several steps."""
+    lr = load()
+    drafter = decoders["model"].make_drafter("model")
+    widths = sorted(w.T for w in drafter.runner.entry.widths)
+    prices = {T: 0.010 + 0.004 * T for T in widths}
+    prices[widths[-1]] *= 1.5
+    monkeypatch.setattr(drafter.clock, "seconds", dict(prices))
+    model = lr.ReplayModel([], [], 0, prices, drafter.prefill_chunk)
+    plans = [model.catchup_plan(n) for n in range(2, 2 * drafter.prefill_chunk + 6)]
+    assert plans == [drafter.catchup_plan(n) for n in range(2, 2 * drafter.prefill_chunk + 6)]
+    assert any(len(p) > 1 and sum(p) <= drafter.prefill_chunk for p in plans)
+    assert all(sum(p) == n for p, n in zip(plans, range(2, 2 * drafter.prefill_chunk + 6)))
+
+
 def test_replayed_auto_drafts_with_a_draft_that_is_right_and_not_with_one_that_is_not():
     lr = load()
     seq, P = sequences()["fresh"]
