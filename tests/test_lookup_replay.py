@@ -109,10 +109,11 @@ def test_a_replayed_catch_up_takes_the_steps_the_decoders_draft_takes(decoders, 
     prices[widths[-1]] *= 1.5
     monkeypatch.setattr(drafter.clock, "seconds", dict(prices))
     model = lr.ReplayModel([], [], 0, prices, drafter.prefill_chunk)
-    plans = [model.catchup_plan(n) for n in range(2, 2 * drafter.prefill_chunk + 6)]
-    assert plans == [drafter.catchup_plan(n) for n in range(2, 2 * drafter.prefill_chunk + 6)]
+    ns = range(2, 2 * drafter.prefill_chunk + 6)
+    plans = [model.catchup_plan(n) for n in ns]
+    assert plans == [drafter.catchup_plan(n) for n in ns]
     assert any(len(p) > 1 and sum(p) <= drafter.prefill_chunk for p in plans)
-    assert all(sum(p) == n for p, n in zip(plans, range(2, 2 * drafter.prefill_chunk + 6)))
+    assert all(sum(p) == n for p, n in zip(plans, ns))
 
 
 def test_replayed_auto_drafts_with_a_draft_that_is_right_and_not_with_one_that_is_not():
