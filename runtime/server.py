@@ -81,8 +81,9 @@ def parse_request(body: Any, chat: bool, max_context: int, k_max: int) -> tuple[
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _num({"max_tokens": max_tokens}, "max_tokens", int, 128, 1, max_context)
+    # the newer name wins where both are given; an explicit null is "not given" (some clients send every field)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _num(body, name, int, 128, 1, max_context)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -110,11 +111,35 @@ def parse_request(body: Any, chat: bool, max_context: int, k_max: int) -> tuple[
     return prompt, params, drafter, k
 
 
+def parse_streaming(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) from a request's ``stream`` and ``stream_options``; invalid ones raise ApiError(400)
+    before anything is queued."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return bool(stream), False
+    if not isinstance(opts, dict):
+        raise ApiError(400, f"'stream_options' must be an object {{include_usage}}, got {opts!r}",
+                       param="stream_options")
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise ApiError(400, f"'stream_options.include_usage' must be true or false, got {usage!r}",
+                       param="stream_options.include_usage")
+    return bool(stream), bool(usage)
+
+
 class Server:
     """The decoder, its worker thread, the bounded queue and the metrics; ``app`` is the ASGI application."""
 
-    def __init__(self, dec: SpecDecoder, model_name: str, max_queue: int = 16, api_key: str | None = None):
+    def __init__(self, dec: SpecDecoder, model_name: str, max_queue: int = 16, api_key: str | None = None,
+                 max_body: int | None = None):
         self.dec, self.model, self.api_key = dec, model_name, api_key
+        # The largest request body read: a prompt that fills the context is a few bytes a token (~4 of English,
+        # up to ~12 JSON-escaped), so 64 a token with a 1 MiB floor turns away only what cannot fit, before it is
+        # parsed and tokenized (a 24 MB prompt took 2 GB and 20 s of the event loop to be refused).
+        self.max_body = max_body or max(1 << 20, 64 * dec.manifest.max_context)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.metrics = Metrics()
         self._worker = threading.Thread(target=self._work, name="specedge-decoder", daemon=True)
@@ -200,7 +225,7 @@ class Server:
         try:
             self._auth(request)
             try:
-                body = json.loads(await request.body())
+                body = json.loads(await self._read_body(request))
             except (ValueError, UnicodeDecodeError) as e:
                 raise ApiError(400, f"the request body is not valid JSON: {e}") from None
             if isinstance(body, dict) and body.get("model") not in (None, self.model):
@@ -208,9 +233,13 @@ class Server:
                                param="model", code="model_not_found")
             m = self.dec.manifest
             prompt, params, drafter, k = parse_request(body, chat, m.max_context, m.k)
-            try:  # tokenize and check the context here, so the error is the client's and nothing is queued
-                n_prompt = len(self.dec.encode_prompt(prompt))
-                self.dec._check_fits(n_prompt, params)
+            stream, include_usage = parse_streaming(body)
+            if self.dec.DRAFTER_ALIASES.get(drafter, drafter) == "model" and self.dec.draft_runner is None:
+                raise ApiError(400, "this bundle has no draft model; use drafter 'auto', 'prompt-lookup' or 'none'",
+                               param="speculation.drafter")
+            try:  # tokenize and check the context here (off the event loop), so the error is the client's and
+                # nothing is queued
+                n_prompt = await asyncio.to_thread(self._prompt_tokens, prompt, params)
             except ContextLengthError as e:
                 raise ApiError(400, str(e), param="messages" if chat else "prompt",
                                code="context_length_exceeded") from None
@@ -228,10 +257,30 @@ class Server:
         except ApiError as e:
             return self._error(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if stream:
             return self._sse(request, job, rid, chat, n_prompt, include_usage)
-        return await self._collect(job, rid, chat, n_prompt)
+        return await self._collect(request, job, rid, chat, n_prompt)
+
+    async def _read_body(self, request: Any) -> bytes:
+        """The request body, refused (413) past ``max_body`` bytes, by its Content-Length or as it arrives."""
+        too_big = ApiError(413, f"the request body is over {self.max_body} bytes, more than a prompt that fills "
+                                f"this bundle's context (S_max={self.dec.manifest.max_context} tokens) needs",
+                           code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_big
+        parts, n = [], 0
+        async for part in request.stream():
+            n += len(part)
+            if n > self.max_body:
+                raise too_big
+            parts.append(part)
+        return b"".join(parts)
+
+    def _prompt_tokens(self, prompt: Any, params: SamplingParams) -> int:
+        n = len(self.dec.encode_prompt(prompt))
+        self.dec._check_fits(n, params)
+        return n
 
     # --------------------------------------------------------------- responses
     def _usage(self, n_prompt: int, stats: Any) -> dict:
@@ -259,9 +308,15 @@ class Server:
                            else "server_error")
         return kind, item
 
-    async def _collect(self, job: Job, rid: str, chat: bool, n_prompt: int) -> Any:
+    async def _collect(self, request: Any, job: Job, rid: str, chat: bool, n_prompt: int) -> Any:
         from starlette.responses import JSONResponse
 
+        async def watch() -> None:  # the body is read: the next message is the client leaving (or the response sent)
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            job.cancelled.set()
+
+        watcher = asyncio.create_task(watch())
         text, reason, stats = [], None, None
         try:
             while True:
@@ -274,6 +329,7 @@ class Server:
         except ApiError as e:
             return self._error(e)
         finally:
+            watcher.cancel()
             job.cancelled.set()  # no-op once done; frees the worker if this coroutine was cancelled
         self._finish(job, stats)
         out = "".join(text)

@@ -185,3 +185,61 @@ def test_api_key_is_enforced(bundles):
         assert s.client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"prompt": "x", "stream": True, "stream_options": "x"}, 400, "stream_options", "must be an object"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options.include_usage", "must be true or false"),
+    ({"prompt": "x", "stream": "false"}, 400, "stream", "'stream' must be true or false"),
+    ({"prompt": "x", "stream": True, "speculation": {"drafter": "model"}}, 400, "speculation.drafter",
+     "this bundle has no draft model"),
+    ({"prompt": "x", "speculation": {"drafter": "model"}}, 400, "speculation.drafter",
+     "this bundle has no draft model"),
+    ({"prompt": "x", "max_completion_tokens": 0}, 400, "max_completion_tokens", "'max_completion_tokens' must be"),
+])
+def test_invalid_requests_are_refused_before_anything_is_queued(server, body, status, param, message):
+    queued = server.srv.metrics.requests.value
+    got, payload, _ = server.post("/v1/completions", body)
+    assert got == status and payload["error"]["param"] == param and message in payload["error"]["message"], payload
+    assert server.srv.metrics.requests.value == queued  # no worker decodes for a client that was told 400
+
+
+def test_lone_surrogates_oversized_bodies_and_null_fields(server):
+    raw = b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}'  # valid JSON, not encodable text
+    got, payload, _ = server.post("/v1/chat/completions", None, raw=raw)
+    assert got == 400 and "not valid UTF-8 text" in payload["error"]["message"], payload
+    big = {"prompt": "hello world " * (server.srv.max_body // 12 + 1)}
+    got, payload, _ = server.post("/v1/completions", big)
+    assert got == 413 and payload["error"]["code"] == "request_too_large", payload
+    # an explicit null is "not given": max_tokens applies
+    got, payload, _ = server.post("/v1/completions", {"prompt": "def", "max_completion_tokens": None, "max_tokens": 3,
+                                                      "temperature": 0})
+    assert got == 200 and payload["usage"]["completion_tokens"] <= 3, payload
+
+
+def test_a_non_streaming_client_that_disconnects_is_cancelled(bundles):
+    s = Running(bundles["lookup"])
+    real = s.dec.stream
+
+    def slow(*a, **kw):  # a round every 50 ms: the request outlives its client by seconds unless cancelled
+        for ev in real(*a, **kw):
+            time.sleep(0.05)
+            yield ev
+
+    s.dec.stream = slow
+    try:
+        body = json.dumps({"prompt": "def fib(n):", "max_tokens": 200, "temperature": 0,
+                           "speculation": {"drafter": "none"}}).encode()
+        conn = socket.create_connection(("127.0.0.1", s.port))
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.5)  # decoding
+        conn.close()
+        for _ in range(100):
+            if s.srv.metrics.cancelled.value:
+                break
+            time.sleep(0.05)
+        assert s.srv.metrics.cancelled.value == 1
+    finally:
+        s.close()
