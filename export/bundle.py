@@ -21,6 +21,7 @@ from specedge.runtime.drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
     KV_MODES,
+    MAX_CONTEXT,
     ONNX_OPSET,
     HeadRows, Manifest, ModelEntry, model_widths, sha256_file, write_manifest,
 )
@@ -62,6 +63,9 @@ class ExportOptions:
                               f"accepted (llama.cpp's --draft-max default is 16 too)")
         if self.prefill_chunk < 1:
             raise BundleError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_context > MAX_CONTEXT:  # the manifest's own bound, checked before the export's work
+            raise BundleError(f"--max-context {self.max_context} is over the most a bundle takes, {MAX_CONTEXT}: the "
+                              f"KV buffers are allocated at that length up front (`spec-export plan` sizes them)")
         if self.max_context < self.prefill_chunk + self.k + 1:
             raise BundleError(
                 f"--max-context {self.max_context} is too small for prefill chunk {self.prefill_chunk} + "

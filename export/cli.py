@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -164,9 +165,14 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], draf
            intgemm_full_range: bool, intgemm_smooth: float, kv_mode: str, draft_vocab: int, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
            overwrite: bool, cache_dir: str | None) -> None:
     """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
-    from .bundle import ExportOptions, export_bundle
+    from .bundle import DRAFT_NO_MODEL, ExportOptions, export_bundle
+    from .install import Terminated
     from .quant import WeightFormat
 
+    _refuse_unused(("draft_weights", "draft_lm_head", "draft_catchup_widths"), draft in DRAFT_NO_MODEL,
+                   f"for a draft model, and --draft {draft} has no model")
+    _refuse_unused(("ngram_max", "ngram_min"), draft != "prompt-lookup",
+                   f"for prompt lookup's matching, and --draft is {draft}")
     try:
         fmt = lambda name, smooth=intgemm_smooth, head=lm_head: WeightFormat(  # noqa: E731
             name, quant_block, not asymmetric, accuracy_level, head, gguf_exact=gguf_exact, form=quant_form,
@@ -186,8 +192,24 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], draf
         rep = export_bundle(target, draft, out, opts, progress=_say)
     except SpecEdgeError as e:
         _fail(e)
+    except Terminated:  # its workspace is removed already (export/install.py: the destination is never partial)
+        click.echo(f"spec-export: terminated (SIGTERM); {out} holds what it held before, never part of a bundle",
+                   err=True)
+        sys.exit(128 + signal.SIGTERM)
     _say(f"bundle {rep.out}: {rep.bytes_total / 1e6:.0f} MB in {rep.seconds:.1f}s, peak RSS {rep.peak_rss_mb:.0f} MB")
     click.echo(str(rep.out))
+
+
+def _refuse_unused(names: tuple[str, ...], unused: bool, why: str) -> None:
+    """Exit 2 where the command line gives options that this export would silently ignore."""
+    if not unused:
+        return
+    ctx = click.get_current_context()
+    given = [n for n in names if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        one = len(given) == 1
+        _fail(SpecEdgeError(f"{flags} {'is' if one else 'are'} {why}: drop {'it' if one else 'them'}"))
 
 
 @main.command()

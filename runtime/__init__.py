@@ -9,9 +9,8 @@ __version__ = "0.1.0"
 
 from .decoder import GenerationResult, SpecDecoder, StreamEvent  # noqa: E402
 from .errors import (  # noqa: E402
-    BackendUnavailableError, BundleError, ContextLengthError, OptionError, PromptError, SamplingParamsError,
-    SpecEdgeError,
-    UnsupportedModelError, VocabularyMismatchError,
+    BackendUnavailableError, BundleError, ContextLengthError, OptionError, OutOfMemoryError, PromptError,
+    SamplingParamsError, SpecEdgeError, UnsupportedModelError, VocabularyMismatchError,
 )
 from .manifest import Manifest, read_manifest  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
@@ -21,4 +20,5 @@ __all__ = [
     "SpecDecoder", "SamplingParams", "StreamEvent", "GenerationResult", "Stats", "Manifest", "read_manifest",
     "SpecEdgeError", "BundleError", "ContextLengthError", "PromptError", "SamplingParamsError",
     "VocabularyMismatchError", "BackendUnavailableError", "UnsupportedModelError", "OptionError",
+    "OutOfMemoryError",
 ]

@@ -149,14 +149,20 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
           backend, precision, threads, invariant, cuda_graphs, verify) -> None:
     """Benchmark speculative vs plain decoding on BUNDLE: every configuration and the plain baseline on the same
     prompts, interleaved, in one run. Writes OUT/results.json, OUT/report.md and plots; prints the table."""
+    from pathlib import Path
+
     from .bench import BenchPlan, load_prompts, run_bench, write_report
     from .decoder import SpecDecoder
+    from .errors import OptionError
+    from .manifest import MANIFEST_NAME
 
     try:
         plan = BenchPlan(suites=suite, ks=ks, drafters=drafters, temperatures=temps, repeats=repeats,
                          max_new_tokens=max_new_tokens, per_suite=per_suite, ignore_eos=ignore_eos,
                          prompts=tuple(load_prompts(prompts)) if prompts else ())
         plan.prompt_list()  # unknown suite names fail here, before loading the models
+        if (Path(out) / MANIFEST_NAME).exists():
+            raise OptionError(f"--out {out} is a bundle; write the benchmark's results to a folder of their own")
         os.environ.setdefault("SPECEDGE_COST_CACHE", "off")  # a benchmark times its own steps (auto's cost model)
         click.echo(f"loading {bundle} …", err=True)
         dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify=verify, precision=precision,

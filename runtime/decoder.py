@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import operator
 import os
 import platform
 import tempfile
@@ -28,13 +29,13 @@ import numpy as np
 from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
 from .drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
-from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError
+from .errors import BundleError, ContextLengthError, OptionError, PromptError, SamplingParamsError
 from .manifest import (INTGEMM_FORMAT, MANIFEST_NAME, SEK_ATTENTION, SEK_FORMAT, VERIFY_MODES, Manifest,
                        read_manifest)
 from .sampling import (SamplingParams, accept_argmax, choose_next, process_logits, top1_probability, verify_greedy,
                        verify_keyed, verify_sampled)
 from .stats import Stats
-from .text import IncrementalDetokenizer, TextCodec
+from .text import IncrementalDetokenizer, TextCodec, check_text
 
 Prompt = str | Sequence[dict[str, Any]]
 COST_CACHE_MAX_AGE_S = 24 * 3600  # step costs kept between processes this long (SpecDecoder.cost_model)
@@ -172,6 +173,9 @@ class SpecDecoder:
             raise OptionError(f"threads must be an int in 1..256 (or None: physical cores), got {threads!r}")
         if verify not in VERIFY_MODES:
             raise OptionError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+        if precision not in (None, "fp32", "fp16", "bf16"):
+            raise OptionError(f"precision must be fp16 or bf16 (the bundle's reduced-precision graphs or engines), "
+                              f"fp32 or None, got {precision!r}; int8/int4 weights are chosen at export (--weights)")
         if not isinstance(bundle, (str, os.PathLike)):
             raise OptionError(f"bundle must be a path to a bundle directory, got {type(bundle).__name__}")
         bundle_dir = Path(bundle)
@@ -269,14 +273,12 @@ class SpecDecoder:
         if isinstance(prompt, str):
             if not prompt:
                 raise PromptError("the prompt is empty")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise PromptError(f"the prompt is not valid UTF-8 text (undecodable bytes at {e.start}); "
-                                  "pass text, not raw bytes") from None
+            check_text(prompt, "the prompt")
             if chat:
                 return self.codec.encode_chat([{"role": "user", "content": prompt}])
             return self.codec.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise PromptError(f"a prompt is a string or a list of chat messages, got {type(prompt).__name__}")
         return self.codec.encode_chat(prompt)
 
     def generate(self, prompt: Prompt, params: SamplingParams = SamplingParams(), **kw: Any) -> GenerationResult:
@@ -298,9 +300,17 @@ class SpecDecoder:
         cached is reused (benchmarks: a configuration run after another on the same prompt would otherwise find the
         draft caught up on it). The output is the same either way."""
         K = self.manifest.k
-        k = K if k is None else k
+        asked = K if k is None else k
+        try:  # an int (numpy's too); not a bool, 2.5 or "3"
+            k = -1 if isinstance(asked, bool) else operator.index(asked)
+        except TypeError:
+            k = -1
         if not 0 <= k <= K:
-            raise SamplingParamsError(f"k must be in 0..{K} (the bundle's verify width is K+1={K + 1}), got {k}")
+            raise SamplingParamsError(f"k must be an integer in 0..{K} (the bundle's verify width is K+1={K + 1}), "
+                                      f"got {asked!r}")
+        if drafter is not None and not isinstance(drafter, str):
+            raise SamplingParamsError(f"drafter must be a name (auto, hybrid, model, prompt-lookup or none), "
+                                      f"got {drafter!r}")
         d = self.make_drafter(drafter)
         if k == 0:
             d = NoDrafter()
@@ -341,6 +351,10 @@ class SpecDecoder:
             self._owner = req
             logits = feed(self.target, tokens[start: req.n], start, self.manifest.prefill_chunk)
             stats.reused_tokens = start
+            if not np.isfinite(logits).all():  # damaged weights decode NaN logits to token 0: often an EOS, silently
+                raise BundleError(f"the target's logits after the prompt are not finite (NaN or inf): its weights in "
+                                  f"{self.bundle_dir} are damaged, or the backend failed; `spec-export info "
+                                  f"{self.bundle_dir}` checks every file against its sha256")
             first = choose_next(logits, params, req.rng, position=req.n)
             ev = self._commit(req, [first])
             stats.ttft_s = time.perf_counter() - t_start
@@ -348,6 +362,8 @@ class SpecDecoder:
         yield ev
         while req.finish is None:
             with self._lock:
+                if self.target is None:
+                    raise OptionError("this decoder was closed while the stream was paused; load the bundle again")
                 if self._owner is not req:
                     self._resync(req, drafter)
                 ev = self._round(req, drafter, k)

@@ -37,5 +37,9 @@ class OptionError(SpecEdgeError, ValueError):
     """An invalid option of the API or CLI (verify mode, thread count, a closed decoder, ...)."""
 
 
+class OutOfMemoryError(SpecEdgeError, MemoryError):
+    """A bundle's fixed buffers (the KV cache at S_max) cannot be allocated on this machine."""
+
+
 class UnsupportedModelError(SpecEdgeError):
     """A model architecture, tensor type or option specedge does not support."""

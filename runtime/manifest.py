@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 
 SCHEMA = "specedge.bundle/1"
 MANIFEST_NAME = "manifest.json"
-VERIFY_MODES = ("sha256", "size", "none")
+VERIFY_MODES = ("sha256", "size", "none")  # how read_manifest checks the bundle's files
 INTGEMM_FORMAT = "MatMulInteger"  # --quant-form intgemm: 8-bit matrices (int4 models: "MatMulNBits+MatMulInteger")
 SEK_FORMAT = "SekMatMul"  # --quant-form specedge: every quantized matrix through specedge's kernel (runtime/kernels.py)
 SEK_DOMAIN = "ai.specedge"  # its ONNX domain
 SEK_ATTENTION = "SekAttention"  # ModelEntry.quant["attention"]: specedge's attention (ort-inplace): width 1 invariant
 QDQ_FORMAT = "DequantizeLinear+MatMul"  # ModelEntry.quant["format"] of --quant-form qdq graphs (else MatMulNBits)
 MAX_DIM = 1 << 22  # no model dimension (layers, heads, hidden, vocab) comes near this
-MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front  # how read_manifest checks the bundle's files
+MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front
 ONNX_OPSET = 17  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 17 has everything we use.
 
 # Graph roles and how many logit rows each needs (DESIGN.md, graph contract).
@@ -319,6 +319,10 @@ def _check_files(m: "Manifest") -> None:
                 raise BundleError(f"{role}.{key} {name!r} is not among the bundle's files {sorted(m.files)}")
         if not any(w.role == ROLE_VERIFY or w.role == ROLE_DECODE for w in e.widths):
             raise BundleError(f"{role}.widths {e.widths} declare no decode or verify width")
+    full = [w.T for w in m.target.widths if w.L == w.T]  # widths with a logits row per token: verify steps
+    if max(full, default=0) < m.k + 1:
+        raise BundleError(f"k={m.k} needs a target width of K+1={m.k + 1} tokens with every row's logits; the "
+                          f"target's are {sorted(full)} (the manifest's k or widths were changed)")
     t = m.tokenizer
     if t.file not in m.files:
         raise BundleError(f"tokenizer.file {t.file!r} is not among the bundle's files {sorted(m.files)}")
@@ -456,7 +460,7 @@ def read_manifest(bundle_dir: str | Path, verify: str = "sha256") -> Manifest:
         raise BundleError(f"{bundle_dir} is not a specedge bundle: {MANIFEST_NAME} is missing")
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise BundleError(f"{path} is not valid JSON: {e}") from e
     manifest = Manifest.from_json(raw)
     verify_files(bundle_dir, manifest, verify)

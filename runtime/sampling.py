@@ -53,6 +53,10 @@ class SamplingParams:
     sampler: str = "keyed"  # keyed: a seed fixes the text whatever the drafter | classic: min(1, p/q)
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "top_k", "seed", "temperature", "top_p"):  # numpy's scalars as Python's
+            v = getattr(self, name)
+            if isinstance(v, (np.integer, np.floating)):
+                object.__setattr__(self, name, v.item())
         if self.stop is None:
             object.__setattr__(self, "stop", ())
         if isinstance(self.stop, list):

@@ -15,16 +15,34 @@ _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"  # private-use characters around a 
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 
+def check_text(text: str, what: str) -> None:
+    """PromptError unless ``text`` is encodable text (a lone surrogate, e.g. from undecodable bytes passed through
+    surrogateescape or a JSON "\\ud800", is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{what} is not valid UTF-8 text (a lone surrogate or undecodable byte at character "
+                          f"{e.start}); pass text, not raw bytes") from None
+
+
 class TextCodec:
     def __init__(self, bundle_dir: Path, info: TokenizerInfo):
         from tokenizers import Tokenizer
 
         self.info = info
-        self.tok = Tokenizer.from_file(str(Path(bundle_dir) / info.file))
-        # A second instance that never parses special-token text: user content is encoded with it, so a literal
-        # "<|im_end|>" typed by a user stays text and cannot forge a turn (its own object: the flag is per
-        # tokenizer, and encoding runs outside the decoder's lock).
-        self._tok_text = Tokenizer.from_file(str(Path(bundle_dir) / info.file))
+        path = Path(bundle_dir) / info.file
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+            # A second instance that never parses special-token text: user content is encoded with it, so a literal
+            # "<|im_end|>" typed by a user stays text and cannot forge a turn (its own object: the flag is per
+            # tokenizer, and encoding runs outside the decoder's lock).
+            self._tok_text = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise BundleError(f"{path} is not a tokenizer the tokenizers library can read ({e}); the bundle is "
+                              f"damaged: export it again") from None
+        if self.tok.get_vocab_size() != info.vocab_size:
+            raise BundleError(f"{path} has {self.tok.get_vocab_size()} tokens, the manifest's "
+                              f"tokenizer.vocab_size says {info.vocab_size}: the file is not this bundle's tokenizer")
         self._tok_text.encode_special_tokens = True
         self._template = None
         if info.chat_template:
@@ -75,6 +93,7 @@ class TextCodec:
                 raise PromptError(f"message {i}: role {m['role']!r} is not allowed; roles: {', '.join(CHAT_ROLES)}")
             if not isinstance(m["content"], str):
                 raise PromptError(f"message {i}: content must be a string, got {type(m['content']).__name__}")
+            check_text(m["content"], f"message {i}'s content")
             if _MARK_OPEN in m["content"] or _MARK_CLOSE in m["content"]:
                 raise PromptError(f"message {i}: content holds U+E000/U+E001, which specedge reserves")
 

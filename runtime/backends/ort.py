@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..cpu import INT16_MAX, int16_pair_saturation, physical_cores
-from ..errors import BackendUnavailableError, BundleError
+from ..errors import BackendUnavailableError, BundleError, OutOfMemoryError
 from ..manifest import INTGEMM_FORMAT, QDQ_FORMAT, SEK_FORMAT, EngineSet, Manifest, Width, io_spec
 
 
@@ -180,7 +180,14 @@ class OrtRunner:
         self._ort = ort
         kv_shape = (d.n_layers, 2, 1, d.n_kv_heads, self.max_context, d.head_dim)
         if device == "cpu":
-            self.kv = np.zeros(kv_shape, dtype=self.kv_dtype)  # owned here; see module docstring
+            try:
+                self.kv = np.zeros(kv_shape, dtype=self.kv_dtype)  # owned here; see module docstring
+            except MemoryError:
+                need = int(np.prod(kv_shape)) * self.kv_dtype.itemsize
+                raise OutOfMemoryError(f"the {role} model's KV cache at S_max={self.max_context} needs "
+                                       f"{need / 2 ** 30:.1f} GiB, which this machine cannot allocate; export with "
+                                       f"a smaller --max-context (`spec-export plan` sizes a bundle for a memory "
+                                       f"budget)") from None
             self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.kv[i, j]) for i in range(d.n_layers)
                                for j in range(2)]
         else:

@@ -134,6 +134,11 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
     prompts = plan.prompt_list()
     configs = plan.configs(dec)
     dropped = sorted({k for k in plan.ks if k > dec.manifest.k})
+    if len(configs) == 1 and any(d != "none" for d in plan.drafters):
+        raise SamplingParamsError(
+            f"nothing to compare with plain decoding: drafters {', '.join(plan.drafters)} at k {list(plan.ks)} on a "
+            f"bundle with K={dec.manifest.k}" + ("" if dec.draft_runner is not None else " and no draft model")
+            + f"; choose k in 1..{dec.manifest.k}")
     if dropped:
         progress(f"k {dropped} > the bundle's K={dec.manifest.k}: skipped (re-export with a larger --k)")
     total = len(prompts) * plan.repeats * len(plan.temperatures) * len(configs)

@@ -167,10 +167,10 @@ def test_the_drafts_catch_up_widths_are_chosen_at_export(tmp_path, tiny_llama, t
     with pytest.raises(BundleError, match=r"--draft-catchup-widths \[16\] out of range: each must be in 2..P-1=15"):
         ExportOptions(prefill_chunk=16, draft_catchup_widths=(2, 16))
     ExportOptions(prefill_chunk=8)  # the default: the widths below P
-    r = CliRunner().invoke(export_cli, ["export", "--target", "x", "--prefill-chunk", "8",
+    r = CliRunner().invoke(export_cli, ["export", "--target", "x", "--draft", "y", "--prefill-chunk", "8",
                                         "--draft-catchup-widths", "2,9", "--out", str(tmp_path / "b")])
     assert r.exit_code != 0 and "--draft-catchup-widths [9] out of range" in r.output
-    r = CliRunner().invoke(export_cli, ["export", "--target", "x", "--draft-catchup-widths", "2,x",
+    r = CliRunner().invoke(export_cli, ["export", "--target", "x", "--draft", "y", "--draft-catchup-widths", "2,x",
                                         "--out", str(tmp_path / "b")])
     assert r.exit_code != 0 and "comma-separated list" in r.output
     r = CliRunner().invoke(export_cli, ["export", "--target", str(tiny_llama), "--draft", str(tiny_draft),

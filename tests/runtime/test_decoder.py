@@ -122,7 +122,7 @@ def test_bad_input_is_refused_and_decoder_stays_usable(decoders):
         dec.generate("def fib(n):", SamplingParams(max_new_tokens=250))
     with pytest.raises(ContextLengthError):
         dec.generate("x " * 300, SamplingParams(max_new_tokens=4))
-    with pytest.raises(SamplingParamsError, match="k must be in 0..8"):
+    with pytest.raises(SamplingParamsError, match="k must be an integer in 0..8"):
         dec.generate("hi", SamplingParams(), k=9)
     with pytest.raises(SamplingParamsError, match="no draft model"):
         dec.generate("hi", SamplingParams(), drafter="model")

@@ -212,7 +212,7 @@ def test_non_ascii_output_on_an_ascii_terminal_does_not_crash(bundles):
 @pytest.mark.parametrize("args, message", [
     (["--seed", "-1"], r"seed must be an int in 0..2\*\*63-1"),
     (["--temperature", "inf"], "temperature must be a finite number"),
-    (["--k", "99"], r"k must be in 0..8"),
+    (["--k", "99"], r"k must be an integer in 0..8"),
     (["--threads", "100000"], r"100000 is not in the range 1<=x<=256"),
 ])
 def test_cli_refuses_bad_options_in_one_line(bundles, args, message):
@@ -226,3 +226,133 @@ def test_cli_refuses_bad_options_in_one_line(bundles, args, message):
     assert r.exit_code == 2 and r.exception is None or isinstance(r.exception, SystemExit), r.output
     assert re.search(message, r.output), r.output
     assert "Traceback" not in r.output
+
+
+# ---- the second hostile pass (twenty-seventh session): each of these was a traceback, a hang or a silent wrong
+# result before
+
+
+def damaged_copy(bundles, tmp_path, name: str, data: bytes) -> Path:
+    """A copy of the lookup bundle with one file replaced by ``data`` and the manifest's size for it updated."""
+    dst = tmp_path / "damaged"
+    shutil.copytree(bundles["lookup"], dst)
+    (dst / name).write_bytes(data)
+    rewrite(dst, lambda m: {**m, "files": {**m["files"], name: {**m["files"][name], "bytes": len(data)}}})
+    return dst
+
+
+@pytest.mark.parametrize("data, message", [
+    (bytes(random.Random(0).randrange(256) for _ in range(4096)), r"not a tokenizer the tokenizers library can read"),
+    (b'{"hello": 1}', r"not a tokenizer the tokenizers library can read"),
+])
+def test_a_damaged_tokenizer_is_a_bundle_error(bundles, tmp_path, data, message):
+    with pytest.raises(BundleError, match=message):
+        SpecDecoder.load(damaged_copy(bundles, tmp_path, "tokenizer.json", data), verify="size")
+
+
+def test_a_tokenizer_of_another_size_is_refused(editable):
+    rewrite(editable, lambda m: {**m, "tokenizer": {**m["tokenizer"], "vocab_size": m["tokenizer"]["vocab_size"] - 1}})
+    with pytest.raises(BundleError, match=r"tokens, the manifest's tokenizer.vocab_size says"):
+        SpecDecoder.load(editable, verify="none")
+
+
+def test_weights_that_decode_to_nan_are_an_error_not_an_empty_answer(bundles, tmp_path):
+    size = (bundles["lookup"] / "target.onnx.data").stat().st_size
+    dec = SpecDecoder.load(damaged_copy(bundles, tmp_path, "target.onnx.data", b"\xff" * size), verify="size")
+    for params in (SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, temperature=0.8, seed=1)):
+        with pytest.raises(BundleError, match=r"logits after the prompt are not finite .* `spec-export info"):
+            dec.generate("The capital of France is", params)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: {**m, "k": 20}, r"k=20 needs a target width of K\+1=21 tokens with every row's logits"),
+    (lambda m: {**m, "target": {**m["target"], "widths": [w for w in m["target"]["widths"] if w["role"] != "verify"]}},
+     r"k=8 needs a target width of K\+1=9 tokens"),
+])
+def test_a_k_no_target_width_can_verify_is_refused_at_load(editable, edit, message):
+    rewrite(editable, edit)
+    with pytest.raises(BundleError, match=message):
+        read_manifest(editable, verify="none")
+
+
+def test_a_deeply_nested_manifest_is_a_bundle_error(editable):
+    (editable / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(BundleError, match="not valid JSON"):
+        read_manifest(editable, verify="none")
+
+
+def test_api_arguments_of_the_wrong_type_are_typed_errors_before_any_output(decoders):
+    dec = decoders["lookup"]
+    p = SamplingParams(max_new_tokens=4)
+    with pytest.raises(PromptError, match="a prompt is a string or a list of chat messages, got int"):
+        dec.generate(123, p)  # type: ignore[arg-type]
+    for k in (2.5, "3", True):
+        with pytest.raises(SamplingParamsError, match=r"k must be an integer in 0..8"):
+            dec.stream("hi", p, k=k)  # raised by the call, not after a first event
+    with pytest.raises(SamplingParamsError, match="drafter must be a name"):
+        dec.stream("hi", p, drafter=["auto"])  # type: ignore[arg-type]
+    with pytest.raises(PromptError, match=r"message 0's content is not valid UTF-8 text"):
+        dec.generate([{"role": "user", "content": "a\ud800b"}], p)
+    # numpy's scalars are numbers like any other
+    a = dec.generate("hi", SamplingParams(max_new_tokens=np.int64(4), temperature=np.float32(0.5), seed=np.int64(3),
+                                          top_k=np.int32(5)), k=np.int64(3))
+    b = dec.generate("hi", SamplingParams(max_new_tokens=4, temperature=float(np.float32(0.5)), seed=3, top_k=5), k=3)
+    assert a.token_ids == b.token_ids
+
+
+def test_precision_is_checked_and_a_paused_stream_of_a_closed_decoder_says_so(bundles):
+    with pytest.raises(OptionError, match=r"precision must be fp16 or bf16 .* got 'int4'; int8/int4 weights are "
+                                          r"chosen at export"):
+        SpecDecoder.load(bundles["lookup"], precision="int4")
+    dec = SpecDecoder.load(bundles["lookup"])
+    s = dec.stream("hi", SamplingParams(max_new_tokens=20, ignore_eos=True))
+    next(s)
+    dec.close()
+    with pytest.raises(OptionError, match="closed while the stream was paused"):
+        next(s)
+
+
+def test_a_kv_cache_the_machine_cannot_allocate_is_an_out_of_memory_error(bundles, monkeypatch):
+    import specedge.runtime.backends.ort as ort_backend
+    from specedge.runtime.errors import OutOfMemoryError
+
+    real = ort_backend.np.zeros
+
+    def zeros(shape, dtype=float):  # noqa: ANN001 - the KV cache (rank 6) is what a too-large S_max cannot get
+        if len(shape) == 6:
+            raise MemoryError("Unable to allocate 45.0 GiB")
+        return real(shape, dtype=dtype)
+
+    monkeypatch.setattr(ort_backend.np, "zeros", zeros)
+    with pytest.raises(OutOfMemoryError, match=r"KV cache at S_max=256 needs .* GiB.*smaller --max-context"):
+        SpecDecoder.load(bundles["lookup"])
+
+
+def test_export_refuses_an_oversized_context_and_options_it_would_ignore_before_any_work(tmp_path):
+    from click.testing import CliRunner
+
+    from specedge.export.bundle import ExportOptions
+    from specedge.export.cli import main
+
+    with pytest.raises(BundleError, match=r"--max-context 2000000 is over the most a bundle takes, 1048576"):
+        ExportOptions(max_context=2_000_000)
+    for args, message in ((["--draft", "none", "--draft-weights", "int8"], "--draft-weights is for a draft model"),
+                          (["--draft", "prompt-lookup", "--draft-catchup-widths", "2,4", "--draft-lm-head", "int4"],
+                           "--draft-lm-head, --draft-catchup-widths are for a draft model"),
+                          (["--draft", "none", "--ngram-max", "5"], "--ngram-max is for prompt lookup's matching")):
+        r = CliRunner().invoke(main, ["export", "--target", "no-such-model", *args, "--out", str(tmp_path / "o")])
+        assert r.exit_code == 2 and message in r.output, r.output
+        assert not (tmp_path / "o").exists()
+
+
+def test_bench_refuses_a_plan_with_nothing_to_compare_and_a_bundle_as_its_output(bundles, tmp_path):
+    from click.testing import CliRunner
+
+    from specedge.runtime.cli import main
+
+    b = str(bundles["lookup"])
+    r = CliRunner().invoke(main, ["bench", b, "--k", "99", "--drafter", "prompt-lookup", "--suite", "code",
+                                  "--per-suite", "1", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "nothing to compare with plain decoding" in r.output, r.output
+    r = CliRunner().invoke(main, ["bench", b, "--suite", "code", "--per-suite", "1", "--out", b])
+    assert r.exit_code == 2 and "is a bundle" in r.output, r.output
