@@ -417,8 +417,10 @@ class SpecDecoder:
         wants = getattr(drafter, "wants_confidence", None)  # auto's prior (greedy on next_ids graphs: no logits)
         if not ids_only and wants is not None and wants():
             drafter.observe_confidence(top1_probability(out[: m + 1]))  # the rows whose tokens this round commits
-        st.record_round(0 if guess else len(prop.tokens), 0 if guess else m, guessed=m if guess else None)
         ev = self._commit(req, [*prop.tokens[:m].tolist(), nxt])
+        # accepted: the draft tokens the request kept (an eos or a stop string may end it inside the round)
+        st.record_round(0 if guess else len(prop.tokens), 0 if guess else min(m, len(ev.token_ids)),
+                        guessed=m if guess else None)
         t3 = time.perf_counter()
         st.time_draft_s += t1 - t0
         st.time_verify_s += t2 - t1
@@ -445,7 +447,9 @@ class SpecDecoder:
     def _commit(self, req: _Request, new: list[int]) -> StreamEvent:
         """Append accepted tokens, apply eos / max_new / stop strings, and produce the event. With stop strings
         the tokens are detokenized one at a time, so a round that accepted several tokens stops exactly where
-        plain decoding would (no token past the one that completes a stop string); without, in one push."""
+        plain decoding would (no token past the one that completes a stop string); without, in one push. A request
+        that ends by eos or length ends its text with the detokenizer's held-back tail: the text is the ids'
+        decoding whichever rounds committed them."""
         p, eos = req.params, self.manifest.tokenizer.eos_ids
         out: list[int] = []
         for t in new:
@@ -460,12 +464,16 @@ class SpecDecoder:
         if p.stop:
             for j, t in enumerate(out):
                 req.text += req.detok.push([t])
-                hits = [i for s in p.stop if (i := req.text.find(s, max(0, req.emitted_chars - len(s)))) >= 0]
+                # with what is held back: a token that completes a stop string and starts a character ends here
+                seen = req.text + req.detok.peek()
+                hits = [i for s in p.stop if (i := seen.find(s, max(0, req.emitted_chars - len(s)))) >= 0]
                 if hits:
-                    stop_at, req.finish, out = min(hits), "stop", out[: j + 1]
+                    stop_at, req.finish, out, req.text = min(hits), "stop", out[: j + 1], seen
                     break
         else:
             req.text += req.detok.push(out)
+        if req.finish in ("eos", "length"):  # the held-back tail ends the text, however the rounds grouped tokens
+            req.text += req.detok.flush()
         req.tokens[req.n: req.n + len(out)] = out
         req.n += len(out)
         if stop_at is not None:

@@ -122,7 +122,8 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text pieces, never emitting half a UTF-8 character.
 
     Decodes a small window (prefix_offset..end) and emits only what the newest tokens add;
-    while the window's text ends in U+FFFD (an incomplete byte sequence) it waits.
+    while the window's text ends in U+FFFD (an incomplete byte sequence) it waits. ``flush`` ends a generation
+    with what is still held, so the whole text is the ids' decoding however they were pushed.
     """
 
     def __init__(self, codec: TextCodec):
@@ -133,9 +134,22 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(int(t) for t in new_ids)
+        pending = self.peek()
+        if pending and not pending.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return pending
+        return ""
+
+    def peek(self) -> str:
+        """The text the tokens not yet emitted add, as far as it goes (ending in U+FFFD while a character is
+        incomplete): where a stop string completed by a token that also starts a character is found."""
         prefix_text = self.codec.decode(self.ids[self._prefix: self._read])
         full = self.codec.decode(self.ids[self._prefix:])
-        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            return full[len(prefix_text):]
-        return ""
+        return full[len(prefix_text):] if len(full) > len(prefix_text) else ""
+
+    def flush(self) -> str:
+        """At the end of a generation: the held-back text too (U+FFFD for a character the tokens left incomplete,
+        as decoding all the ids gives), so the text does not depend on how the tokens were grouped into pushes."""
+        tail = self.peek()
+        self._prefix = self._read = len(self.ids)
+        return tail

@@ -512,3 +512,70 @@ def test_auto_is_given_the_targets_confidence_in_the_rows_a_requests_first_round
     seen.clear()
     dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=20, ignore_eos=True), drafter="prompt-lookup")
     assert not seen  # other drafters: no softmax
+
+
+@pytest.mark.parametrize("bundle, drafter", [("self", "model"), ("lookup", "prompt-lookup"), ("model", "auto")])
+def test_the_text_is_the_same_whatever_the_rounds_where_a_character_is_cut(decoders, bundle, drafter):
+    """A generation cut by max_new_tokens (or an eos) inside a multi-byte character: the detokenizer's held-back
+    tail is the text's end, so speculative text equals plain text equals decode(ids) (the same ids; rounds group
+    them differently). Found by review: the held tail was dropped, a whole round's characters with it."""
+    dec = decoders[bundle]
+    cut = 0
+    for prompt in ("héllo wörld — ünïcödé ✓ 数据", "数据 データ"):
+        for temperature, seed in ((0.0, None), (1.0, 1)):
+            for n in range(1, 25):
+                p = SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=temperature, seed=seed)
+                plain = dec.generate(prompt, p, drafter="none")
+                spec = dec.generate(prompt, p, drafter=drafter, k=8)
+                assert spec.token_ids == plain.token_ids
+                full = dec.codec.decode(plain.token_ids)
+                assert spec.text == plain.text == full, (prompt, temperature, n)
+                cut += full.endswith("\ufffd")
+    assert cut  # precondition: some of these generations did end inside a character
+
+
+def test_a_stop_string_completed_beside_half_a_character_ends_the_request_at_that_token(decoders):
+    """A token that completes a stop string and also starts a multi-byte character (' \\xe6'): its text is held
+    back until the character completes, but the stop string is already there (was: found one token later)."""
+    from specedge.runtime.decoder import _Request
+    from specedge.runtime.stats import Stats
+    from specedge.runtime.text import IncrementalDetokenizer
+
+    dec = decoders["lookup"]
+    tok = dec.codec.tok
+    held = next(t for t in range(tok.get_vocab_size()) if (s := tok.decode([t])).endswith("\ufffd") and len(s) > 1
+                and s[0] != "\ufffd")
+    ab = tok.encode("ab", add_special_tokens=False).ids
+    stop = "b" + tok.decode([held])[:-1]
+    seq = ab + [held] + ab
+    for rounds in ([[t] for t in seq], [seq]):  # plain: a token a round; speculative: one round
+        req = _Request(np.zeros(64, dtype=np.int64), 1, 1, SamplingParams(max_new_tokens=20, stop=(stop,)),
+                       np.random.default_rng(0), Stats(), IncrementalDetokenizer(dec.codec), stop_hold=len(stop) - 1)
+        text = ""
+        for r in rounds:
+            text += dec._commit(req, r).text
+            if req.finish:
+                break
+        assert req.finish == "stop" and req.tokens[1:req.n].tolist() == ab + [held] and text == "a", rounds
+
+
+def test_accepted_counts_only_the_drafted_tokens_a_request_kept(decoders):
+    """A round cut by an eos or a stop string: `accepted` and its histogram count the draft tokens committed, so
+    accepted + rounds (each round's own token) + the first token is the request's new tokens."""
+    dec = decoders["self"]  # draft == target: every draft accepted
+    prompt = "def fib(n):"
+    plain = dec.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True), drafter="none")
+    manifest = dec.manifest
+    try:
+        tok = dataclasses.replace(manifest.tokenizer, eos_ids=(plain.token_ids[3],))
+        dec.manifest = dataclasses.replace(manifest, tokenizer=tok)
+        eos = dec.generate(prompt, SamplingParams(max_new_tokens=24), drafter="model", k=8)
+    finally:
+        dec.manifest = manifest
+    stop = dec.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                               stop=(dec.codec.decode(plain.token_ids[:4])[-2:],)),
+                        drafter="model", k=8)
+    for res in (eos, stop):
+        s = res.stats
+        assert s.rounds == 1 and s.drafted == 8  # precondition: the first round's draft was cut (no own token)
+        assert s.accepted == sum(i * c for i, c in enumerate(s.accept_hist)) == len(res.token_ids) - 1, s

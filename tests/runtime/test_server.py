@@ -209,9 +209,6 @@ def test_lone_surrogates_oversized_bodies_and_null_fields(server):
     raw = b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}'  # valid JSON, not encodable text
     got, payload, _ = server.post("/v1/chat/completions", None, raw=raw)
     assert got == 400 and "not valid UTF-8 text" in payload["error"]["message"], payload
-    big = {"prompt": "hello world " * (server.srv.max_body // 12 + 1)}
-    got, payload, _ = server.post("/v1/completions", big)
-    assert got == 413 and payload["error"]["code"] == "request_too_large", payload
     # an explicit null is "not given": max_tokens applies
     got, payload, _ = server.post("/v1/completions", {"prompt": "def", "max_completion_tokens": None, "max_tokens": 3,
                                                       "temperature": 0})
@@ -241,5 +238,33 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled(bundles):
                 break
             time.sleep(0.05)
         assert s.srv.metrics.cancelled.value == 1
+    finally:
+        s.close()
+
+
+def test_a_body_over_the_limit_is_413_by_its_length_or_as_it_arrives(bundles):
+    """Refused unread (a server that reads a 24 MB prompt to refuse it spent 2 GB and 20 s of its event loop).
+    Raw sockets with small bodies: a client still sending what the server will not read may see a reset."""
+    s = Running(bundles["lookup"], max_body=2048)
+    try:
+        assert Server(s.dec, "tiny").max_body == 1 << 20  # the default's floor: S_max 256 x 64 bytes is less
+        body = json.dumps({"prompt": "hello world " * 200}).encode()  # ~2.4 kB
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (body[:1500], body[1500:])) + b"0\r\n\r\n"
+        for head, payload in ((f"Content-Length: {len(body)}\r\n", b""),  # refused by its header, before the body
+                              ("Transfer-Encoding: chunked\r\n", chunked)):  # no length: refused as it arrives
+            conn = socket.create_connection(("127.0.0.1", s.port))
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + head.encode() + b"\r\n" + payload)
+            conn.settimeout(30)
+            got = b""
+            while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+            conn.close()
+            assert got.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in got, got[:300]
+        ok = s.post("/v1/completions", {"prompt": "def", "max_tokens": 2})  # the server goes on serving
+        assert ok[0] == 200
     finally:
         s.close()
