@@ -84,6 +84,13 @@ def parse_request(body: Any, chat: bool, max_context: int, k_max: int) -> tuple[
     # the newer name wins where both are given; an explicit null is "not given" (some clients send every field)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _num(body, name, int, 128, 1, max_context)
+    unsupported = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+                   "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0),
+                   "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+    for name, fine in unsupported.items():  # not implemented: said, not silently ignored
+        if name in body and body[name] not in fine:
+            raise ApiError(400, f"'{name}' {body[name]!r} is not supported by this server (one choice, plain text, "
+                                f"no logprobs, tools, penalties or logit bias); leave it out", param=name, code="unsupported_parameter")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

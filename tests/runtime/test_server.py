@@ -197,6 +197,9 @@ def test_api_key_is_enforced(bundles):
     ({"prompt": "x", "speculation": {"drafter": "model"}}, 400, "speculation.drafter",
      "this bundle has no draft model"),
     ({"prompt": "x", "max_completion_tokens": 0}, 400, "max_completion_tokens", "'max_completion_tokens' must be"),
+    ({"prompt": "x", "n": 3}, 400, "n", "'n' 3 is not supported"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs", "is not supported"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format", "is not supported"),
 ])
 def test_invalid_requests_are_refused_before_anything_is_queued(server, body, status, param, message):
     queued = server.srv.metrics.requests.value
