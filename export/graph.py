@@ -28,8 +28,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from specedge.runtime.errors import UnsupportedModelError
-from specedge.runtime.manifest import (INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, SEK_ATTENTION, SEK_DOMAIN, SEK_FORMAT,
-                                       io_spec)
+from specedge.runtime.manifest import (GRAPH_POSITIONS_KEY, INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, SEK_ATTENTION,
+                                       SEK_DOMAIN, SEK_FORMAT, io_spec)
 
 from .attention import KV_MODES, InplaceGqaAttention, PortableAttention, SekInplaceAttention
 from .families import ModelConfig
@@ -498,6 +498,8 @@ def build_model_graph(
     if fmt.specedge:
         opsets.append(helper.make_opsetid(SEK_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specedge")
+    if kv_mode != "portable":  # the positions its RoPE tables hold: the runtime refuses a manifest whose S_max is more
+        helper.set_model_props(model, {GRAPH_POSITIONS_KEY: str(max_positions)})
     model.ir_version = 10 if fmt.qdq else 8  # 8: ONNX Runtime >= 1.14, TensorRT 10.x; 10: INT4 tensors
     onnx.save_model(model, str(onnx_path))
     onnx.checker.check_model(str(onnx_path))

@@ -33,6 +33,7 @@ SEK_ATTENTION = "SekAttention"  # ModelEntry.quant["attention"]: specedge's atte
 QDQ_FORMAT = "DequantizeLinear+MatMul"  # ModelEntry.quant["format"] of --quant-form qdq graphs (else MatMulNBits)
 MAX_DIM = 1 << 22  # no model dimension (layers, heads, hidden, vocab) comes near this
 MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front
+GRAPH_POSITIONS_KEY = "specedge.max_positions"  # a graph's metadata: the positions its RoPE tables hold
 ONNX_OPSET = 17  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 17 has everything we use.
 
 # Graph roles and how many logit rows each needs (DESIGN.md, graph contract).

@@ -26,7 +26,9 @@ import numpy as np
 
 from ..cpu import INT16_MAX, int16_pair_saturation, physical_cores
 from ..errors import BackendUnavailableError, BundleError, OutOfMemoryError
-from ..manifest import INTGEMM_FORMAT, QDQ_FORMAT, SEK_FORMAT, EngineSet, Manifest, Width, io_spec
+from ..manifest import (
+    GRAPH_POSITIONS_KEY, INTGEMM_FORMAT, QDQ_FORMAT, SEK_FORMAT, EngineSet, Manifest, Width, io_spec,
+)
 
 
 @dataclass
@@ -178,6 +180,11 @@ class OrtRunner:
                                                  self.entry.logits_width),
                        f"{role} {graph}")
         self._ort = ort
+        positions = self.session.get_modelmeta().custom_metadata_map.get(GRAPH_POSITIONS_KEY, "")
+        if positions.isdigit() and int(positions) < self.max_context:  # (graphs exported before it say nothing)
+            raise BundleError(f"the {role} graph {graph} holds positions up to {positions}, and the manifest's "
+                              f"max_context is S_max={self.max_context}: the manifest was changed; export again "
+                              f"with --max-context {self.max_context}")
         kv_shape = (d.n_layers, 2, 1, d.n_kv_heads, self.max_context, d.head_dim)
         if device == "cpu":
             try:

@@ -68,6 +68,22 @@ def test_inplace_runs_to_the_end_of_the_cache(mode_decoders):
     assert len(res.token_ids) == max_new
 
 
+def test_a_manifest_whose_context_outgrows_the_graphs_position_tables_is_refused_at_load(mode_decoders, tmp_path):
+    """An in-place graph's RoPE tables hold S_max positions (its metadata says how many): a manifest edited to a
+    larger max_context was refused only once a request passed the tables, by the attention op, mid-generation."""
+    import json
+    import shutil
+
+    src = mode_decoders["ort-inplace"].bundle_dir
+    dst = tmp_path / "b"
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    m["max_context"] = 192
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match=r"holds positions up to 96, and the manifest's max_context is S_max=192"):
+        SpecDecoder.load(dst, verify="none")
+
+
 def test_unsupported_kv_mode_requests_are_refused(tiny_draft, tmp_path):
     with pytest.raises(BundleError, match="kv-mode"):
         ExportOptions(kv_mode="paged")
