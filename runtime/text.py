@@ -15,6 +15,25 @@ _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"  # private-use characters around a 
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 
+# Loop steps a chat template's range() calls may take in one rendering, all together: the sandbox bounds each call
+# (100,000), not their product, and two nested loops of that length held a request (and the server) for good.
+# Real templates loop over the messages, not over ranges.
+RANGE_BUDGET = 100_000
+
+
+def _budgeted_range(budget: int = RANGE_BUDGET) -> Any:
+    left = [budget]
+
+    def bounded(*args: int) -> range:
+        r = range(*args)
+        left[0] -= len(r)
+        if left[0] < 0:
+            raise PromptError(f"the bundle's chat template asks for over {budget} loop steps (range) in one "
+                              f"rendering; it is not a chat template specedge runs")
+        return r
+    return bounded
+
+
 def check_text(text: str, what: str) -> None:
     """PromptError unless ``text`` is encodable text (a lone surrogate, e.g. from undecodable bytes passed through
     surrogateescape or a JSON "\\ud800", is not)."""
@@ -108,7 +127,7 @@ class TextCodec:
         eos = self.token_text(self.info.eos_ids[0]) if self.info.eos_ids else ""
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=True,
-                                         bos_token=bos, eos_token=eos)
+                                         bos_token=bos, eos_token=eos, range=_budgeted_range())
         except PromptError:
             raise
         except Exception as e:  # a broken template is the bundle's fault; say so in one line

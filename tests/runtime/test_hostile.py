@@ -356,3 +356,19 @@ def test_bench_refuses_a_plan_with_nothing_to_compare_and_a_bundle_as_its_output
     assert r.exit_code == 2 and "nothing to compare with plain decoding" in r.output, r.output
     r = CliRunner().invoke(main, ["bench", b, "--suite", "code", "--per-suite", "1", "--out", b])
     assert r.exit_code == 2 and "is a bundle" in r.output, r.output
+
+
+def test_a_chat_template_that_loops_without_end_is_stopped(editable):
+    """The sandbox bounds each range() call, not nested ones: 99,999 x 99,999 steps held the request for good."""
+    import time
+
+    slow = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+    rewrite(editable, lambda m: {**m, "tokenizer": {**m["tokenizer"], "chat_template": slow}})
+    dec = SpecDecoder.load(editable, verify="none")
+    t0 = time.perf_counter()
+    with pytest.raises(PromptError, match=r"chat template asks for over 100000 loop steps"):
+        dec.generate([{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=2))
+    assert time.perf_counter() - t0 < 10
+    ok = "{% for i in range(3) %}{{ i }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    rewrite(editable, lambda m: {**m, "tokenizer": {**m["tokenizer"], "chat_template": ok}})
+    assert SpecDecoder.load(editable, verify="none").codec.render_chat([{"role": "user", "content": "hi"}]) == "012hi"
