@@ -45,6 +45,14 @@ COST_CACHE_MAX_AGE_S = 24 * 3600  # step costs kept between processes this long 
 STEP_TIMING = 2
 
 
+def _close_shared(shared: dict) -> None:
+    """Free what the runners of one bundle share (TensorRT: the scratch and the stream both runners used)."""
+    if "scratch" in shared:
+        shared["scratch"].close()
+        shared["cuda"].stream_destroy(shared["stream"])
+    shared.clear()
+
+
 def _read_step_costs(path: Path | None) -> dict[str, dict[int, float]] | None:
     """Step costs a previous process measured ({role: {width: seconds}}), or None (none kept, too old, timed another
     way, unreadable)."""
@@ -182,11 +190,20 @@ class SpecDecoder:
         manifest = read_manifest(bundle_dir, verify=verify)
         backend = resolve_backend(backend, manifest)
         shared: dict = {}
-        target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
-                             cuda_graphs=cuda_graphs)
-        draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared,
-                             cuda_graphs=cuda_graphs) if manifest.draft else None)
-        dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer), invariant)
+        target = draft = None
+        try:
+            target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
+                                 cuda_graphs=cuda_graphs)
+            draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared,
+                                 cuda_graphs=cuda_graphs) if manifest.draft else None)
+            dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer),
+                      invariant)
+        except BaseException:  # what opened is closed: device memory is not left to the garbage collector
+            for runner in (draft, target):
+                if runner is not None:
+                    runner.close()
+            _close_shared(shared)
+            raise
         dec._shared = shared
         dec.threads = threads
         dec.precision = precision or ("fp32" if backend != "trt" else manifest.engine_set("trt").precision)
@@ -543,8 +560,4 @@ class SpecDecoder:
         if self.draft_runner is not None:
             self.draft_runner.close()
         self.target = self.draft_runner = None  # type: ignore[assignment]
-        shared = self._shared
-        if "scratch" in shared:  # TensorRT: the scratch and stream both runners used
-            shared["scratch"].close()
-            shared["cuda"].stream_destroy(shared["stream"])
-            shared.clear()
+        _close_shared(self._shared)

@@ -74,7 +74,7 @@ class CudaRuntime:
             "cudaMemcpyAsync": [vp, vp, sz, i, vp],
             "cudaMemcpy2DAsync": [vp, sz, vp, sz, sz, sz, i, vp],
             "cudaMemsetAsync": [vp, i, sz, vp],
-            "cudaStreamCreate": [ctypes.POINTER(vp)],
+            "cudaStreamCreateWithFlags": [ctypes.POINTER(vp), ctypes.c_uint],
             "cudaStreamDestroy": [vp],
             "cudaStreamSynchronize": [vp],
             "cudaDeviceSynchronize": [],
@@ -194,7 +194,9 @@ class CudaRuntime:
     # ------------------------------------------------------------------ streams
     def stream_create(self) -> int:
         s = ctypes.c_void_p()
-        self._check(self._lib.cudaStreamCreate(ctypes.byref(s)), "cudaStreamCreate")
+        # cudaStreamNonBlocking (1): no implicit synchronization with the legacy default stream, whose use by another
+        # thread during a graph capture on this stream would otherwise invalidate the capture
+        self._check(self._lib.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreateWithFlags")
         return s.value or 0
 
     def stream_destroy(self, stream: int) -> None:

@@ -294,6 +294,18 @@ class TrtRunner:
         if problems:
             raise BackendUnavailableError(f"the {role} engine of {bundle_dir} cannot run here: {'; '.join(problems)}. "
                                           f"Rebuild it on this machine: {rebuild_hint(bundle_dir, engines.precision)}")
+        self._bufs: list[int] = []
+        self._host_ptrs: list[int] = []
+        self._profiles: list[_Profile] = []
+        self.engine = None
+        try:
+            self._open(trt, bundle_dir, manifest, role, engines, cuda_graphs)
+        except BaseException:  # free what was allocated (on an 8 GB Jetson a retry in this process needs it)
+            self.close()
+            raise
+
+    def _open(self, trt: Any, bundle_dir: Path, manifest: Manifest, role: str, engines: EngineSet,
+              cuda_graphs: bool) -> None:
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         path = bundle_dir / engines.graphs[role]
@@ -314,7 +326,6 @@ class TrtRunner:
         t_max = max(w.T for w in widths)
         self._l_max = max(w.L for w in widths)
         c = self.cuda
-        self._bufs: list[int] = []
         self.kv = self._alloc(self.layout.cache_bytes())
         c.memset(self.kv, 0, self.layout.cache_bytes(), self.stream)
         self.present = self._alloc(self.layout.new_bytes(t_max))
@@ -326,8 +337,8 @@ class TrtRunner:
         self._io_idx = tuple(o // 8 for o in self._io_off)  # the same offsets in int64 elements
         self._arange = np.arange(self._l_max, dtype=np.int64)  # logits_at of the all-rows widths
         self.io_dev = self._alloc(self._io_n * 8)
-        self._host_ptrs = [c.malloc_host(self._io_n * 8), c.malloc_host(self._l_max * self.entry.logits_width * 4),
-                           c.malloc_host(self._l_max * 8)]
+        for nbytes in (self._io_n * 8, self._l_max * self.entry.logits_width * 4, self._l_max * 8):
+            self._host_ptrs.append(c.malloc_host(nbytes))  # one at a time: close() frees what a failure left
         self.io_host = host_array(self._host_ptrs[0], (self._io_n,), np.int64)
         self.logits_host = host_array(self._host_ptrs[1], (self._l_max, self.entry.logits_width), np.float32)
         self.ids_host = host_array(self._host_ptrs[2], (self._l_max,), np.int64)
@@ -335,14 +346,11 @@ class TrtRunner:
         self.graph_status: dict[int, str] = {} if cuda_graphs else {
             w.T: "plain execute: cuda_graphs=False" for w in widths}
         strategy = trt.ExecutionContextAllocationStrategy.USER_MANAGED
-        scratch = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
-        self._profiles: list[_Profile] = []
-        try:
-            for p, w in enumerate(widths):
-                self._profiles.append(self._profile(p, w, strategy, scratch))
-        except BundleError:
-            self.close()
-            raise
+        # device_memory_size_v2 from TensorRT 10.1 (device_memory_size is gone in 11): 0 is a size, not "absent"
+        v2 = getattr(self.engine, "device_memory_size_v2", None)
+        scratch = v2 if v2 is not None else self.engine.device_memory_size
+        for p, w in enumerate(widths):
+            self._profiles.append(self._profile(p, w, strategy, scratch))
         # one synchronize for all the asynchronous profile selections (and the cache's zeroing): the header asks
         # for the stream that selected a profile to be synchronized with the one that enqueues - here both are one
         c.synchronize(self.stream)
@@ -357,7 +365,11 @@ class TrtRunner:
         d, o = self.entry.dims, self._io_off
         ctx = self.engine.create_execution_context(strategy)
         self._scratch.attach(ctx, scratch_bytes)  # shared by every context of both models: safe only on one stream
-        if not ctx.set_optimization_profile_async(index, self.stream):
+        try:  # the binding raises RuntimeError where the C++ call returns false
+            ok = ctx.set_optimization_profile_async(index, self.stream)
+        except RuntimeError as e:
+            raise BundleError(f"TensorRT refused optimization profile {index} (T={w.T}): {e}") from None
+        if not ok:
             raise BundleError(f"TensorRT refused optimization profile {index} (T={w.T})")
         for name, shape in width_shapes(d, w, self.max_context).items():
             if not ctx.set_input_shape(name, shape):
@@ -457,7 +469,8 @@ class TrtRunner:
     def close(self) -> None:
         """Destroy the CUDA graphs and free the buffers; the shared scratch and stream are the decoder's to close."""
         c = self.cuda
-        c.synchronize(self.stream)
+        if self._bufs or self._host_ptrs or self._profiles:
+            c.synchronize(self.stream)
         for p in self._profiles:
             c.graph_exec_destroy(p.graph)
         for ptr in self._bufs:

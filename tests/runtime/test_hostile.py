@@ -372,3 +372,18 @@ def test_a_chat_template_that_loops_without_end_is_stopped(editable):
     ok = "{% for i in range(3) %}{{ i }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
     rewrite(editable, lambda m: {**m, "tokenizer": {**m["tokenizer"], "chat_template": ok}})
     assert SpecDecoder.load(editable, verify="none").codec.render_chat([{"role": "user", "content": "hi"}]) == "012hi"
+
+
+def test_a_draft_that_fails_to_open_closes_the_target_it_opened(bundles, tmp_path, monkeypatch):
+    """Device memory is not left to the garbage collector: on a Jetson a retry in the same process needs it."""
+    import specedge.runtime.backends.ort as ort_backend
+
+    dst = tmp_path / "b"
+    shutil.copytree(bundles["model"], dst)
+    (dst / "draft.onnx").write_bytes(b"not a graph")
+    closed = []
+    real = ort_backend.OrtRunner.close
+    monkeypatch.setattr(ort_backend.OrtRunner, "close", lambda self: (closed.append(self.entry.graph), real(self)))
+    with pytest.raises(BundleError, match="cannot load the draft graph"):
+        SpecDecoder.load(dst, verify="none")
+    assert closed == ["target.onnx"]

@@ -143,6 +143,8 @@ def fake_trt(cuda: FakeCuda, refuse: str | None = None, capture_ok: bool = True,
         def set_optimization_profile_async(self, index, stream):
             assert stream == STREAM
             self._call("set_optimization_profile_async", index)
+            if refuse == "profile-raises":  # what TensorRT's binding does (PY_ASSERT_RUNTIME_ERROR on a false)
+                raise RuntimeError("setOptimizationProfileAsync failed")
             return refuse != "profile"
 
         def set_input_shape(self, name, shape):
@@ -287,16 +289,31 @@ def test_every_context_shares_one_scratch_of_the_largest_size(monkeypatch, bundl
 @pytest.mark.parametrize("refuse, message", [
     ("profile", r"TensorRT refused optimization profile 0 \(T=1\)"),
     ("shape", r"TensorRT refused shape \(1, 1\) for input_ids \(profile 0, T=1\)"),
-    ("address", r"TensorRT refused the address of logits \(profile 0, T=1\)")])
+    ("address", r"TensorRT refused the address of logits \(profile 0, T=1\)"),
+    ("profile-raises", r"TensorRT refused optimization profile 0 \(T=1\): setOptimizationProfileAsync failed"),
+    ("oom", r"cudaMalloc failed")])
 def test_a_refused_binding_is_a_bundle_error_and_frees_what_was_allocated(monkeypatch, bundle, refuse, message):
+    """Every failure while a runner opens frees its device and pinned memory (a RuntimeError from TensorRT and an
+    out-of-memory cudaMalloc escaped without it, until review found it)."""
+    from specedge.runtime.backends.cuda_rt import CudaError
+
     log: list = []
     cuda = FakeCuda(log)
-    trt = fake_trt(cuda, refuse=refuse)
+    trt = fake_trt(cuda, refuse=None if refuse == "oom" else refuse)
     monkeypatch.setattr("specedge.runtime.backends.trt.import_tensorrt", lambda: trt)
     shared = {"cuda": cuda, "stream": STREAM, "scratch": SharedScratch(cuda)}
-    with pytest.raises(BundleError, match=message):
+    if refuse == "oom":  # the fourth device buffer does not fit
+        real, n = cuda.malloc, [0]
+
+        def malloc(nbytes):
+            n[0] += 1
+            if n[0] == 4:
+                raise CudaError("cudaMalloc failed: cudaErrorMemoryAllocation (out of memory)")
+            return real(nbytes)
+        cuda.malloc = malloc
+    with pytest.raises((BundleError, CudaError), match=message):
         TrtRunner(bundle[0], bundle[1], "target", bundle[2], shared)
-    assert set(cuda.live) == {shared["scratch"].ptr} and not cuda.host  # only the decoder's scratch is left
+    assert set(cuda.live) <= {shared["scratch"].ptr} and not cuda.host  # only the decoder's scratch is left
 
 
 def test_cuda_graph_captured_once_per_width_then_replayed(monkeypatch, bundle):
@@ -433,7 +450,7 @@ def test_cuda_graph_binding(monkeypatch):
     monkeypatch.setattr(cuda_rt, "_candidates", lambda: ["libcudart.so.12"])
     names = ("cudaGetDeviceCount cudaSetDevice cudaDriverGetVersion cudaRuntimeGetVersion cudaDeviceGetAttribute "
              "cudaMemGetInfo cudaMalloc cudaFree cudaMallocHost cudaFreeHost cudaMemcpy cudaMemcpyAsync "
-             "cudaMemcpy2DAsync cudaMemsetAsync cudaStreamCreate cudaStreamDestroy cudaStreamSynchronize "
+             "cudaMemcpy2DAsync cudaMemsetAsync cudaStreamCreateWithFlags cudaStreamDestroy cudaStreamSynchronize "
              "cudaDeviceSynchronize cudaGetErrorName cudaGetErrorString cudaGetLastError cudaStreamBeginCapture "
              "cudaStreamEndCapture cudaGraphInstantiateWithFlags cudaGraphLaunch cudaGraphExecDestroy "
              "cudaGraphDestroy").split()
@@ -443,6 +460,9 @@ def test_cuda_graph_binding(monkeypatch):
     assert lib.cudaGraphInstantiateWithFlags.argtypes == [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                                           ctypes.c_ulonglong]
     assert lib.cudaStreamBeginCapture.argtypes == [ctypes.c_void_p, ctypes.c_int]
+    del calls[:]
+    c.stream_create()
+    assert calls[0][0] == "cudaStreamCreateWithFlags" and calls[0][1][1] == 1  # cudaStreamNonBlocking
     del calls[:]
     c.begin_capture(7)
     assert calls == [("cudaStreamBeginCapture", (7, 1))]  # cudaStreamCaptureModeThreadLocal
