@@ -137,6 +137,10 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
     with workspace(out) as tmp:
         # tokenizers first: a draft with another vocabulary is refused before minutes of graph export
         tok = write_tokenizer(tsrc, tmp)
+        for role, src in (("target", tsrc), ("draft", dsrc)):  # an id past the embedding fails only at run time
+            if src is not None and src.config.dims.vocab < tok.vocab_size:
+                raise BundleError(f"the {role} {src.path} has {src.config.dims.vocab} embedding rows and its "
+                                  f"tokenizer {tok.vocab_size} ids: the file and its tokenizer disagree")
         if dsrc is not None:
             dtok_dir = Path(tempfile.mkdtemp(dir=tmp))
             write_tokenizer(dsrc, dtok_dir)

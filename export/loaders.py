@@ -10,14 +10,15 @@ files), so export never holds two copies of the model.
 from __future__ import annotations
 
 import json
+import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from specedge.runtime.errors import BundleError, UnsupportedModelError
+from specedge.runtime.errors import BundleError, SpecEdgeError, UnsupportedModelError
 from specedge.runtime.manifest import ModelDims
 
 from .families import ModelConfig, family_for_gguf, family_for_hf
@@ -33,6 +34,7 @@ class WeightSource:
     rope_freq_factors: np.ndarray | None = None
     meta: dict[str, Any] | None = None
     _raw: Callable[[str], tuple[str, np.ndarray]] | None = None
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # canonical name -> [out, in], unread
 
     def raw(self, name: str) -> tuple[str, np.ndarray] | None:
         """(GGUF type name, uint8 rows [out, row bytes]) for a block-quantized GGUF tensor in the
@@ -54,13 +56,56 @@ class WeightSource:
 
 def load_source(path: str | Path) -> WeightSource:
     p = Path(path).expanduser()
-    if p.is_dir():
-        return load_hf_dir(p)
-    if p.is_file() and p.suffix == ".gguf":
-        return load_gguf(p)
     if not p.exists():
         raise BundleError(f"model path {p} does not exist")
-    raise UnsupportedModelError(f"{p}: expected a Hugging Face model directory or a .gguf file")
+    if not p.is_dir() and not (p.is_file() and p.suffix == ".gguf"):
+        raise UnsupportedModelError(f"{p}: expected a Hugging Face model directory or a .gguf file")
+    try:
+        src = load_hf_dir(p) if p.is_dir() else load_gguf(p)
+    except SpecEdgeError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, IndexError, UnicodeDecodeError,
+            struct.error, OSError, MemoryError) as e:  # a config or header field missing, of the wrong type, absurd
+        raise BundleError(f"{p}: its configuration or weights cannot be read as a model ({type(e).__name__}: "
+                          f"{e})") from None
+    check_source(src)
+    return src
+
+
+# The shape [out, in] (numpy order) of each per-layer tensor, from the model's dimensions.
+def _expected_shapes(d: ModelDims) -> dict[str, tuple[int, ...]]:
+    q, kv = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
+    return {"attn_norm": (d.hidden,), "mlp_norm": (d.hidden,), "q": (q, d.hidden), "k": (kv, d.hidden),
+            "v": (kv, d.hidden), "o": (d.hidden, q), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
+            "gate": (d.ffn, d.hidden), "up": (d.ffn, d.hidden), "down": (d.hidden, d.ffn)}
+
+
+def check_source(src: WeightSource) -> None:
+    """The configuration against the tensors, before minutes of export: every tensor's shape what the dimensions
+    say, no layer beyond the declared count (llama.cpp refuses both; a file whose block count was lowered
+    exported its first layers alone, silently), finite positive RoPE base and norm epsilon."""
+    c, d = src.config, src.config.dims
+    if not (math.isfinite(c.rope_theta) and c.rope_theta > 0 and math.isfinite(c.rms_eps) and c.rms_eps > 0):
+        raise BundleError(f"{src.path}: rope base {c.rope_theta} and norm epsilon {c.rms_eps} must be finite and > 0")
+    want = _expected_shapes(d)
+    required = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
+    missing = [f"l{i}.{k}" for i in range(d.n_layers) for k in required if f"l{i}.{k}" not in src.shapes]
+    if src.shapes and missing:
+        raise BundleError(f"{src.path}: the configuration declares {d.n_layers} layers, and tensors "
+                          f"{missing[:3]}{' ...' if len(missing) > 3 else ''} are missing")
+    top = {"embed": (d.vocab, d.hidden), "lm_head": (d.vocab, d.hidden), "final_norm": (d.hidden,)}
+    for name, shape in sorted(src.shapes.items()):
+        layer, _, kind = name.partition(".")
+        if kind:
+            if not layer[1:].isdigit() or int(layer[1:]) >= d.n_layers:
+                raise BundleError(f"{src.path}: tensor {name!r} is beyond the {d.n_layers} layers the configuration "
+                                  f"declares: the file and its configuration disagree")
+            expected = want.get(kind)
+        else:
+            expected = top.get(name)
+        if expected is not None and tuple(shape) != expected:
+            raise BundleError(f"{src.path}: tensor {name!r} has shape {tuple(shape)}, the configuration's dimensions "
+                              f"({d}) say {expected}: the file and its configuration disagree")
 
 
 # ---------------------------------------------------------------- HF directory
@@ -88,14 +133,20 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np
 
 def _read_safetensors_index(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
     """name -> (file, dtype, shape, byte offset, byte length) from a safetensors header."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise BundleError(f"{path}: its safetensors header declares {n} bytes, more than the file holds")
         header = json.loads(f.read(n))
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         a, b = meta["data_offsets"]
+        if not 0 <= a <= b or 8 + n + b > size:
+            raise BundleError(f"{path}: tensor {name!r} (bytes {a}..{b} of the data) lies past the end of the file: "
+                              f"it is truncated")
         out[name] = (path, meta["dtype"], tuple(meta["shape"]), 8 + n + a, b - a)
     return out
 
@@ -116,7 +167,10 @@ def load_hf_dir(d: Path) -> WeightSource:
     if not cfg_path.is_file():
         raise BundleError(f"{d} has no config.json: not a Hugging Face model directory")
     cfg = json.loads(cfg_path.read_text())
-    family = family_for_hf(cfg.get("architectures") or [])
+    if not isinstance(cfg, dict):
+        raise BundleError(f"{cfg_path} is not a JSON object")
+    archs = cfg.get("architectures") or []
+    family = family_for_hf([archs] if isinstance(archs, str) else archs)
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise BundleError(f"{d} has no *.safetensors weights (pytorch .bin files are not supported)")
@@ -142,7 +196,8 @@ def load_hf_dir(d: Path) -> WeightSource:
         sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
     )
     return WeightSource(config, d, "hf", lambda n: _load_st_tensor(index[n]), frozenset(index),
-                        meta={"architecture": cfg.get("architectures")})
+                        meta={"architecture": cfg.get("architectures")},
+                        shapes={n: tuple(int(x) for x in e[2]) for n, e in index.items()})
 
 
 def _hf_rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -194,24 +249,29 @@ def load_gguf(path: Path) -> WeightSource:
         from gguf.quants import dequantize
     except ImportError as e:  # pragma: no cover - export extra missing
         raise UnsupportedModelError("reading GGUF needs the export extra: pip install 'specedge[export]'") from e
+    check_gguf_counts(path)  # before gguf's reader, which loops on a count past the end of the file
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:
-        raise BundleError(f"{path} is not a readable GGUF file: {e}") from e
+        raise BundleError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+    check_gguf_layout(path, reader)
     arch = gguf_field(reader, "general.architecture")
     family = family_for_gguf(arch)
     tensors = {t.name: t for t in reader.tensors}
     index = {c: tensors[n] for n in tensors if (c := _canonical_gguf(n)) is not None}
     if "embed" not in index:
         raise BundleError(f"{path}: GGUF has no token_embd.weight")
-    n_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads))
-    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
+    need = lambda key: _gguf_int(path, reader, f"{arch}.{key}")  # noqa: E731
+    n_heads = need("attention.head_count")
+    n_kv = _gguf_int(path, reader, f"{arch}.attention.head_count_kv", n_heads)
+    hidden = need("embedding_length")
+    if n_heads < 1:
+        raise BundleError(f"{path}: {arch}.attention.head_count is {n_heads}; a model has at least one head")
     vocab = int(index["embed"].shape[-1])  # GGUF ne order: [hidden, vocab]
     dims = ModelDims(
-        n_layers=int(gguf_field(reader, f"{arch}.block_count")), hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv,
-        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // n_heads)),
-        ffn=int(gguf_field(reader, f"{arch}.feed_forward_length")), vocab=vocab,
+        n_layers=need("block_count"), hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv,
+        head_dim=_gguf_int(path, reader, f"{arch}.attention.key_length", hidden // n_heads),
+        ffn=need("feed_forward_length"), vocab=vocab,
     )
     scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
     rope_scaling = None
@@ -250,4 +310,95 @@ def load_gguf(path: Path) -> WeightSource:
 
     types = sorted({t.tensor_type.name for t in reader.tensors})
     return WeightSource(config, path, "gguf", get, frozenset(index), rope_freq_factors=factors,
-                        meta={"architecture": arch, "tensor_types": types}, _raw=raw)
+                        meta={"architecture": arch, "tensor_types": types}, _raw=raw,
+                        shapes={n: tuple(int(x) for x in reversed(t.shape)) for n, t in index.items()})
+
+
+def _gguf_int(path: Path, reader: Any, key: str, default: int | None = None) -> int:
+    v = gguf_field(reader, key, default)
+    if v is None:
+        raise BundleError(f"{path}: GGUF metadata {key!r} is missing")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise BundleError(f"{path}: GGUF metadata {key!r} must be an integer, got {v!r}")
+    return int(v)
+
+
+# GGUF value types (gguf's GGUFValueType) and the bytes of one scalar of each; 8: string, 9: array
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def check_gguf_counts(path: Path) -> None:
+    """Walk a GGUF file's metadata and check every declared count (keys, strings, arrays, tensors) against the
+    bytes left: gguf's reader loops over a numeric array's declared count, past the end of the file, forever (a
+    count of 2^60 grew the exporter by 50 MB a second until the machine ran out)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        buf = f.read(min(size, 64 << 20))  # the metadata: tokenizer arrays are a few MB
+    at = 0
+
+    def take(n: int, what: str) -> bytes:
+        nonlocal at
+        if n < 0 or at + n > len(buf):
+            if at + n <= size:  # metadata past the first 64 MB: not walked; gguf's reader checks the rest
+                raise _Unwalked
+            raise BundleError(f"{path}: GGUF {what} at byte {at} runs past the end of the file ({size} bytes): "
+                              f"the file is truncated or damaged")
+        b = buf[at: at + n]
+        at += n
+        return b
+
+    def u(n: int, what: str) -> int:
+        return int.from_bytes(take(n, what), "little")
+
+    def value(kind: int, what: str) -> None:
+        if kind in _GGUF_SCALAR:
+            take(_GGUF_SCALAR[kind], what)
+        elif kind == 8:
+            take(u(8, what + " length"), what)
+        elif kind == 9:
+            inner, count = u(4, what + " type"), u(8, what + " count")
+            if inner in _GGUF_SCALAR:
+                take(count * _GGUF_SCALAR[inner], f"{what} ({count} values)")
+            elif count > (size - at) // 8:  # every element at least a length
+                raise BundleError(f"{path}: GGUF {what} declares {count} values, more than the file holds")
+            else:
+                for _ in range(count):
+                    value(inner, what)
+        else:
+            raise BundleError(f"{path}: GGUF {what} has value type {kind}, which no GGUF version defines")
+
+    try:
+        if take(4, "magic") != b"GGUF":
+            raise BundleError(f"{path} is not a GGUF file (no GGUF magic)")
+        take(4, "version")
+        n_tensors, n_kv = u(8, "tensor count"), u(8, "metadata count")
+        if n_tensors > size // 24 or n_kv > size // 12:  # a tensor's info takes > 24 bytes, a key-value > 12
+            raise BundleError(f"{path}: GGUF declares {n_tensors} tensors and {n_kv} metadata keys, more than its "
+                              f"{size} bytes can hold: the file is damaged")
+        for i in range(n_kv):
+            key = take(u(8, f"key {i} length"), f"key {i}").decode("utf-8", "replace")
+            value(u(4, f"{key!r} type"), repr(key))
+    except _Unwalked:
+        return
+
+
+class _Unwalked(Exception):
+    """The metadata reaches past what check_gguf_counts reads."""
+
+
+def check_gguf_layout(path: Path, reader: Any) -> None:
+    """Every tensor's data inside the file, on the file's alignment and apart from the others: a tensor whose type
+    or offset was changed reads its neighbour's bytes (NaN weights, exported without a word)."""
+    align = int(gguf_field(reader, "general.alignment", 32) or 32)
+    size = path.stat().st_size
+    spans = sorted((int(t.data_offset), int(t.n_bytes), t.name) for t in reader.tensors)
+    end, last = 0, None
+    for off, n, name in spans:
+        if off % align or off + n > size:
+            raise BundleError(f"{path}: tensor {name!r} at byte {off} ({n} bytes) is "
+                              f"{'not on the file alignment ' + str(align) if off % align else 'past the end of the file'}"
+                              f": the file is damaged")
+        if off < end:
+            raise BundleError(f"{path}: tensors {last!r} and {name!r} overlap (their types or offsets were changed): "
+                              f"the file is damaged")
+        end, last = off + n, name

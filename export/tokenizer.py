@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from specedge.runtime.errors import BundleError, VocabularyMismatchError
+from specedge.runtime.errors import BundleError, SpecEdgeError, VocabularyMismatchError
 from specedge.runtime.manifest import TokenizerInfo
 
 from .gguf_tokenizer import write_gguf_tokenizer
@@ -23,11 +23,16 @@ def write_tokenizer(src: WeightSource, out_dir: Path) -> TokenizerInfo:
     from tokenizers import Tokenizer
 
     dst = Path(out_dir) / TOKENIZER_FILE
-    if src.kind == "hf":
-        info = _from_hf_dir(src.path, dst)
-    else:
-        info = write_gguf_tokenizer(src.path, dst)  # gguf + tokenizers only: no torch
-    tok = Tokenizer.from_file(str(dst))
+    try:
+        if src.kind == "hf":
+            info = _from_hf_dir(src.path, dst)
+        else:
+            info = write_gguf_tokenizer(src.path, dst)  # gguf + tokenizers only: no torch
+        tok = Tokenizer.from_file(str(dst))
+    except SpecEdgeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tokenizers raises bare Exceptions; a damaged vocabulary, not our bug
+        raise BundleError(f"{src.path}: its tokenizer cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
     eos = list(info["eos_ids"])
     for t in _END_TOKENS:
         tid = tok.token_to_id(t)

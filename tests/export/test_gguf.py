@@ -156,3 +156,92 @@ def test_unknown_architecture_is_refused(tmp_path):
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     with pytest.raises(UnsupportedModelError, match="supported"):
         load_source(p)
+
+
+# ---- files whose counts, layout or configuration lie (a hostile pass, twenty-seventh session): each was a runaway
+# allocation, a traceback or a silently broken export before
+
+
+def test_a_gguf_array_count_past_the_end_of_the_file_is_refused_at_once(tiny_llama, tmp_path):
+    import struct
+    import time
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny_llama, path, {})
+    data = bytearray(path.read_bytes())
+    key = b"tokenizer.ggml.token_type"
+    at = data.index(key) + len(key) + 8  # past the value type (array) and the element type (int32): the count
+    data[at: at + 8] = struct.pack("<Q", 1 << 60)
+    path.write_bytes(bytes(data))
+    t0 = time.perf_counter()
+    with pytest.raises(BundleError, match=r"'tokenizer.ggml.token_type' \(1152921504606846976 values\) .* runs past "
+                                          r"the end of the file"):
+        load_source(path)  # gguf's reader looped here, 50 MB a second, until the machine ran out
+    assert time.perf_counter() - t0 < 10
+
+
+def test_tensors_that_overlap_or_leave_the_alignment_are_refused():
+    from types import SimpleNamespace as N
+
+    from specedge.export.loaders import check_gguf_layout
+
+    class Reader:
+        fields: dict = {}
+
+        def __init__(self, *spans):
+            self.tensors = [N(name=f"t{i}", data_offset=o, n_bytes=n) for i, (o, n) in enumerate(spans)]
+
+    path = N(stat=lambda: N(st_size=1024))
+    check_gguf_layout(path, Reader((0, 64), (64, 32), (96, 32)))
+    with pytest.raises(BundleError, match="'t0' and 't1' overlap"):  # a type changed: its bytes run into the next
+        check_gguf_layout(path, Reader((0, 96), (64, 32)))
+    with pytest.raises(BundleError, match="not on the file alignment 32"):
+        check_gguf_layout(path, Reader((0, 64), (65, 32)))
+    with pytest.raises(BundleError, match="past the end of the file"):
+        check_gguf_layout(path, Reader((992, 64)))
+
+
+def _edited_hf(tiny_llama, tmp_path, edit_config=None, rows=None):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "hf"
+    shutil.copytree(tiny_llama, d)
+    cfg = json.loads((d / "config.json").read_text())
+    if edit_config:
+        edit_config(cfg)
+    if rows is not None:  # fewer embedding rows than the tokenizer has ids, the config saying so
+        sd = load_file(str(d / "model.safetensors"))
+        sd = {k: (v[:rows] if k in ("model.embed_tokens.weight", "lm_head.weight") else v) for k, v in sd.items()}
+        save_file(sd, str(d / "model.safetensors"))
+        cfg["vocab_size"] = rows
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(num_hidden_layers=1), r"tensor 'l1\.attn_norm' is beyond the 1 layers"),
+    (lambda c: c.update(num_hidden_layers=4), r"declares 4 layers, and tensors \['l2\.attn_norm'"),
+    (lambda c: c.update(hidden_size=c["hidden_size"] * 2), r"tensor 'embed' has shape"),
+    (lambda c: c.update(vocab_size=c["vocab_size"] + 7), r"tensor 'embed' has shape"),
+    (lambda c: c.update(rms_norm_eps=-1.0), r"norm epsilon -1\.0 must be finite and > 0"),
+    (lambda c: c.update(num_attention_heads=0), r"n_heads must be an int in 1\.\.4194304, got 0"),
+    (lambda c: c.pop("num_attention_heads"), r"cannot be read as a model \(KeyError: 'num_attention_heads'\)"),
+])
+def test_a_configuration_that_contradicts_the_tensors_is_refused_before_export(tiny_llama, tmp_path, edit, message):
+    with pytest.raises(BundleError, match=message):
+        load_source(_edited_hf(tiny_llama, tmp_path, edit))
+
+
+def test_a_truncated_safetensors_file_and_a_tokenizer_past_the_embedding_are_refused(tiny_llama, tmp_path):
+    from specedge.export.bundle import ExportOptions, export_bundle
+
+    d = _edited_hf(tiny_llama, tmp_path, rows=100)
+    with pytest.raises(BundleError, match=r"has 100 embedding rows and its tokenizer \d+ ids"):
+        export_bundle(d, "prompt-lookup", tmp_path / "out", ExportOptions(max_context=64, prefill_chunk=16))
+    assert not (tmp_path / "out").exists()
+    st = d / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    with pytest.raises(BundleError, match="lies past the end of the file"):
+        load_source(d)
