@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from pathlib import Path
@@ -353,6 +354,15 @@ def validate(bundle: str, candidate: str, reference: str, precision: str | None,
     from .validate import validate as run_validate
 
     try:
+        bad = {f"--{n}": v for n, v in (("logits-atol", logits_atol), ("logits-rtol", logits_rtol),
+                                         ("kv-atol", kv_atol), ("kv-rtol", kv_rtol), ("kv-scale", kv_scale))
+               if v is not None and not (math.isfinite(v) and v >= 0)}
+        if bad:  # a NaN tolerance passed every comparison
+            raise SpecEdgeError(f"tolerances must be finite numbers >= 0, got {bad}")
+        out = Path(report_path or Path(bundle) / f"validate-{candidate}.json")
+        for f, what in ((out, "--report"), (Path(save_goldens) if save_goldens else None, "--save-goldens")):
+            if f is not None and not f.parent.is_dir():  # before the run, not after it
+                raise SpecEdgeError(f"{what} {f}: the folder {f.parent} does not exist")
         texts = DEFAULT_PROMPTS
         if prompts:
             from specedge.runtime.bench import load_prompts
@@ -371,7 +381,10 @@ def validate(bundle: str, candidate: str, reference: str, precision: str | None,
         rep = run_validate(bundle, opts, _say)
     except SpecEdgeError as e:
         _fail(e)
-    out = Path(report_path or Path(bundle) / f"validate-{candidate}.json")
+    except ModuleNotFoundError as e:
+        if e.name != "polygraphy":
+            raise
+        _fail(SpecEdgeError("validate needs polygraphy: pip install 'specedge[validate]'"))
     out.write_text(json.dumps(rep, indent=2) + "\n")
     verdict = "PASSED" if rep["passed"] else "FAILED"
     click.echo(f"validate {candidate} vs {reference} fp32: {verdict} "

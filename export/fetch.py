@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from specedge.runtime.errors import SpecEdgeError
 
@@ -78,7 +78,15 @@ def fetch(name: str, cache_dir: str | Path | None = None, progress: Callable[[st
     dst = cached_path(name, cache_dir)
     if dst.is_file():
         return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        return _fetch_into(name, m, dst, say)
+    except OSError as e:
+        raise FetchError(f"cannot write the model cache {dst.parent} ({e.strerror or e}); pass --cache-dir or set "
+                         f"SPECEDGE_CACHE to a writable directory") from None
+
+
+def _fetch_into(name: str, m: Any, dst: Path, say: Callable[[str], None]) -> Path:
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".fetch-") as tmp:
         tmp_p = Path(tmp)
         part_file = tmp_p / "assembled.gguf"

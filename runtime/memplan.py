@@ -43,12 +43,17 @@ class Board:
 
     @classmethod
     def from_table(cls, name: str, table: dict[str, Any]) -> "Board":
+        why = "needs a table"
         try:
-            return cls(str(table.get("name", name)), float(table["memory_gb"]), bool(table.get("unified", False)),
-                       float(table.get("reserved_gb", 0.0)))
-        except (KeyError, TypeError, ValueError) as e:
-            raise SpecEdgeError(f"[board] of {name}: needs memory_gb (number), optional unified (bool) and "
-                                f"reserved_gb (number): {e}") from None
+            b = cls(str(table.get("name", name)), float(table["memory_gb"]), bool(table.get("unified", False)),
+                    float(table.get("reserved_gb", 0.0)))
+            if 0 < b.memory_gb < 1 << 20 and 0 <= b.reserved_gb < b.memory_gb:
+                return b
+            why = f"memory_gb {b.memory_gb} and reserved_gb {b.reserved_gb} out of range"
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            why = f"{type(e).__name__}: {e}"
+        raise SpecEdgeError(f"[board] of {name}: needs memory_gb (a number of GB > 0), optional unified (bool) and "
+                            f"reserved_gb (0 <= reserved_gb < memory_gb): {why}")
 
 
 def _per_weight(fmt: str, scale_bytes: float, block: int = 32) -> float:

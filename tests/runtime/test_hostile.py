@@ -387,3 +387,26 @@ def test_a_draft_that_fails_to_open_closes_the_target_it_opened(bundles, tmp_pat
     with pytest.raises(BundleError, match="cannot load the draft graph"):
         SpecDecoder.load(dst, verify="none")
     assert closed == ["target.onnx"]
+
+
+def test_board_fetch_cache_and_validate_tolerances_are_checked(tmp_path):
+    from click.testing import CliRunner
+
+    from specedge.export.cli import main as export_main
+    from specedge.export.fetch import FetchError, fetch
+    from specedge.runtime.memplan import Board
+
+    for table in ({"memory_gb": float("nan")}, {"memory_gb": 1e308, "reserved_gb": float("inf")},
+                  {"memory_gb": -5}, {"memory_gb": 8, "reserved_gb": 9}):
+        with pytest.raises(SpecEdgeError, match=r"\[board\] of b: needs memory_gb"):
+            Board.from_table("b", table)
+    with pytest.raises(SpecEdgeError, match=r"\[board\] of b"):
+        Board.from_table("b", 3)  # type: ignore[arg-type]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(FetchError, match="cannot write the model cache .*SPECEDGE_CACHE"):
+        fetch("smollm2-135m", afile / "sub")
+    r = CliRunner().invoke(export_main, ["validate", str(tmp_path), "--logits-atol", "nan"])
+    assert r.exit_code == 2 and "tolerances must be finite numbers >= 0" in r.output, r.output
+    r = CliRunner().invoke(export_main, ["validate", str(tmp_path), "--report", str(tmp_path / "no" / "r.json")])
+    assert r.exit_code == 2 and "does not exist" in r.output, r.output
