@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -330,60 +331,54 @@ _GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 def check_gguf_counts(path: Path) -> None:
     """Walk a GGUF file's metadata and check every declared count (keys, strings, arrays, tensors) against the
     bytes left: gguf's reader loops over a numeric array's declared count, past the end of the file, forever (a
-    count of 2^60 grew the exporter by 50 MB a second until the machine ran out)."""
+    count of 2^60 grew the exporter by 50 MB a second until the machine ran out). Memory-mapped: values are
+    skipped, not read."""
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        buf = f.read(min(size, 64 << 20))  # the metadata: tokenizer arrays are a few MB
-    at = 0
+    if size < 24:
+        raise BundleError(f"{path} is not a GGUF file ({size} bytes)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        at = 0
 
-    def take(n: int, what: str) -> bytes:
-        nonlocal at
-        if n < 0 or at + n > len(buf):
-            if at + n <= size:  # metadata past the first 64 MB: not walked; gguf's reader checks the rest
-                raise _Unwalked
-            raise BundleError(f"{path}: GGUF {what} at byte {at} runs past the end of the file ({size} bytes): "
-                              f"the file is truncated or damaged")
-        b = buf[at: at + n]
-        at += n
-        return b
+        def skip(n: int, what: str) -> int:
+            nonlocal at
+            if at + n > size:
+                raise BundleError(f"{path}: GGUF {what} at byte {at} runs past the end of the file ({size} bytes): "
+                                  f"the file is truncated or damaged")
+            at += n
+            return at - n
 
-    def u(n: int, what: str) -> int:
-        return int.from_bytes(take(n, what), "little")
+        def u(n: int, what: str) -> int:
+            start = skip(n, what)
+            return int.from_bytes(buf[start: at], "little")
 
-    def value(kind: int, what: str) -> None:
-        if kind in _GGUF_SCALAR:
-            take(_GGUF_SCALAR[kind], what)
-        elif kind == 8:
-            take(u(8, what + " length"), what)
-        elif kind == 9:
-            inner, count = u(4, what + " type"), u(8, what + " count")
-            if inner in _GGUF_SCALAR:
-                take(count * _GGUF_SCALAR[inner], f"{what} ({count} values)")
-            elif count > (size - at) // 8:  # every element at least a length
-                raise BundleError(f"{path}: GGUF {what} declares {count} values, more than the file holds")
+        def value(kind: int, what: str) -> None:
+            if kind in _GGUF_SCALAR:
+                skip(_GGUF_SCALAR[kind], what)
+            elif kind == 8:
+                skip(u(8, what + " length"), what)
+            elif kind == 9:
+                inner, count = u(4, what + " type"), u(8, what + " count")
+                if inner in _GGUF_SCALAR:
+                    skip(count * _GGUF_SCALAR[inner], f"{what} ({count} values)")
+                elif count > (size - at) // 8:  # every element at least a length
+                    raise BundleError(f"{path}: GGUF {what} declares {count} values, more than the file holds")
+                else:
+                    for _ in range(count):
+                        value(inner, what)
             else:
-                for _ in range(count):
-                    value(inner, what)
-        else:
-            raise BundleError(f"{path}: GGUF {what} has value type {kind}, which no GGUF version defines")
+                raise BundleError(f"{path}: GGUF {what} has value type {kind}, which no GGUF version defines")
 
-    try:
-        if take(4, "magic") != b"GGUF":
+        if buf[:4] != b"GGUF":
             raise BundleError(f"{path} is not a GGUF file (no GGUF magic)")
-        take(4, "version")
+        skip(8, "magic and version")
         n_tensors, n_kv = u(8, "tensor count"), u(8, "metadata count")
         if n_tensors > size // 24 or n_kv > size // 12:  # a tensor's info takes > 24 bytes, a key-value > 12
             raise BundleError(f"{path}: GGUF declares {n_tensors} tensors and {n_kv} metadata keys, more than its "
                               f"{size} bytes can hold: the file is damaged")
         for i in range(n_kv):
-            key = take(u(8, f"key {i} length"), f"key {i}").decode("utf-8", "replace")
+            start = skip(u(8, f"key {i} length"), f"key {i}")
+            key = buf[start: at].decode("utf-8", "replace")
             value(u(4, f"{key!r} type"), repr(key))
-    except _Unwalked:
-        return
-
-
-class _Unwalked(Exception):
-    """The metadata reaches past what check_gguf_counts reads."""
 
 
 def check_gguf_layout(path: Path, reader: Any) -> None:
@@ -395,9 +390,8 @@ def check_gguf_layout(path: Path, reader: Any) -> None:
     end, last = 0, None
     for off, n, name in spans:
         if off % align or off + n > size:
-            raise BundleError(f"{path}: tensor {name!r} at byte {off} ({n} bytes) is "
-                              f"{'not on the file alignment ' + str(align) if off % align else 'past the end of the file'}"
-                              f": the file is damaged")
+            where = f"not on the file alignment {align}" if off % align else "past the end of the file"
+            raise BundleError(f"{path}: tensor {name!r} at byte {off} ({n} bytes) is {where}: the file is damaged")
         if off < end:
             raise BundleError(f"{path}: tensors {last!r} and {name!r} overlap (their types or offsets were changed): "
                               f"the file is damaged")

@@ -481,8 +481,8 @@ class SpecDecoder:
         if p.stop:
             for j, t in enumerate(out):
                 req.text += req.detok.push([t])
-                # with what is held back: a token that completes a stop string and starts a character ends here
-                seen = req.text + req.detok.peek()
+                # with what push held back: a token that completes a stop string and starts a character ends here
+                seen = req.text + req.detok.held if req.detok.held else req.text
                 hits = [i for s in p.stop if (i := seen.find(s, max(0, req.emitted_chars - len(s)))) >= 0]
                 if hits:
                     stop_at, req.finish, out, req.text = min(hits), "stop", out[: j + 1], seen

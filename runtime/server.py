@@ -90,7 +90,8 @@ def parse_request(body: Any, chat: bool, max_context: int, k_max: int) -> tuple[
     for name, fine in unsupported.items():  # not implemented: said, not silently ignored
         if name in body and body[name] not in fine:
             raise ApiError(400, f"'{name}' {body[name]!r} is not supported by this server (one choice, plain text, "
-                                f"no logprobs, tools, penalties or logit bias); leave it out", param=name, code="unsupported_parameter")
+                                f"no logprobs, tools, penalties or logit bias); leave it out", param=name,
+                           code="unsupported_parameter")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

@@ -150,18 +150,21 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self._prefix = 0  # window start
         self._read = 0  # tokens already turned into emitted text
+        self.held = ""  # what the last push held back (its text up to an incomplete character), else ""
 
     def push(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(int(t) for t in new_ids)
         pending = self.peek()
         if pending and not pending.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self.ids)
+            self.held = ""
             return pending
+        self.held = pending
         return ""
 
     def peek(self) -> str:
         """The text the tokens not yet emitted add, as far as it goes (ending in U+FFFD while a character is
-        incomplete): where a stop string completed by a token that also starts a character is found."""
+        incomplete)."""
         prefix_text = self.codec.decode(self.ids[self._prefix: self._read])
         full = self.codec.decode(self.ids[self._prefix:])
         return full[len(prefix_text):] if len(full) > len(prefix_text) else ""
@@ -171,4 +174,5 @@ class IncrementalDetokenizer:
         as decoding all the ids gives), so the text does not depend on how the tokens were grouped into pushes."""
         tail = self.peek()
         self._prefix = self._read = len(self.ids)
+        self.held = ""
         return tail
