@@ -16,8 +16,12 @@ from specedge.runtime.drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import SpecEdgeError
 from specedge.runtime.manifest import INTGEMM_FORMAT, SEK_FORMAT
 
+from .profiles import DEFAULT_PROFILE
+
 if TYPE_CHECKING:
     from specedge.runtime.memplan import Board, Plan
+
+    from .bundle import ExportOptions
 
 
 def _say(msg: str) -> None:
@@ -73,123 +77,146 @@ def _widths_or_none(ctx, param, value):  # noqa: ANN001
     return comma_list(int)(ctx, param, value)
 
 
+def _profile_option(f):  # noqa: ANN001
+    return click.option(
+        "--for", "profile", default=DEFAULT_PROFILE, show_default=True, metavar="PROFILE",
+        help="Where the bundle will run: a preset (`spec-export presets`) whose [export] table sets the form's "
+             "defaults (its model names are not taken). cpu: a GGUF's own 4-bit blocks through specedge's kernels, "
+             "in-place KV, K=8, verify widths 3,5,7, the file's own lm_head: the fastest form that is bitwise exact "
+             "on a CPU. jetson-orin-nano-8gb, datacenter-gpu, ...: TensorRT forms. Options given here win.")(f)
+
+
+# options a profile may set: given on the command line (or by --config) they win
+_FORM_OPTIONS = ("k", "verify_widths", "draft_catchup_widths", "max_context", "prefill_chunk", "weights",
+                 "draft_weights", "quant_block", "asymmetric", "accuracy_level", "lm_head", "draft_lm_head",
+                 "gguf_exact", "quant_form", "intgemm_activations", "intgemm_full_range", "intgemm_smooth", "kv_mode",
+                 "draft_vocab", "device_argmax", "ngram_max", "ngram_min")
+
+
 @main.command()
 @config_option("export")
+@_profile_option
 @click.option("--target", required=True, help="HF model dir, .gguf file, or a known model name.")
 @click.option("--draft", default="prompt-lookup", show_default=True,
               help="Draft model (dir, .gguf, known name), or 'prompt-lookup', or 'none'.")
-@click.option("--k", "k", type=int, default=4, show_default=True, help="Draft length K, 1..16 (verify width K+1).")
-@click.option("--verify-widths", default="", callback=comma_list(int), help="Extra, narrower verify widths, e.g. 3,5,7 with --k 8: a draft of "
-              "k < K tokens runs at the smallest width >= k+1 instead of K+1. Default: K+1 only. int8/int4 targets "
-              "round every verify width up to an even one (9 -> 10: batch invariance, README Exactness).")
+@click.option("--k", "k", type=int, default=4, help="Draft length K, 1..16 (verify width K+1). Default: the "
+              "profile's (cpu: 8), else 4.")
+@click.option("--verify-widths", default=None, callback=_widths_or_none, help="Extra, narrower verify widths, e.g. "
+              "3,5,7 with --k 8: a draft of k < K tokens runs at the smallest width >= k+1 instead of K+1. Default: "
+              "the odd widths 3..K; 'none': K+1 only. MatMulNBits int8/int4 targets round every verify width up to "
+              "an even one (9 -> 10: batch invariance, docs/exactness.md).")
 @click.option("--draft-catchup-widths", default=None, callback=_widths_or_none,
               help="The draft model's narrow prefill widths, each in 2..P-1 (default: 2,4,8,16, those below P): a "
-                   "draft that fell behind feeds the tokens it missed and its first draw in one step (model:4 1.06x "
-                   "on the Qwen pair on a CPU). 'none': decode and prefill P only (each width is one more TensorRT "
-                   "optimization profile).")
+                   "draft that fell behind feeds the tokens it missed and its first draw in one step. 'none': decode "
+                   "and prefill P only (each width is one more TensorRT optimization profile).")
 @click.option("--max-context", type=int, default=2048, show_default=True, help="KV buffer length S_max.")
-@click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P (even for int8/int4 targets).")
+@click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P (even for MatMulNBits "
+              "int8/int4 targets).")
 @click.option("--ngram-max", type=int, default=DEFAULT_NGRAM_MAX, show_default=True,
               help="Prompt lookup: the longest context a match is compared over (the occurrence agreeing with the most "
                    "of it wins; 1..64).")
 @click.option("--ngram-min", type=int, default=DEFAULT_NGRAM_MIN, show_default=True,
               help="Prompt lookup: shortest n-gram a multi-token draft needs (1-token matches still fill plain rounds' "
                    "free guess).")
-@click.option("--weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32", show_default=True,
-              help="Target weight format: int8/int4 are ONNX Runtime MatMulNBits (GGUF Q8_0/Q4_0 re-packed exactly; "
-                   "--quant-form intgemm for int8 through MatMulInteger).")
+@click.option("--weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32",
+              help="Target weight format. Default: the profile's for a GGUF (cpu: int4, the file's own blocks "
+                   "carried exactly), fp32 for any other source (re-quantizing is lossy: ask for it by name).")
 @click.option("--draft-weights", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default=None,
               help="Draft weight format (default: same as --weights).")
-@click.option("--quant-block", type=int, default=32, show_default=True, help="int8/int4 block size (re-quantized matrices; GGUF blocks carried exactly keep theirs): larger blocks read fewer bytes and make multi-token CPU steps cheaper, at some accuracy (README, Weight formats).")
+@click.option("--quant-block", type=int, default=32, show_default=True, help="int8/int4 block size of re-quantized "
+              "matrices (GGUF blocks carried exactly keep theirs): larger blocks read fewer bytes a step, at some "
+              "accuracy (docs/weight-formats.md).")
 @click.option("--asymmetric", is_flag=True, help="int8/int4 with uint8 zero points (default symmetric).")
 @click.option("--accuracy-level", type=int, default=4, show_default=True,
               help="MatMulNBits accuracy_level: 4 = int8 compute (the fast CPU path), 0 = fp32 compute.")
 @click.option("--lm-head", type=click.Choice(["auto", "fp32", "int8", "int4", "gguf"]), default="auto",
               show_default=True,
-              help="lm_head format for int8/int4 bundles (auto: int8). gguf: a GGUF's own output.weight blocks as the "
-                   "file holds them (Q6_K in Q4_K_M files), whatever --gguf-exact/--quant-block say for the rest: "
-                   "exact, and smaller than an int8 head.")
+              help="lm_head format for int8/int4 bundles. auto: from a GGUF with a head of its own, its blocks as the "
+                   "file holds them (Q6_K in Q4_K_M files: exact, smaller than int8); else int8. gguf: those "
+                   "blocks, refused where the file has none (tied embeddings).")
 @click.option("--draft-lm-head", type=click.Choice(["auto", "fp32", "int8", "int4", "gguf"]), default="auto",
               show_default=True,
-              help="The draft's lm_head format (auto: int4 for an int4 draft, else as --lm-head, gguf excepted). The "
-                   "draft only proposes: a coarser head changes which tokens it proposes, never the output (README, "
-                   "Draft head).")
+              help="The draft's lm_head format (auto: int4 for an int4 draft, else int8). The draft only proposes: a "
+                   "coarser head changes which tokens it proposes, never the output (docs/weight-formats.md).")
 @click.option("--gguf-exact/--no-gguf-exact", default=True, show_default=True,
-              help="int8/int4 from a GGUF: carry its blocks exactly wherever MatMulNBits can hold them (Q4_0, and "
-                   "Q4_1/Q4_K as int4 + a per-block float offset; Q8_0 and Q6_K as int8, even in an int4 bundle) "
-                   "instead of re-quantizing them to the requested width.")
-@click.option("--quant-form", type=click.Choice(["matmulnbits", "qdq", "intgemm", "specedge"]), default="matmulnbits",
-              show_default=True,
-              help="How int8/int4 matrices are written: ONNX Runtime's MatMulNBits; standard ONNX (opset 21) "
-                   "blocked DequantizeLinear + MatMul with scales > 0 — what TensorRT 10 builds as weight-only "
-                   "INT4, and what ONNX Runtime >= 1.25 fuses back into the same MatMulNBits kernel at load; or "
-                   "intgemm: 8-bit matrices (all of --weights int8, the lm_head of int4) as 7-bit integers per "
-                   "channel run by MatMulInteger on activations quantized per row: exact integer sums on every "
-                   "CPU, and a multi-token "
-                   "step that costs little more than one token on a CPU (ONNX Runtime only; README, Weight formats); "
-                   "or specedge: every matrix through specedge's own CPU kernel (compiled with the machine's C "
-                   "compiler on first use): rows the same at every step width, odd ones included, and multi-token "
-                   "steps that read each weight once (GGUF blocks carried as for matmulnbits; CPU only).")
+              help="int8/int4 from a GGUF: carry its blocks exactly wherever the format can hold them (Q4_0, Q4_1, "
+                   "Q4_K as int4 (+ offsets); Q8_0 and Q6_K as int8, even in an int4 bundle) instead of "
+                   "re-quantizing them to the requested width (lossy, faster: docs/weight-formats.md).")
+@click.option("--quant-form", type=click.Choice(["auto", "specedge", "matmulnbits", "qdq", "intgemm"]),
+              default="auto", show_default=True,
+              help="How int8/int4 matrices are written. auto: specedge on a CPU profile where a C compiler runs, "
+                   "else matmulnbits. specedge: specedge's own CPU kernels (compiled on first use): rows the same at "
+                   "every step width, multi-token steps that read each weight once. matmulnbits: ONNX Runtime's "
+                   "MatMulNBits. qdq: standard ONNX DequantizeLinear + MatMul (what TensorRT builds as weight-only "
+                   "INT4). intgemm: 8-bit matrices through MatMulInteger, exact integer sums on every CPU "
+                   "(docs/weight-formats.md).")
 @click.option("--intgemm-activations", type=click.Choice(["8", "16"]), default="8", show_default=True,
               help="--quant-form intgemm: activations per row as one uint8 row with 7-bit weights (8), or as two "
-                   "7-bit parts, the row and its rounding residual, with 8-bit weights (16: ~13-bit activations for "
-                   "models with activation outliers, at about 1.2-1.4x the step time).")
+                   "7-bit parts, the row and its rounding residual, with 8-bit weights (16: ~13-bit activations, at "
+                   "about 1.2-1.4x the step time).")
 @click.option("--intgemm-full-range", is_flag=True,
-              help="--quant-form intgemm: 8-bit weights and 8-bit activation parts (closer to fp32), exact only on "
-                   "CPUs whose integer dot products accumulate in int32 — x86 with AVX512-VNNI or AVX-VNNI, Arm; "
-                   "x86 CPUs without VNNI add products in saturating int16 pairs, and the runtime refuses the "
-                   "bundle there.")
+              help="--quant-form intgemm: 8-bit weights and 8-bit activation parts, exact only on CPUs whose integer "
+                   "dot products accumulate in int32 (x86 with AVX512-VNNI or AVX-VNNI, Arm); the runtime refuses the "
+                   "bundle elsewhere.")
 @click.option("--intgemm-smooth", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.0, show_default=True,
               metavar="ALPHA",
-              help="--weights int8 --quant-form intgemm: SmoothQuant's alpha (0: off; 0.5 is the usual choice). "
-                   "Each linear input channel's range is moved into the weights by max|x|^alpha / "
-                   "max|W|^(1-alpha), measured on a built-in calibration text and folded into the norms and the "
-                   "preceding weights (the same fp32 model), so the 8-bit per-row activations lose less to outlier "
-                   "channels.")
-@click.option("--kv-mode", type=click.Choice(["portable", "ort-inplace"]), default="portable", show_default=True,
-              help="portable: plain ONNX attention (every backend, TensorRT included); ort-inplace: ONNX Runtime "
-                   "GroupQueryAttention writing the cache in place and reading only its valid rows (faster on CPU).")
+              help="--weights int8 --quant-form intgemm: SmoothQuant's alpha (0: off; 0.5 is the usual choice), "
+                   "measured on a built-in calibration text and folded into the weights.")
+@click.option("--kv-mode", type=click.Choice(["ort-inplace", "portable"]), default="ort-inplace",
+              help="ort-inplace: ONNX Runtime GroupQueryAttention writing the cache in place (CPU; bitwise exact). "
+                   "portable: plain ONNX attention (TensorRT; refused on a CPU profile). Default: the profile's.")
 @click.option("--draft-vocab", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
-              help="Draft model only: its lm_head keeps token ids 0..N-1 (a byte-level BPE vocabulary is in merge "
-                   "order, most frequent first) and the special tokens above them, so each draft step reads a "
-                   "fraction of the head. The output is unchanged (the target verifies every token); the draft "
-                   "cannot propose a token outside these. 0: the whole vocabulary (README, Draft head).")
+              help="Draft model only: its lm_head keeps token ids 0..N-1 and the special tokens above them, so each "
+                   "draft step reads a fraction of the head. The output is unchanged (the target verifies every "
+                   "token). 0: the whole vocabulary.")
 @click.option("--device-argmax/--no-device-argmax", default=False, show_default=True,
               help="Graphs also output next_ids = ArgMax(logits): greedy rounds copy K+1 ids back instead of "
-                   "(K+1) x V logits (GPU backends; on a CPU the logits are in host memory anyway).")
+                   "(K+1) x V logits (GPU backends).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Bundle directory to create.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Model cache directory.")
-def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], draft_catchup_widths: tuple[int, ...] | None,
-           weights: str, draft_weights: str | None,
-           quant_block: int, asymmetric: bool, accuracy_level: int, lm_head: str, draft_lm_head: str, gguf_exact: bool, quant_form: str, intgemm_activations: str,
-           intgemm_full_range: bool, intgemm_smooth: float, kv_mode: str, draft_vocab: int, device_argmax: bool, max_context: int, prefill_chunk: int, ngram_max: int, ngram_min: int, out: str,
-           overwrite: bool, cache_dir: str | None) -> None:
-    """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers."""
+def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cache_dir: str | None,
+           **form: object) -> None:
+    """Export TARGET (+ DRAFT) to ONNX graphs with fixed widths and KV buffers, in the form --for chooses."""
+    import dataclasses
+
     from .bundle import DRAFT_NO_MODEL, ExportOptions, export_bundle
+    from .fetch import resolve_model
     from .install import Terminated
+    from .profiles import head_from_file, load_profile, settle
     from .quant import WeightFormat
 
     _refuse_unused(("draft_weights", "draft_lm_head", "draft_catchup_widths"), draft in DRAFT_NO_MODEL,
                    f"for a draft model, and --draft {draft} has no model")
     _refuse_unused(("ngram_max", "ngram_min"), draft != "prompt-lookup",
                    f"for prompt lookup's matching, and --draft is {draft}")
+    ctx = click.get_current_context()
+    given = {n for n in _FORM_OPTIONS if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
     try:
-        fmt = lambda name, smooth=intgemm_smooth, head=lm_head: WeightFormat(  # noqa: E731
-            name, quant_block, not asymmetric, accuracy_level, head, gguf_exact=gguf_exact, form=quant_form,
-            intgemm_activation_bits=int(intgemm_activations), intgemm_full_range=intgemm_full_range,
-            intgemm_smooth=smooth)
-        opts = ExportOptions(k=k, verify_widths=verify_widths, draft_catchup_widths=draft_catchup_widths,
-                             weights=fmt(weights), kv_mode=kv_mode,
-                             device_argmax=device_argmax, draft_vocab=draft_vocab,
-                             # the draft is smoothed only where it is an integer-GEMM int8 model too
-                             draft_weights=fmt(draft_weights or weights,
-                                               intgemm_smooth if (draft_weights or weights) == "int8" else 0.0,
-                                               # a draft takes gguf only from --draft-lm-head: its file's head
-                                               # (Q8_0 for the 0.5B Qwen) can be twice its default int4 one
-                                               ("auto" if lm_head == "gguf" else lm_head) if draft_lm_head == "auto"
-                                               else draft_lm_head), max_context=max_context, prefill_chunk=prefill_chunk, lookup_ngram_max=ngram_max, lookup_ngram_min=ngram_min,
+        prof = load_profile(profile)
+        v = settle(form, given, prof, target, _say)
+
+        def fmt(name: str, smooth: float, head: str) -> WeightFormat:
+            return WeightFormat(name, v["quant_block"], not v["asymmetric"], v["accuracy_level"], head,
+                                gguf_exact=v["gguf_exact"], form=v["quant_form"],
+                                intgemm_activation_bits=int(v["intgemm_activations"]),
+                                intgemm_full_range=v["intgemm_full_range"], intgemm_smooth=smooth)
+
+        dw = v["draft_weights"] or v["weights"]
+        # the draft is smoothed only where it is an integer-GEMM int8 model too; it takes gguf only from
+        # --draft-lm-head: its file's head (Q8_0 for the 0.5B Qwen) can be twice its default int4 one
+        draft_head = v["draft_lm_head"] if v["draft_lm_head"] != "auto" else (
+            "auto" if v["lm_head"] == "gguf" else v["lm_head"])
+        opts = ExportOptions(k=v["k"], verify_widths=v["verify_widths"], draft_catchup_widths=v["draft_catchup_widths"],
+                             weights=fmt(v["weights"], v["intgemm_smooth"], v["lm_head"]), kv_mode=v["kv_mode"],
+                             device_argmax=v["device_argmax"], draft_vocab=v["draft_vocab"],
+                             draft_weights=fmt(dw, v["intgemm_smooth"] if dw == "int8" else 0.0, draft_head),
+                             max_context=v["max_context"], prefill_chunk=v["prefill_chunk"],
+                             lookup_ngram_max=v["ngram_max"], lookup_ngram_min=v["ngram_min"],
                              overwrite=overwrite, cache_dir=cache_dir)
+        if "lm_head" not in given:
+            opts = dataclasses.replace(opts, weights=head_from_file(opts.weights, resolve_model(target, cache_dir, _say)))
+        _say(f"form (--for {prof.name}): {_form_line(opts)}")
         rep = export_bundle(target, draft, out, opts, progress=_say)
     except SpecEdgeError as e:
         _fail(e)
@@ -199,6 +226,17 @@ def export(target: str, draft: str, k: int, verify_widths: tuple[int, ...], draf
         sys.exit(128 + signal.SIGTERM)
     _say(f"bundle {rep.out}: {rep.bytes_total / 1e6:.0f} MB in {rep.seconds:.1f}s, peak RSS {rep.peak_rss_mb:.0f} MB")
     click.echo(str(rep.out))
+
+
+def _form_line(opts: ExportOptions) -> str:
+    """One line saying what form the export takes (after the profile and the command line)."""
+    f = opts.weights
+    w = f.name
+    if f.quantized:
+        w += f" {f.form}" + ("" if f.gguf_exact else f" re-quantized (block {f.block})") + f", lm_head {f.lm_head}"
+    widths = ",".join(map(str, opts.verify_widths)) or "none"
+    return (f"{w}, kv {opts.kv_mode}, K={opts.k}, verify widths {widths} and {opts.k + 1}, "
+            f"S_max {opts.max_context}")
 
 
 def _refuse_unused(names: tuple[str, ...], unused: bool, why: str) -> None:
@@ -448,8 +486,14 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
     from .loaders import load_source
     from .quant import WeightFormat
 
+    from .profiles import default_verify_widths, kernels_buildable
+
     k, chunk = int(ex.get("k", 4)), int(ex.get("prefill_chunk", 64))
-    verify = tuple(ex.get("verify_widths", ()))
+    verify = tuple(ex.get("verify_widths", default_verify_widths(k)))
+    form = ex.get("quant_form", "matmulnbits")
+    if form == "auto":  # as the export resolves it here (export/profiles.py)
+        form = "specedge" if run.get("backend", "ort-cpu") == "ort-cpu" and kernels_buildable() is None \
+            else "matmulnbits"
     models = []
     for role in ("target", "draft"):
         name = ex.get(role)
@@ -457,8 +501,7 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
             continue
         dims = load_source(resolve_model(name, progress=_say)).config.dims
         fmt = weights or ex.get("draft_weights" if role == "draft" else "weights") or ex.get("weights", "fp32")
-        even = fmt in ("int8", "int4") and WeightFormat(fmt, lm_head=ex.get("lm_head", "auto"),
-                                                          form=ex.get("quant_form", "matmulnbits")).even_widths
+        even = fmt in ("int8", "int4") and WeightFormat(fmt, lm_head=ex.get("lm_head", "auto"), form=form).even_widths
         ws = model_widths(role, k, chunk, verify, even=role == "target" and even)
         models.append((role, dims, fmt, max(w.T for w in ws), max(w.L for w in ws)))
     backend = backend or run.get("backend", "ort-cpu")

@@ -71,7 +71,7 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def _compiler() -> list[str]:
+def compiler() -> list[str]:
     """The C compiler command: $CC (split like a shell would: "ccache gcc" works), else cc, gcc or clang."""
     if os.environ.get("CC"):
         return shlex.split(os.environ["CC"])
@@ -89,7 +89,7 @@ def library_path() -> Path:
     global _built
     if _built is not None and _built.is_file():
         return _built
-    cc = _compiler()
+    cc = compiler()
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:

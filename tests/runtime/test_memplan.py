@@ -58,7 +58,8 @@ def test_trt_build_refuses_what_cannot_fit_before_building(bundles, monkeypatch)
 
 
 def test_a_preset_plan_counts_the_even_verify_widths_an_int4_export_declares(monkeypatch):
-    """x86-cpu exports int4 with K=8: the bundle's widest verify width is 10, not 9 (manifest.model_widths)."""
+    """cpu exports int4 with K=8; where its 4-bit blocks go to MatMulNBits (no C compiler here) the bundle's widest
+    verify width is 10, not 9 (manifest.model_widths)."""
     import types
 
     import specedge.export.fetch as fetch
@@ -71,7 +72,8 @@ def test_a_preset_plan_counts_the_even_verify_widths_an_int4_export_declares(mon
                         lambda path: types.SimpleNamespace(config=types.SimpleNamespace(dims=dims)))
     seen = {}
     monkeypatch.setattr(memplan, "plan_models", lambda models, **kw: seen.setdefault("models", models))
-    export_cli._plan_of("x86-cpu", None, None, None, None)
+    monkeypatch.setenv("CC", "/nonexistent/cc")  # quant_form auto -> matmulnbits, as the export would choose
+    export_cli._plan_of("cpu", None, None, None, None)
     (role, _, fmt, widest_t, widest_l), draft = seen["models"]  # the preset's 0.5B draft is planned too
     assert (role, fmt, widest_t, widest_l) == ("target", "int4", 64, 10)  # prefill 64; verify K+1 = 9 -> 10
     assert (draft[0], draft[2], draft[3]) == ("draft", "int4", 64)  # the widest draft width: prefill P

@@ -111,7 +111,7 @@ def test_every_preset_fits_its_commands():
     commands = {"export": export_main.commands["export"], "build": export_main.commands["build"],
                 "run": run_main.commands["generate"], "bench": run_main.commands["bench"]}
     names = list_presets()
-    assert {"jetson-orin-nano-8gb", "jetson-agx-orin-64gb", "jetson-thor", "datacenter-gpu", "x86-cpu"} <= set(names)
+    assert {"jetson-orin-nano-8gb", "jetson-agx-orin-64gb", "jetson-thor", "datacenter-gpu", "cpu"} <= set(names)
     for name in names:
         cfg = load_config(name)
         assert set(cfg) <= {*SECTIONS, "preset", "board"}

@@ -646,12 +646,12 @@ def test_the_memory_bench_builds_against_the_kernel_and_runs(tmp_path):
     header and runs: a tool the benchmarks page quotes must not rot."""
     from pathlib import Path
 
-    from specedge.runtime.kernels import _compiler, _march
+    from specedge.runtime.kernels import compiler, _march
 
     root = Path(__file__).resolve().parents[2]
     exe = tmp_path / "membench"
     csrc = root / "runtime" / "csrc"
-    subprocess.run([*_compiler(), "-O3", _march(), "-std=c11", "-D_GNU_SOURCE", "-pthread", "-I", str(csrc),
+    subprocess.run([*compiler(), "-O3", _march(), "-std=c11", "-D_GNU_SOURCE", "-pthread", "-I", str(csrc),
                     str(root / "tools" / "kernel_membench.c"), str(csrc / "sek_gemm.c"), str(csrc / "sek_gemm_neon.c"),
                     "-o", str(exe), "-lm"],
                    check=True, capture_output=True)
@@ -682,9 +682,9 @@ def test_every_isa_path_of_this_cpu_equals_the_c_reference_in_every_weight_forma
     """tools/sek_isa_check.c on this CPU: every path this build has, at 1..12 rows, bitwise the portable reference
     (one- and two-level scales, 4/6/8-bit, zero points as bytes and as fp32 products, a partial last block, extreme
     activation blocks), and every row the same alone as among the others."""
-    from specedge.runtime.kernels import _compiler, _march
+    from specedge.runtime.kernels import compiler, _march
 
-    isas, digest = _isa_check(_compiler(), [_march()], tmp_path / "isa_check")
+    isas, digest = _isa_check(compiler(), [_march()], tmp_path / "isa_check")
     assert "scalar" in isas.split() and len(digest) == 16
 
 
@@ -703,17 +703,17 @@ def test_the_avx_vnni_path_computes_the_same_bits_as_this_cpu(tmp_path):
     whole kernel library builds for it without warnings."""
     from pathlib import Path
 
-    from specedge.runtime.kernels import CFLAGS, SOURCES, _compiler, _march
+    from specedge.runtime.kernels import CFLAGS, SOURCES, compiler, _march
 
-    probe = subprocess.run([*_compiler(), "-march=alderlake", "-E", "-x", "c", "-"], input="", capture_output=True,
+    probe = subprocess.run([*compiler(), "-march=alderlake", "-E", "-x", "c", "-"], input="", capture_output=True,
                            text=True)
     if probe.returncode != 0:
         pytest.skip(f"this C compiler does not know -march=alderlake (GCC 11+, Clang 12+): {probe.stderr[-200:]}")
-    _, here = _isa_check(_compiler(), [_march()], tmp_path / "isa_check")
-    isas, there = _isa_check(_compiler(), ["-march=alderlake"], tmp_path / "isa_check_adl")
+    _, here = _isa_check(compiler(), [_march()], tmp_path / "isa_check")
+    isas, there = _isa_check(compiler(), ["-march=alderlake"], tmp_path / "isa_check_adl")
     assert isas.split() == ["scalar", "avx2", "avxvnni"] and there == here
     csrc = Path(__file__).resolve().parents[2] / "runtime" / "csrc"
-    subprocess.run([*_compiler(), *CFLAGS, "-march=alderlake", "-Werror", "-Wall", "-o",
+    subprocess.run([*compiler(), *CFLAGS, "-march=alderlake", "-Werror", "-Wall", "-o",
                     str(tmp_path / "libspecedge_kernels.so"), *(str(csrc / s) for s in SOURCES), "-lm"],
                    check=True, capture_output=True)
 
@@ -732,9 +732,9 @@ def test_the_arm_neon_path_computes_the_same_bits_as_this_cpu(tmp_path, march):
     the reference's outputs there are bitwise this CPU's. The whole kernel library builds for Arm too."""
     from pathlib import Path
 
-    from specedge.runtime.kernels import CFLAGS, SOURCES, _compiler, _march
+    from specedge.runtime.kernels import CFLAGS, SOURCES, compiler, _march
 
-    _, here = _isa_check(_compiler(), [_march()], tmp_path / "isa_check")
+    _, here = _isa_check(compiler(), [_march()], tmp_path / "isa_check")
     isas, there = _isa_check(["aarch64-linux-gnu-gcc"], ["-static", f"-march={march}"], tmp_path / "isa_check_arm",
                              runner=["qemu-aarch64", "-cpu", "max"])
     assert isas.split() == ["scalar", "neon"] and there == here
