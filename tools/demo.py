@@ -1,59 +1,101 @@
-"""The demo `make demo` runs: one prompt decoded plainly, with prompt-lookup speculation and with `auto`, on one
-loaded decoder; shows that the text is the same token for token, the speedups and the statistics.
+"""What `make demo` runs: two prompts, each decoded plainly, with prompt lookup and with `auto`, on one loaded decoder.
 
-    python tools/demo.py BUNDLE "prompt" [--max-new-tokens 160] [--temperature 0] [--seed 1] [--repeats 3]
+    python tools/demo.py BUNDLE [--max-new-tokens 160] [--repeats 3] [--temperature 0] [--seed 1]
 
-Each mode runs --repeats times, the modes interleaved (the order rotates every repeat), and the speed shown is the
-median: on a shared 2-core machine one run of one mode can be 25 % off.
+The first prompt is an edit of given code: the answer copies much of its context, so prompt lookup's drafts are
+accepted and speculation pays. The second is free-form: little to copy, and `auto` should stay near plain speed
+(it decides per round from measured step costs and acceptance). For each it prints the decode speed of every mode
+(the median of --repeats runs, the modes interleaved: a shared machine's speed moves between runs), its speedup over
+plain in the same run, the acceptance, and whether the text equals the plain text token for token.
 
-Exit 1 if any speculative text differs from the plain one (the product's promise is that it cannot).
+Exit 1 if any speculative output differs from plain: the product's promise is that it cannot.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
 from specedge.runtime import SamplingParams, SpecDecoder
+from specedge.runtime.cpu import cpu_flags, cpu_name
+
+EDIT_CODE = '''def add_all(xs):
+    tmp = 0
+    for x in xs:
+        tmp = tmp + x
+    return tmp
+
+
+def mean(xs):
+    tmp = add_all(xs)
+    return tmp / len(xs)
+
+
+def variance(xs):
+    m = mean(xs)
+    tmp = 0
+    for x in xs:
+        tmp = tmp + (x - m) ** 2
+    return tmp / len(xs)
+'''
+PROMPTS = (
+    ("an edit of given code (the answer copies its context)",
+     "Rename the variable tmp to total everywhere in this code and return the whole file:\n\n" + EDIT_CODE),
+    ("free-form writing (little to copy)", "Write a short story about a robot who learns to paint."),
+)
+MODES = (("plain", "none"), ("prompt lookup", "prompt-lookup"), ("auto", "auto"))
+
+
+def run_prompt(dec: SpecDecoder, text: str, params: SamplingParams, repeats: int) -> tuple[dict, bool]:
+    """Every mode ``repeats`` times, interleaved (the order rotates each repeat); returns the runs per mode and
+    whether every speculative output equals the plain one."""
+    messages = [{"role": "user", "content": text}]
+    runs: dict[str, list] = {label: [] for label, _ in MODES}
+    for r in range(repeats):
+        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+        for label, drafter in order:
+            runs[label].append(dec.generate(messages, params, drafter=drafter))
+    plain_ids = runs["plain"][0].token_ids
+    same = all(x.token_ids == plain_ids for res in runs.values() for x in res)
+    return runs, same
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
-    ap.add_argument("prompt")
     ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     dec = SpecDecoder.load(a.bundle, verify="size")
+    t = dec.manifest.target
+    form = t.quant.get("format", "MatMulNBits") if t.quant else "fp32"
+    print(f"bundle {a.bundle}: {t.family} {t.precision} ({form}), K={dec.manifest.k}, KV {dec.manifest.kv_mode}")
+    print(f"machine: {cpu_name()}, {os.cpu_count()} CPUs; {cpu_flags()}")
+    sampling = "greedy" if a.temperature == 0 else f"temperature {a.temperature}, seed {a.seed}"
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
-    messages = [{"role": "user", "content": a.prompt}]
-    dec.generate(messages, SamplingParams(max_new_tokens=8), drafter="none")  # warm-up (first-run allocations)
-    modes = [("plain", "none", None), ("prompt lookup, k=4", "prompt-lookup", 4),
-             ("auto (plain or lookup, chosen per round)", "auto", None)]
-    all_runs: dict[str, list] = {label: [] for label, _, _ in modes}
-    for r in range(max(1, a.repeats)):
-        for label, drafter, k in modes[r % len(modes):] + modes[: r % len(modes)]:
-            all_runs[label].append(dec.generate(messages, params, drafter=drafter, k=k))
-    runs = {label: res[0] for label, res in all_runs.items()}
-    tok_s = {label: statistics.median(x.stats.decode_tok_s for x in res) for label, res in all_runs.items()}
-    plain = runs["plain"]
-    print(f"--- {'greedy' if a.temperature == 0 else f'temperature {a.temperature}, seed {a.seed}'} output "
-          f"({len(plain.token_ids)} tokens) ---")
-    print(plain.text)
-    print("---")
+    dec.generate("Hello", SamplingParams(max_new_tokens=8), drafter="none")  # warm-up: first-run allocations
     ok = True
-    print(f"decode speed: median of {max(1, a.repeats)} interleaved runs per mode")
-    for label, res in runs.items():
-        same = all(x.token_ids == plain.token_ids for x in all_runs[label])
+    for i, (what, text) in enumerate(PROMPTS, 1):
+        runs, same = run_prompt(dec, text, params, max(1, a.repeats))
         ok &= same
-        speed = tok_s[label] / tok_s["plain"] if tok_s["plain"] else 0.0
-        print(f"{label:42s} {tok_s[label]:6.1f} tok/s  {speed:4.2f}x plain  "
-              f"{'identical to plain' if same else 'DIFFERS FROM PLAIN'}")
-        print(f"    {res.stats}")
-    print("speculative output == plain output, token for token" if ok else "MISMATCH: see above")
+        plain = statistics.median(x.stats.decode_tok_s for x in runs["plain"])
+        print(f"\n[{i}] {what}; {sampling}, {len(runs['plain'][0].token_ids)} tokens, median of "
+              f"{max(1, a.repeats)} runs a mode")
+        for label, res in runs.items():
+            speed = statistics.median(x.stats.decode_tok_s for x in res)
+            s = res[0].stats
+            extra = "" if label == "plain" else (
+                f"  accepted {s.accepted}/{s.drafted} drafted ({100 * s.acceptance_rate:.0f} %)"
+                + (f", rounds {dict(sorted(s.strategies.items()))}" if s.strategies else ""))
+            print(f"    {label:<14} {speed:6.1f} tok/s  {speed / plain if plain else 0:4.2f}x plain{extra}")
+        print(f"    text: {'identical to plain in every mode, token for token' if same else 'DIFFERS FROM PLAIN'}")
+        body = runs["plain"][0].text.strip().replace("\n", "\n    | ")
+        print(f"    | {body}")
+    print("\nspeculative output == plain output, token for token" if ok else "\nMISMATCH: see above")
     return 0 if ok else 1
 
 

@@ -642,7 +642,7 @@ print(json.dumps(dict(isas=k.isas(), rel=float(np.abs(o - r).max() / np.abs(r).m
 
 
 def test_the_memory_bench_builds_against_the_kernel_and_runs(tmp_path):
-    """tools/kernel_membench.c (the kernel over DRAM next to a bare read loop) compiles against the kernel's own
+    """tools/dev/kernel_membench.c (the kernel over DRAM next to a bare read loop) compiles against the kernel's own
     header and runs: a tool the benchmarks page quotes must not rot."""
     from pathlib import Path
 
@@ -652,7 +652,7 @@ def test_the_memory_bench_builds_against_the_kernel_and_runs(tmp_path):
     exe = tmp_path / "membench"
     csrc = root / "runtime" / "csrc"
     subprocess.run([*compiler(), "-O3", _march(), "-std=c11", "-D_GNU_SOURCE", "-pthread", "-I", str(csrc),
-                    str(root / "tools" / "kernel_membench.c"), str(csrc / "sek_gemm.c"), str(csrc / "sek_gemm_neon.c"),
+                    str(root / "tools" / "dev" / "kernel_membench.c"), str(csrc / "sek_gemm.c"), str(csrc / "sek_gemm_neon.c"),
                     "-o", str(exe), "-lm"],
                    check=True, capture_output=True)
     for bits in ("4", "6"):
@@ -663,13 +663,13 @@ def test_the_memory_bench_builds_against_the_kernel_and_runs(tmp_path):
 
 
 def _isa_check(cc: list[str], flags: list[str], exe, runner: list[str] = ()) -> tuple[str, str]:
-    """Build tools/sek_isa_check.c against the kernel and run it: (the ISA paths it compared, the reference's
+    """Build tools/dev/sek_isa_check.c against the kernel and run it: (the ISA paths it compared, the reference's
     digest)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     csrc = root / "runtime" / "csrc"
-    sources = [root / "tools" / "sek_isa_check.c", csrc / "sek_gemm.c", csrc / "sek_gemm_neon.c"]
+    sources = [root / "tools" / "dev" / "sek_isa_check.c", csrc / "sek_gemm.c", csrc / "sek_gemm_neon.c"]
     subprocess.run([*cc, "-O2", *flags, "-std=c11", "-D_GNU_SOURCE", "-I", str(csrc), *map(str, sources), "-o", str(exe),
                     "-lm"], check=True, capture_output=True)
     r = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
@@ -679,7 +679,7 @@ def _isa_check(cc: list[str], flags: list[str], exe, runner: list[str] = ()) -> 
 
 
 def test_every_isa_path_of_this_cpu_equals_the_c_reference_in_every_weight_format(tmp_path):
-    """tools/sek_isa_check.c on this CPU: every path this build has, at 1..12 rows, bitwise the portable reference
+    """tools/dev/sek_isa_check.c on this CPU: every path this build has, at 1..12 rows, bitwise the portable reference
     (one- and two-level scales, 4/6/8-bit, zero points as bytes and as fp32 products, a partial last block, extreme
     activation blocks), and every row the same alone as among the others."""
     from specedge.runtime.kernels import compiler, _march

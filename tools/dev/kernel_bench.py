@@ -1,6 +1,6 @@
 """Single-threaded speed of specedge's GEMM kernel on random weights, per weight type, ISA path and rows.
 
-    python tools/kernel_bench.py [--n 4096] [--k 1536] [--rows 1,5] [--isa best,avx2] [--repeats 5]
+    python tools/dev/kernel_bench.py [--n 4096] [--k 1536] [--rows 1,5] [--isa best,avx2] [--repeats 5]
         [--types Q4_K,Q6_K,int4-b128]
 
 Types: GGUF Q4_K and Q6_K blocks (`Kernel.gemm_sb`, SekMatMulSB: the exact form's body and every Q4_K_M file's
@@ -9,7 +9,7 @@ fast form, `--no-gguf-exact --quant-block 128 --asymmetric`). The same C code ON
 pool, on one matrix [n, k] of each type, the best of ``repeats`` loops of 20 calls (one call for a matrix of over
 64 MB). A 4096 x 1536 matrix stays in the cache: that measures the kernel's arithmetic; one far larger than the
 last-level cache (e.g. --n 400000 for int4-b128, 300 MB) streams from memory, and the two side by side say whether
-a width is bound by the kernel's arithmetic or by the memory (tools/profile_step.py gives the whole model's
+a width is bound by the kernel's arithmetic or by the memory (tools/dev/profile_step.py gives the whole model's
 operators). GB/s counts the weight bytes read (levels and scales). Prints the CPU flags with the results: compare
 only numbers from one run.
 """

@@ -265,7 +265,7 @@ def validate_plan(ctx: Ctx, bundle: str, candidate: str) -> dict:
 def cuda_binding_plan(ctx: Ctx) -> dict:
     return {"what": "specedge's libcudart binding vs CuPy: device name, CC, memory, pinned round trip; the TensorRT "
                     "backend's KV commit (cudaMemcpy2DAsync) vs CuPy slices, fp16/fp32, several L/H/D/S/T/past_len",
-            "commands": ["python tools/gpu_kit.py exec tools/gpu_check_cuda.py"]}
+            "commands": ["python tools/gpu/gpu_kit.py exec tools/gpu/gpu_check_cuda.py"]}
 
 
 def runner_graphs_plan(ctx: Ctx) -> dict:
@@ -273,11 +273,11 @@ def runner_graphs_plan(ctx: Ctx) -> dict:
                     "kernels on the bound tensors: target + draft interleaved on one stream and scratch, rollbacks, "
                     "all-rows / last-row logits, device argmax; bit-equal to a numpy model, with and without graphs, "
                     "every width captured",
-            "commands": ["python tools/gpu_kit.py exec tools/gpu_check_graphs.py"]}
+            "commands": ["python tools/gpu/gpu_kit.py exec tools/gpu/gpu_check_graphs.py"]}
 
 
 def script_check(ctx: Ctx, script: str) -> dict:
-    """Run one of the `ok  ` / `FAIL` line-per-check scripts (tools/gpu_check_cuda.py, gpu_check_graphs.py)."""
+    """Run one of the `ok  ` / `FAIL` line-per-check scripts (tools/gpu/gpu_check_cuda.py, gpu_check_graphs.py)."""
     cmd = ctx.kit_cmd("exec", TOOLS / script)
     p = ctx.sh(cmd, timeout=120)
     lines = p.stdout.splitlines()

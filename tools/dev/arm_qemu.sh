@@ -5,16 +5,16 @@
 # that the Arm paths work end to end (the NEON GEMM inside ONNX Runtime, speculative = plain); it times nothing
 # that means anything (emulation).
 #
-#   tools/arm_qemu.sh setup DIR                      # once: ~150 MB into DIR (needs root for apt, network)
-#   tools/arm_qemu.sh run DIR SCRIPT.py ARGS...      # the script under emulated aarch64, this checkout importable
-#   tools/arm_qemu.sh run DIR -m specedge.runtime.cli BUNDLE "prompt" --no-spec
+#   tools/dev/arm_qemu.sh setup DIR                      # once: ~150 MB into DIR (needs root for apt, network)
+#   tools/dev/arm_qemu.sh run DIR SCRIPT.py ARGS...      # the script under emulated aarch64, this checkout importable
+#   tools/dev/arm_qemu.sh run DIR -m specedge.runtime.cli BUNDLE "prompt" --no-spec
 #
 # Needs Debian's qemu-user, gcc-aarch64-linux-gnu and libc6-dev-arm64-cross (setup installs them).
 set -euo pipefail
 cmd=${1:?usage: arm_qemu.sh setup DIR | run DIR ARGS...}
 dir=$(realpath -m "${2:?DIR}")
 shift 2
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 
 if [ "$cmd" = setup ]; then
     mkdir -p "$dir/debs" "$dir/root/proc" "$dir/pkg/specedge"

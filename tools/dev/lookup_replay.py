@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What prompt lookup can buy on a bundle and its prompts: drafters replayed over greedy traces, without timing noise.
 
-    python tools/lookup_replay.py BUNDLE [--suite code,edit,... | --prompts FILE.jsonl] [--max-new-tokens 192]
+    python tools/dev/lookup_replay.py BUNDLE [--suite code,edit,... | --prompts FILE.jsonl] [--max-new-tokens 192]
                                   [--save-traces F]
-    python tools/lookup_replay.py --traces F [--traces G ...]        # replay saved traces again (no model run)
-    python tools/lookup_replay.py --traces F --retime BUNDLE          # ... at step times taken now
-    python tools/lookup_replay.py --traces F [--traces G] --drift 8 --order code,edit,chat,summarize,json \
+    python tools/dev/lookup_replay.py --traces F [--traces G ...]        # replay saved traces again (no model run)
+    python tools/dev/lookup_replay.py --traces F --retime BUNDLE          # ... at step times taken now
+    python tools/dev/lookup_replay.py --traces F [--traces G] --drift 8 --order code,edit,chat,summarize,json \
         --order json,summarize,edit,chat,code ...                     # auto in several request orders
 
 Greedy output does not depend on the drafter (speculative = plain, bitwise), so one plain generation per prompt

@@ -72,7 +72,7 @@ def build_plan(ctx: Any, bundle: str, compare: str | None = None) -> dict[str, A
 def sizes_plan(ctx: Any, bundle: str) -> dict[str, Any]:
     return {"what": "per model: an fp16 engine with 1 profile (the widest verify width) and one with all N; seconds "
                     "and bytes of each, per extra profile, engine / weight bytes",
-            "commands": [f"python tools/gpu_kit.py trt-sizes WORK/bundles/{bundle} WORK/trt-timing.cache"]}
+            "commands": [f"python tools/gpu/gpu_kit.py trt-sizes WORK/bundles/{bundle} WORK/trt-timing.cache"]}
 
 
 def step_times_plan(ctx: Any, bundle: str, backend: str, precision: str | None) -> dict[str, Any]:

@@ -2,7 +2,7 @@
  * (contiguous runs of tiles), next to a bare read loop over the same bytes: how close the kernel gets to what the
  * memory delivers. Random GGUF-like Q4_K / Q6_K blocks; the numbers are not checked here (tests do that).
  *
- *   cc -O3 -march=native -std=c11 -D_GNU_SOURCE -pthread -I runtime/csrc tools/kernel_membench.c \
+ *   cc -O3 -march=native -std=c11 -D_GNU_SOURCE -pthread -I runtime/csrc tools/dev/kernel_membench.c \
  *      runtime/csrc/sek_gemm.c runtime/csrc/sek_gemm_neon.c -o /tmp/kernel_membench -lm
  *   /tmp/kernel_membench N BITS THREADS [ROWS] [REPEATS]     e.g. 160000 4 2 1 5
  *

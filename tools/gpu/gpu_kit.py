@@ -1,11 +1,11 @@
 """The GPU smoke kit: prepared on the CPU machine, checked on a GPU machine that cannot download anything.
 
-    python tools/gpu_kit.py prepare .gpu-kit            # CPU machine, test venv (torch + transformers): bundles,
+    python tools/gpu/gpu_kit.py prepare .gpu-kit            # CPU machine, test venv (torch + transformers): bundles,
                                                          # fp16 + int4 (MatMulNBits and qdq) graphs, goldens from
                                                          # ONNX Runtime CPU (~10 s)
-    bash tools/gpu_check.sh .gpu-kit                     # GPU machine: every check below, report JSON, < 8 min
-    python tools/gpu_kit.py check .gpu-kit --report R.json [--dry-run] [--only SUBSTR,..] [--work DIR] [--budget-s S]
-    python tools/gpu_kit.py spec-export ARGS | exec SCRIPT ARGS   # the CLI / a script, with the imports below
+    bash tools/gpu/gpu_check.sh .gpu-kit                     # GPU machine: every check below, report JSON, < 8 min
+    python tools/gpu/gpu_kit.py check .gpu-kit --report R.json [--dry-run] [--only SUBSTR,..] [--work DIR] [--budget-s S]
+    python tools/gpu/gpu_kit.py spec-export ARGS | exec SCRIPT ARGS   # the CLI / a script, with the imports below
 
 `check` copies the kit's bundles to a work folder (the kit stays as prepared), runs the CPU checks (the kit's
 integrity; its goldens replayed on ONNX Runtime CPU, which proves the goldens and the check code; greedy
@@ -24,7 +24,7 @@ with that reason. Exit status 0 when no check failed.
 
 The kit imports specedge from this checkout (an import shim where it is not installed, or installed from
 elsewhere) and, where the machine lacks click / jinja2 / tokenizers / polygraphy, the copies the kit carries
-(pylib.tar.gz). `python tools/gpu_kit.py spec-export ARGS` runs the spec-export CLI the same way; where onnx
+(pylib.tar.gz). `python tools/gpu/gpu_kit.py spec-export ARGS` runs the spec-export CLI the same way; where onnx
 is missing, its `build` and `validate` run with a stand-in onnx module (they only import it: the kit carries the
 fp16 graphs they would otherwise convert), and the check's report says so.
 """
@@ -42,7 +42,7 @@ import tempfile
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"runtime": "runtime", "export": "export", "configs": "configs"}  # specedge.<name> -> folder
 PYLIB_ENV = "SPECEDGE_KIT_PYLIB"
 
@@ -165,7 +165,7 @@ def cmd_check(a: argparse.Namespace) -> int:
     kit = Path(a.kit).resolve()
     if not (kit / "kit.json").is_file():
         print(f"{kit} is not a GPU kit (no kit.json); make one on the CPU machine: "
-              f"python tools/gpu_kit.py prepare {a.kit}", file=sys.stderr)
+              f"python tools/gpu/gpu_kit.py prepare {a.kit}", file=sys.stderr)
         return 2
     work = Path(a.work).resolve() if a.work else Path(tempfile.mkdtemp(prefix="specedge-gpu-kit-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,7 @@ def cmd_trt_sizes(a: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: list[str]) -> int:
-    """Run a Python script (e.g. tools/gpu_check_cuda.py) with this checkout and the carried libraries importable."""
+    """Run a Python script (e.g. tools/gpu/gpu_check_cuda.py) with this checkout and the carried libraries importable."""
     import runpy
 
     use_checkout()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """llvm-mca's cycle model of the kernel's marked inner loops, for CPUs this machine is not.
 
-    python tools/kernel_mca.py [--march haswell] [--cpus haswell,skylake,znver2,znver3] [--src runtime/csrc]
+    python tools/dev/kernel_mca.py [--march haswell] [--cpus haswell,skylake,znver2,znver3] [--src runtime/csrc]
 
 The AVX2 path runs on AVX2-only cores (Intel Haswell to Comet Lake, AMD Zen 1-3), and a machine with AVX-512 runs
 it only when told to, on ports it does not have: timing it there says little about them. This compiles
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def regions(asm: str) -> list[tuple[str, str]]:
@@ -53,9 +53,9 @@ def main() -> int:
     if not mca:
         print("llvm-mca not found: install LLVM (Debian: apt install llvm)", file=sys.stderr)
         return 2
-    from specedge.runtime.kernels import CFLAGS, _compiler
+    from specedge.runtime.kernels import CFLAGS, compiler
 
-    cc = _compiler()  # the runtime's own choice ($CC, else cc, gcc or clang) and flags, less -shared
+    cc = compiler()  # the runtime's own choice ($CC, else cc, gcc or clang) and flags, less -shared
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "sek_gemm.s"
         flags = [f for f in CFLAGS if f != "-shared"]

@@ -64,7 +64,7 @@ class Ctx:
 
     @staticmethod
     def show(cmd: list[str]) -> str:
-        return " ".join(["python tools/gpu_kit.py", *cmd[2:]]) if cmd[1].endswith("gpu_kit.py") else " ".join(cmd)
+        return " ".join(["python tools/gpu/gpu_kit.py", *cmd[2:]]) if cmd[1].endswith("gpu_kit.py") else " ".join(cmd)
 
     def sh(self, cmd: list[str], timeout: float) -> Any:
         import os

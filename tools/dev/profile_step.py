@@ -1,6 +1,6 @@
 """Where one target step spends its time, per operator, with ONNX Runtime's profiler (CPU).
 
-    python tools/profile_step.py BUNDLE [--width 2,5] [--steps 20] [--past 128] [--role target] [--top 12]
+    python tools/dev/profile_step.py BUNDLE [--width 2,5] [--steps 20] [--past 128] [--role target] [--top 12]
 
 Loads the role's graph exactly as the runtime does (OrtRunner: same session options, bound buffers), runs
 `--steps` steps at each width at past_len `--past` after 3 warm-up steps, and prints per width: wall ms per step,

@@ -1,6 +1,6 @@
 """Mutation check: plant each known bug in the real code, one at a time, and check that the test suite fails.
 
-    python tools/mutation_check.py [--only NAME]
+    python tools/dev/mutation_check.py [--only NAME]
 
 Each plant is an exact text replacement in one source file; the file is restored afterwards (also on Ctrl-C).
 Prints caught/MISSED per plant; exit 1 if any plant survives. Run from the repository root with the test venv.
@@ -202,7 +202,7 @@ PLANTS = {
     "reuse_prefix=False leaves the draft's rows to be adopted": (
         "runtime/decoder.py", "if not reuse_prefix and self.draft_runner is not None:", "if False:"),
     "the replayed draft's catch-up costs nothing": (
-        "tools/lookup_replay.py", "        self.spent += catchup\n", "", ["tests/test_lookup_replay.py"]),
+        "tools/dev/lookup_replay.py", "        self.spent += catchup\n", "", ["tests/test_lookup_replay.py"]),
     "a kept step-cost entry of another timing is read": (
         "runtime/decoder.py", 'if raw.get("timing") != STEP_TIMING or not', "if not",
         ["tests/runtime/test_decoder.py"]),
@@ -210,10 +210,10 @@ PLANTS = {
         "runtime/decoder.py", 'out[role] = {T: float(reduce(ts))', 'out[role] = {T: float(np.min(ts))',
         ["tests/runtime/test_decoder.py"]),
     "re-timed traces keep their old step times": (
-        "tools/lookup_replay.py", '"steps": {str(T): s for T, s in timed["target"].items()',
+        "tools/dev/lookup_replay.py", '"steps": {str(T): s for T, s in timed["target"].items()',
         '"steps": run["steps"] or {str(T): s for T, s in timed["target"].items()', ["tests/test_lookup_replay.py"]),
     "lookup bound assumes every drafted token passes": (
-        "tools/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
+        "tools/dev/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),
 }
 
@@ -224,7 +224,7 @@ def run_plant(name: str, root: Path) -> bool:
     original = path.read_text()
     if original.count(old) != 1:
         raise SystemExit(f"plant {name!r}: the text to replace occurs {original.count(old)} times in {file}; "
-                         f"update tools/mutation_check.py")
+                         f"update tools/dev/mutation_check.py")
     try:
         path.write_text(original.replace(old, new))
         r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *(tests[0] if tests else TESTS)],
@@ -238,7 +238,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None)
     a = ap.parse_args()
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     names = [a.only] if a.only else list(PLANTS)
     missed = []
     for name in names:

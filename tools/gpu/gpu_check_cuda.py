@@ -1,7 +1,7 @@
 """GPU check without TensorRT: specedge's libcudart binding and the TensorRT backend's KV commit against CuPy.
 
-    python tools/gpu_check_cuda.py        # needs an NVIDIA GPU, libcudart and CuPy; prints one line per check
-    python tools/gpu_kit.py exec tools/gpu_check_cuda.py    # the same where specedge is not pip-installed
+    python tools/gpu/gpu_check_cuda.py        # needs an NVIDIA GPU, libcudart and CuPy; prints one line per check
+    python tools/gpu/gpu_kit.py exec tools/gpu/gpu_check_cuda.py    # the same where specedge is not pip-installed
                                                             # (the GPU kit's `cuda-binding` check runs it so)
 
 Checks: device name / compute capability / memory against CuPy's view of the same GPU; cudaMalloc,
@@ -21,7 +21,7 @@ import numpy as np
 
 class Checks:
     """One `ok  ` / `FAIL` line per check (the GPU kit counts them); ``done()`` prints the summary, gives the exit
-    status. Shared with tools/gpu_check_graphs.py."""
+    status. Shared with tools/gpu/gpu_check_graphs.py."""
 
     def __init__(self):
         self.failures = 0

@@ -1,4 +1,4 @@
-"""`python tools/gpu_kit.py prepare OUT_DIR`: the GPU kit, built on the CPU machine (needs the test extras: torch +
+"""`python tools/gpu/gpu_kit.py prepare OUT_DIR`: the GPU kit, built on the CPU machine (needs the test extras: torch +
 transformers make the tiny random models, exactly as tests/conftest.py does).
 
 OUT_DIR (a few MB, git-ignored as .gpu-kit/):
@@ -43,7 +43,7 @@ import numpy as np
 
 import gpu_kit_goldens as gg
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KIT_VERSION = 1
 K, VERIFY_WIDTHS, MAX_CONTEXT, PREFILL = 4, (2, 3, 4), 256, 16
 GREEDY_TOKENS = 24

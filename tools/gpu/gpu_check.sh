@@ -2,27 +2,27 @@
 # GPU smoke kit: one command on a GPU machine, under 8 minutes, nothing downloaded.
 #
 #   CPU machine (test venv: torch + transformers make the tiny models), once:
-#       python tools/gpu_kit.py prepare .gpu-kit        # ~15 s, ~7 MB, git-ignored: tiny bundles (model draft,
+#       python tools/gpu/gpu_kit.py prepare .gpu-kit        # ~15 s, ~7 MB, git-ignored: tiny bundles (model draft,
 #                                                       # prompt lookup, int4), fp16 graphs, CPU goldens, pylib
 #   GPU machine (the repo + the carried .gpu-kit; TensorRT, onnxruntime-gpu, CuPy each optional):
-#       bash tools/gpu_check.sh .gpu-kit [REPORT.json] [check options, e.g. --only trt --budget-s 300]
-#   with the device `run` tool: command "bash tools/gpu_check.sh .gpu-kit", carry [".gpu-kit"]; the report is
+#       bash tools/gpu/gpu_check.sh .gpu-kit [REPORT.json] [check options, e.g. --only trt --budget-s 300]
+#   with the device `run` tool: command "bash tools/gpu/gpu_check.sh .gpu-kit", carry [".gpu-kit"]; the report is
 #   written to $OUT/gpu-kit-report.json (else KIT/gpu-kit-report.json), after every check.
 #
 # Without a GPU the same command runs in no-GPU mode (also: --dry-run): the CPU checks run (kit integrity, the
 # goldens replayed on ONNX Runtime CPU, greedy speculative == plain, spec-export validate --goldens), every GPU
 # check prints exactly what it would run (commands, API calls, widths, tolerances) and is reported
-# "skipped: no GPU"; exit 0 when the CPU checks pass. On a GPU: CUDA binding vs CuPy (tools/gpu_check_cuda.py),
-# the trt runner with real CUDA graphs around a CuPy stand-in engine (tools/gpu_check_graphs.py), ort-cuda on a
+# "skipped: no GPU"; exit 0 when the CPU checks pass. On a GPU: CUDA binding vs CuPy (tools/gpu/gpu_check_cuda.py),
+# the trt runner with real CUDA graphs around a CuPy stand-in engine (tools/gpu/gpu_check_graphs.py), ort-cuda on a
 # NaN-poisoned allocator, step-by-step parity with the goldens at every width (past_len 0 and > 0, after
 # rollbacks, target and draft interleaved) on ort-cuda fp32/TF32/fp16/int4, TensorRT fp16 with and without CUDA graphs and ort-trt, TensorRT builds (seconds and bytes per profile), spec-export validate
 # --goldens, greedy speculative == plain for every drafter at k = 1..4, step times per width. A check whose
-# library is missing is skipped with the reason. tools/gpu_kit.py says more.
+# library is missing is skipped with the reason. tools/gpu/gpu_kit.py says more.
 #
 # The older end-to-end check on SmolLM2-135M (needs the SmolLM2 wheel from PyPI, or its GGUF in the cache):
-#       bash tools/gpu_check.sh --smollm2 [WORKDIR]     (default WORKDIR: /tmp/specedge-gpu-check)
+#       bash tools/gpu/gpu_check.sh --smollm2 [WORKDIR]     (default WORKDIR: /tmp/specedge-gpu-check)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 
 if [ "${1:-}" != "--smollm2" ]; then
@@ -32,13 +32,13 @@ if [ "${1:-}" != "--smollm2" ]; then
   if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then REPORT=$1; shift; fi
   if [ ! -f "$KIT/kit.json" ]; then
     if $PY -c "import torch, transformers" 2>/dev/null; then
-      $PY tools/gpu_kit.py prepare "$KIT"
+      $PY tools/gpu/gpu_kit.py prepare "$KIT"
     else
-      echo "no GPU kit at $KIT: make it on the CPU machine (python tools/gpu_kit.py prepare $KIT), carry it here" >&2
+      echo "no GPU kit at $KIT: make it on the CPU machine (python tools/gpu/gpu_kit.py prepare $KIT), carry it here" >&2
       exit 2
     fi
   fi
-  exec timeout 470 $PY tools/gpu_kit.py check "$KIT" --report "$REPORT" "$@"
+  exec timeout 470 $PY tools/gpu/gpu_kit.py check "$KIT" --report "$REPORT" "$@"
 fi
 
 # ---------------------------------------------------------------------------------------------- --smollm2
@@ -46,7 +46,7 @@ fi
 #   with TensorRT: build fp16 engines, validate them against ONNX Runtime fp32 (polygraphy + greedy
 #     agreement), check speculative greedy == plain greedy on the trt backend, and print tok/s plain vs
 #     speculative (spec-run bench, same prompts, same run);
-#   without TensorRT (CUDA + CuPy): tools/gpu_check_cuda.py (libcudart binding + KV commit vs CuPy), and the
+#   without TensorRT (CUDA + CuPy): tools/gpu/gpu_check_cuda.py (libcudart binding + KV commit vs CuPy), and the
 #     ort-cuda backend if onnxruntime-gpu is installed.
 shift
 WORK=${1:-/tmp/specedge-gpu-check}
@@ -101,7 +101,7 @@ PYEOF
 else
   echo "TensorRT is not installed: checking the CUDA binding and the KV commit against CuPy instead"
   step "libcudart binding + TensorRT backend KV commit vs CuPy"
-  $PY tools/gpu_check_cuda.py
+  $PY tools/gpu/gpu_check_cuda.py
   if $PY -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then
     step "ort-cuda backend: fp32 and fp16 graphs, plain vs speculative"
     spec-export build "$B" --backend onnx --precision fp16

@@ -4,11 +4,11 @@
  * which is the same on every machine (the same integers and IEEE operations everywhere): equal digests from two
  * builds mean the two CPUs compute the same bits.
  *
- *   cc -O2 -std=c11 -D_GNU_SOURCE -march=native -I runtime/csrc tools/sek_isa_check.c runtime/csrc/sek_gemm.c \
+ *   cc -O2 -std=c11 -D_GNU_SOURCE -march=native -I runtime/csrc tools/dev/sek_isa_check.c runtime/csrc/sek_gemm.c \
  *      runtime/csrc/sek_gemm_neon.c -o /tmp/sic -lm && /tmp/sic
  *   # Arm NEON without an Arm machine (Debian: gcc-aarch64-linux-gnu qemu-user), with and without dot products:
  *   aarch64-linux-gnu-gcc -static -O2 -std=c11 -D_GNU_SOURCE -march=armv8.2-a+dotprod -I runtime/csrc \
- *      tools/sek_isa_check.c runtime/csrc/sek_gemm.c runtime/csrc/sek_gemm_neon.c -o /tmp/sic-arm -lm \
+ *      tools/dev/sek_isa_check.c runtime/csrc/sek_gemm.c runtime/csrc/sek_gemm_neon.c -o /tmp/sic-arm -lm \
  *      && qemu-aarch64 -cpu max /tmp/sic-arm
  *
  * Prints one line per format, then "isas ...", "digest ..." and "ok"; exits 1 at the first disagreement.

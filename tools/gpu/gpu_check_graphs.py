@@ -1,7 +1,7 @@
 """GPU check without TensorRT: the TensorRT runner's step loop and CUDA graphs on a real GPU.
 
-    python tools/gpu_check_graphs.py            # needs an NVIDIA GPU, libcudart and CuPy; one line per check
-    python tools/gpu_kit.py exec tools/gpu_check_graphs.py    # the same where specedge is not pip-installed
+    python tools/gpu/gpu_check_graphs.py            # needs an NVIDIA GPU, libcudart and CuPy; one line per check
+    python tools/gpu/gpu_kit.py exec tools/gpu/gpu_check_graphs.py    # the same where specedge is not pip-installed
 
 TrtRunner is driven exactly as SpecDecoder drives it (target and draft on one stream and one shared scratch, widths
 alternating, rollbacks, all-rows and last-row logits, device argmax), with real libcudart through specedge's binding
@@ -12,7 +12,7 @@ numpy model replays. What this proves on the GPU: the per-width contexts' bindin
 sequence (plain execute, synchronize, thread-local capture, instantiate with flags) and graph replay reading the
 *new* inputs each step, re-capture after the shared scratch moved, the KV commit (one 2-D copy and one per tensor),
 the logits / next_ids readback — every output equal bit for bit to the model, with and without graphs.
-Not proven: TensorRT itself (tools/gpu_check.sh with TensorRT installed). Exit status 0 when every check passes.
+Not proven: TensorRT itself (tools/gpu/gpu_check.sh with TensorRT installed). Exit status 0 when every check passes.
 """
 
 from __future__ import annotations

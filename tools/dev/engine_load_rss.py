@@ -3,7 +3,7 @@
 with a stand-in for TensorRT (no GPU needed): its ``deserialize_cuda_engine`` copies the whole plan into a new
 buffer, as TensorRT copies the weights into device memory — on a Jetson that memory is the same DRAM.
 
-    python tools/engine_load_rss.py [--gb 1.0]
+    python tools/dev/engine_load_rss.py [--gb 1.0]
 
 Each way runs in a fresh process; reported: anonymous RSS (private memory: what cannot be reclaimed) at the
 moment the copy exists, and file-backed RSS (page cache of the mapped plan: reclaimable, shared).
