@@ -5,7 +5,7 @@
     print(dec.generate("def fib(n):", SamplingParams(max_new_tokens=64)).text)
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .decoder import GenerationResult, SpecDecoder, StreamEvent  # noqa: E402
 from .errors import (  # noqa: E402

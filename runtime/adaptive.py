@@ -220,8 +220,8 @@ class TargetSplit:
     ``SURE``) and where it is not, learned from the verify rows of draft-model rounds. The target's confidence is
     there in every round, plain ones too, so a request's share of sure tokens predicts the draft's acceptance on it
     before the draft has run (``predict``). Measured on the Qwen pair (teacher-forced over the suites' answers,
-    docs/benchmarks.md, twenty-first session): where the 1.5B target was more than 90 % sure, the 0.5B draft agreed
-    89-100 % of the time, elsewhere mostly 60-70 %; JSON answers had 85-94 % sure tokens, chat answers 27-33 %.
+    docs/benchmarks.md): where the 1.5B target was more than 90 % sure, the 0.5B draft agreed 89-100 % of the time,
+    elsewhere mostly 60-70 %; JSON answers had 85-94 % sure tokens, chat answers 27-33 %.
     Prior: those rates, worth ``PRIOR`` tokens each."""
 
     SURE = 0.9
@@ -285,11 +285,9 @@ class Decision:
 # chat prompt a model round predicted level with plain ran 5 % slower, and auto lost 5 % there by taking it.
 MODEL_MARGIN = 1.04
 # ... and this much where the round would first catch the draft up on the request's prompt: an investment of
-# ~0.2-0.6 s made once, on what earlier requests said, before this one has shown whether lookup will serve it. With
-# MODEL_MARGIN the first edit after code prompts paid it in its first round (predicted 50 tok/s against 46 for plain;
-# lookup then ran at ~90): replayed with a cold draft (tools/lookup_replay.py), edit 0.87 -> 0.94x and chat 1.02 ->
-# 1.09x our best fixed configuration, every other suite and every warm-draft replay unchanged (the same from 1.08 to
-# 1.12; from 1.15 chat's gain goes).
+# ~0.2-0.6 s made once, on what earlier requests said, before this one has shown whether lookup will serve it (at
+# MODEL_MARGIN an edit after code prompts paid it in its first round, then ran on lookup). Values from 1.08 to 1.12
+# behave alike; measured: edit 0.94x, chat 1.09x the best fixed configuration with a cold draft (docs/benchmarks.md).
 PROMPT_MARGIN = 1.1
 
 
@@ -435,7 +433,7 @@ class AutoDrafter:
         if self.model is not None and not self.rounds.get("model") and self._sure[1] >= self.CONF_TOKENS:
             # until the request's own draft rounds speak, its prior is what its target's confidence predicts, not what
             # the earlier requests carried: a JSON answer after chats and summaries carried their 0.71 and ran plain
-            # where model:4 ran 1.4-1.8x (docs/benchmarks.md, twenty-first session)
+            # where model:4 ran 1.4-1.8x (docs/benchmarks.md)
             self.alpha["model"].reseed(self.costs.target_split.predict(self._sure[0] / self._sure[1]),
                                        self.CARRY_WEIGHT)
         alpha_model = self.alpha["model"].alpha if self.model is not None else None
@@ -468,8 +466,8 @@ class AutoDrafter:
                 model_turn = self.model is not None and (untried or self._probe_model_next)
                 self._probe_model_next = not model_turn
                 # a probe that would first catch the draft up on the prompt is that investment too (PROMPT_MARGIN):
-                # with MODEL_MARGIN, chat answers on the AVX2 build paid a ~150 ms prompt catch-up for a probe 37
-                # tokens in, 14 before their end, and ran 0.82-0.89x plain (replayed)
+                # at MODEL_MARGIN, short chat answers paid a ~150 ms prompt catch-up for a probe near their end and
+                # ran slower than plain
                 d = decide(self.costs, hope, 0 if model_turn else len(look.tokens),
                            hope if self.model is not None else None, k, self.mode, model_overhead=catchup,
                            horizon=horizon, margin=PROMPT_MARGIN if behind_prompt else MODEL_MARGIN)
@@ -514,23 +512,18 @@ class AutoDrafter:
         """The catch-up as ``decide`` spreads it over ``horizon`` tokens, re-priced by what it buys: it serves the
         run of model rounds it starts, and then auto turns to another kind and the draft falls behind again. So it
         is spread over a run as long as they have lasted (``CostModel.model_streak`` rounds, running across
-        requests; prior 32: the whole request, as before), not over the request. Spread over the request, a model
-        round after a few lookup rounds looked cheap on edit and summarize prompts and was not: auto ran 0.77-0.87x
-        fixed lookup there.
+        requests; prior 32: the whole request), not over the request. Spread over the request, a model round after
+        a few lookup rounds looks cheap on edit and summarize prompts and is not.
 
         Only where the request copies (its lookup's proposals matched at least ``COPYING`` of the tokens it has
-        committed, ``_copying``): runs are short because lookup rounds cut them, and runs learned on edits priced a
-        JSON or code request's prompt catch-up (and its probes) out for the whole request, where lookup rarely
-        matches and a model run lasts the request.
+        committed, ``_copying``): runs are short because lookup rounds cut them, and runs learned on edits would
+        price a JSON or code request's prompt catch-up (and its probes) out for the whole request, where lookup
+        rarely matches and a model run lasts the request.
 
         Not ``sure`` (the request's first ``COPY_TOKENS``, taken to copy before it has shown whether it does): a run
-        is taken to last at least ``UNSURE_SHARE`` of the horizon. One summary whose model rounds alternated with
-        lookup rounds (22 model, 19 lookup, in one live round of the side-by-side run) left runs of ~2 rounds
-        learned; the JSON answers after it, priced over those for their first 24 tokens, ran 20 plain rounds of 30
-        (0.56-0.73x model:4 that round). Replayed with runs of 2 learned before JSON: 0.69 -> 0.95-0.97x model:4 on
-        json-0; over six request orders of the five suites on four sets of traces (native and Haswell builds,
-        both bundles), auto / best fixed moved 0.9713 -> 0.9720 (geometric mean of 120, drifting machine), its
-        lowest unchanged. Where the target's confidence already says more, more (``_unsure_share``)."""
+        is taken to last at least ``UNSURE_SHARE`` of the horizon, so that very short runs learned on a summary do
+        not keep the JSON answers after it plain for their first tokens (measured: json-0 0.69 -> 0.95x model:4,
+        docs/benchmarks.md). Where the target's confidence already says more, more (``_unsure_share``)."""
         run = max(1.0, self.costs.model_streak * expected_tokens_per_round(self.alpha["model"].alpha, min(k, 4)))
         if not sure:
             run = max(run, self._unsure_share() * horizon)
@@ -541,13 +534,10 @@ class AutoDrafter:
         it copies: ``UNSURE_SHARE``, or, where its lookup has matched nothing yet and the target's confidence is
         known (``CONF_TOKENS``), the share of its tokens the target was sure of, if more. The draft's run lasts
         until lookup cuts in or the draft fails, and where the target is sure it seldom fails: a JSON answer
-        (every token sure, nothing copied) after a chat answer whose model rounds lookup had cut into runs of 3.5
-        priced its long prompt's catch-up over a fifth of the request and ran 17 plain rounds before drafting, in
-        all four rounds of an AVX2-proxy run (`qwen-dv3`, twenty-third session). An edit whose first tokens the
-        target was half sure of, before lookup matched, paid for it in two of the 24 replayed cells (edit-0
-        2.09 -> 1.83x plain: model rounds that lookup rounds then cut short). Replayed over six request orders of
-        the five suites on four sets of traces, auto / best fixed moved 0.9768 -> 0.9785 steady, 0.9758 -> 0.9793
-        drifting (``docs/benchmarks.md``, twenty-fourth session)."""
+        (every token sure, nothing copied) after a chat answer whose runs lookup had cut short would otherwise price
+        its long prompt's catch-up over a fifth of the request and run plain for most of it. The cost: an edit whose
+        first tokens the target is half sure of may start model runs that lookup then cuts short
+        (``docs/benchmarks.md``)."""
         if self._copied or self._sure[1] < self.CONF_TOKENS:
             return self.UNSURE_SHARE
         return max(self.UNSURE_SHARE, self._sure[0] / self._sure[1])
@@ -558,8 +548,8 @@ class AutoDrafter:
         ``COPY_TOKENS``) whose earlier gaps say how long one lasts (their mean: ~2 tokens through summarize-2, 4-11
         through the edits, 13-16 through code); else (inf, 0): the fastest option, as without it. A summary
         realigns with its source within a token or two, so a draft-model round in its gap commits what lookup would
-        have committed at ~150 tok/s: auto ran such rounds (predicted 46-58 tok/s, run at 43-45 with their
-        catch-up, where a plain step ran 52) and summarize-2 at 0.76-0.85x fixed lookup. A longer gap (an edit
+        have committed at ~150 tok/s: scored by tokens per second alone, such rounds (predicted faster than plain,
+        slower with their catch-up) ran summarize-2 at 0.76-0.85x fixed lookup. A longer gap (an edit
         writing new lines) keeps the model rounds that pay there. A gap ends where lookup would have matched again,
         which may be inside the round that ended it: measured to the round's end, a model round's 3-4 tokens made
         summarize-2's gaps look 4.5 tokens long, and its rounds kept their place there."""
@@ -583,7 +573,7 @@ class AutoDrafter:
         """Whether this request copies its context: the lookup's proposals (in its own rounds and, asked for free,
         in the others) matched at least ``COPYING`` of the tokens committed so far. (Lookup rounds were 0.38-0.72 of
         the rounds of the Qwen pair's edit and summarize prompts, 0-0.27 of code, JSON and chat ones.) Until
-        ``COPY_TOKENS`` are committed it is taken to copy: the learned runs price the draft, as before."""
+        ``COPY_TOKENS`` are committed it is taken to copy: the learned runs price the draft."""
         return committed < self.COPY_TOKENS or self._copied >= self.COPYING * committed
 
     def _learn_lookup(self, tokens: np.ndarray, start: int, proposed: np.ndarray) -> None:

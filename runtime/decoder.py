@@ -152,7 +152,12 @@ class SpecDecoder:
         if invariant and pairs and odd and t.quant.get("block", 32) >= 64:  # block 32: the same rounding (measured)
             warnings.warn(f"{bundle_dir}: this int8/int4 target declares odd verify widths {odd}; with blocks >= 64 "
                           f"ONNX Runtime computes an odd last row by other rounding, so speculative output may differ "
-                          f"from plain. Re-export it: new exports use even widths (README, Exactness).", stacklevel=3)
+                          f"from plain. Re-export it: new exports use even widths (docs/exactness.md).", stacklevel=3)
+        if backend == "ort-cpu" and manifest.kv_mode == "portable":
+            warnings.warn(f"{bundle_dir}: a portable-KV bundle on a CPU: its attention's rows differ by ~1e-6 between "
+                          f"feeding patterns, so greedy speculation equals plain decoding except at near-ties. "
+                          f"Export with --for cpu (in-place KV) for bitwise identity (docs/exactness.md).",
+                          stacklevel=3)
         p = manifest.drafter_params
         # the free guess takes any match, down to one token: it rides in a width-2 step that runs anyway
         self._guesser = PromptLookupDrafter(p.get("ngram_max", DEFAULT_NGRAM_MAX), 1)

@@ -63,7 +63,7 @@ class NoDrafter(_Stateless):
 # Shortest suffix match a prompt-lookup draft needs (bundles that record no ngram_min). One-token matches are
 # left to the decoder's free guess, which rides in the width-2 step a plain round runs anyway: as K-token
 # drafts they widened the verify step for little (fixed-k lookup on Qwen int4, one run per suite: 0.73-0.88x
-# plain with them, 0.95-1.05x without on code, chat and JSON; docs/benchmarks.md, 2026-11-30 second session).
+# plain with them, 0.95-1.05x without on code, chat and JSON; docs/benchmarks.md).
 DEFAULT_NGRAM_MIN = 2
 # Longest context a match is compared over (bundles that record no ngram_max; PromptLookupDrafter says why).
 DEFAULT_NGRAM_MAX = 32
@@ -77,7 +77,7 @@ class PromptLookupDrafter(_Stateless):
     The default ``ngram_max`` (DEFAULT_NGRAM_MAX, 32) lets the context choose between occurrences of a short
     phrase: an edit that copies one of two similar functions continues the one whose preceding lines it has
     copied, where the most recent 3-token match was often the other (replayed over the Qwen pair's greedy traces,
-    tools/lookup_replay.py: auto's lookup rounds 1.05-1.07x on three of the six edit and summary prompts, the
+    tools/dev/lookup_replay.py: auto's lookup rounds 1.05-1.07x on three of the six edit and summary prompts, the
     others within 1 %)."""
 
     name = "prompt-lookup"

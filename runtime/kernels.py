@@ -8,9 +8,9 @@ is unpacked once and used for up to 10 rows. ``csrc/sek_ort.c`` exposes it to ON
 ``SekAttention`` from ``csrc/sek_attn.c``, through the C API's stable ABI, so no ONNX Runtime header or SDK is
 needed.
 
-Nothing is compiled at ``pip install``: the first session that needs the op runs the C compiler (``cc``, or
-``$CC``) once, with ``-O3 -march=native`` (``-mcpu=native`` on Arm: the kernels are tuned to this CPU: AVX512-VNNI,
-AVX2 + FMA, Arm NEON with or without dot products, or portable C elsewhere), into
+Nothing is compiled at ``pip install``: the first ONNX Runtime session that needs the op runs the C compiler
+(``cc``, or ``$CC``) once, with ``-O3 -march=native`` (``-mcpu=native`` on Arm: the kernels are tuned to this CPU:
+AVX512-VNNI, AVX2 + FMA, Arm NEON with or without dot products, or portable C elsewhere), into
 ``~/.cache/specedge/kernels/<hash>/`` (``SPECEDGE_CACHE`` moves it). The hash covers the sources, the compiler's
 version, the flags and the CPU's flags, so a home directory shared by two machines never loads a build made for the
 other (a new specedge version builds anew; older builds in that directory can be deleted). A bundle in this form

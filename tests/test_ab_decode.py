@@ -1,4 +1,4 @@
-"""tools/ab_decode.py: two decoders alternated prompt by prompt, on the tiny bundles."""
+"""tools/dev/ab_decode.py: two decoders alternated prompt by prompt, on the tiny bundles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tools/lookup_replay.py: the replay follows the decoder's round rules, and its bound is a bound."""
+"""tools/dev/lookup_replay.py: the replay follows the decoder's round rules, and its bound is a bound."""
 
 from __future__ import annotations
 

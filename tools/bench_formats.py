@@ -1,6 +1,6 @@
 """Plain (and optionally speculative) decode speed of several bundles of one model, interleaved in one run.
 
-    python tools/bench_formats.py /tmp/b/smol-int4 /tmp/b/smol-int8 [/tmp/b/smol-int4:width1] [--drafter none]
+    python tools/bench_formats.py engines/smollm2 engines/smollm2-int8 [engines/smollm2:width1] [--drafter none]
         [--repeats 2] [--per-suite 1] [--max-new-tokens 96] [--no-invariant]
 
 Every bundle decodes the same suite prompts round-robin (bundle order rotated each repeat), greedy, so the

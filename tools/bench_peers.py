@@ -44,7 +44,7 @@ plain greedy output.
 
 Interleaved: within a round every prompt runs on every engine and configuration before the next prompt starts, the
 order rotated per prompt and round (``interleaved``). A shared VM's speed drifts by tens of percent within minutes;
-engines run in blocks minutes apart measured that drift, not the engines (docs/benchmarks.md, fourteenth session).
+engines run in blocks minutes apart measured that drift, not the engines (docs/benchmarks.md).
 Ours stays loaded in this process, onnxruntime-genai in one worker process of its own venv
 (``build_ortgenai.py serve``), llama.cpp's binaries start per prompt. The Python peers (hf, llamacpp) still run in a
 block after each round.

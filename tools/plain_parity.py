@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Our plain decoding against native llama.cpp's llama-bench, interleaved over several rounds (one number per
-engine per round, medians at the end): the plain-parity check of issue 16 with the VM's noise averaged out.
+engine per round, medians at the end): plain decoding against the native peer with a shared machine's noise averaged out.
 
     python tools/plain_parity.py BUNDLE GGUF [--rounds 3] [--max-new-tokens 96] [--threads 2]
 

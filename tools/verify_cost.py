@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What a multi-token (verify) step costs against a plain step, per bundle, interleaved in one run.
 
-    python tools/verify_cost.py /tmp/b/qwen-int4 [/tmp/b/qwen-int4-requant ...] [--past-len 128] [--repeats 15]
+    python tools/verify_cost.py engines/qwen [engines/qwen-requant ...] [--past-len 128] [--repeats 15]
 
 For each bundle's target, every all-logits width T the bundle declares (and T = 1) is stepped ``repeats`` times
 at ``past_len``, the widths and bundles in rotating order so the machine's state is shared fairly, each time as a

@@ -15,7 +15,7 @@
  * and however columns are split among threads (batch-invariant by construction). The scalar, AVX2, AVX-VNNI,
  * AVX512-VNNI and Arm NEON (sek_gemm_neon.c) paths compute the same integers and the same fp32 operations in the
  * same order: their results are bitwise equal, across machines too (tests/runtime/test_sek_kernel.py,
- * tools/sek_isa_check.c).
+ * tools/dev/sek_isa_check.c).
  *
  * Packed weights, one layout for every ISA: tiles of 16 columns; per tile, per block, 64-byte chunks:
  *   4-bit: blk/8 chunks; chunk j, byte 4c+t: low nibble q[c][8j+t], high nibble q[c][8j+4+t]
@@ -59,8 +59,8 @@
 /* ... but a step of more than SEK_ONE_PASS rows (a prefill chunk, a 9- or 10-token verify) takes them SEK_RPASS at a
  * time: with 10 rows x 2 tiles, GCC 12 keeps part of the 20 accumulators and the row pointers on the stack and the
  * loop runs at 2/3 of vpdpbusd's rate. Passes of 6 run 1.4x faster at 64 rows and 1.15-1.3x at 9-10 (one thread,
- * in cache, Zen 5); a 64-token prefill chunk of Qwen 1.5B 0.78x the time (docs/benchmarks.md, twenty-first
- * session). The bits do not change: a row's sums are its own whatever the pass. */
+ * in cache, Zen 5); a 64-token prefill chunk of Qwen 1.5B 0.78x the time (docs/benchmarks.md). The bits do not
+ * change: a row's sums are its own whatever the pass. */
 #define SEK_ONE_PASS 8
 #define SEK_RPASS 6
 
@@ -631,11 +631,10 @@ static void tiles_vnni512(const sek_rows *x, const sek_weights *w, float *y, int
  * (AVX2). They give the same integers here (no pair sum can saturate, below), so the two paths are bitwise equal. */
 
 #ifdef SEK_HAVE_AVX2
-/* Rows per pass, every format (a 5-token verify in one pass). Until the seventeenth session AVX2 took 4 for all but
- * one-level 4-bit blocks; 5 made a Qwen2.5-Coder-1.5B T = 5 step on Q4_K 4-7 % faster, built for Haswell on a
- * Zen 5, and a Q6_K matrix's 5 rows 12-14 % (llvm-mca: 10 % fewer cycles on Haswell and Zen 2, 16 % on Skylake, 1 %
- * on Zen 3; 8-bit -2..+4 %). Five rows' sums do not all fit 16 registers beside 6- and 8-bit levels: the
- * compiler keeps some on the stack, off the multiply ports. */
+/* Rows per pass, every format (a 5-token verify in one pass). 5 rather than 4: a Qwen2.5-Coder-1.5B T = 5 step on
+ * Q4_K runs 4-7 % faster, built for Haswell on a Zen 5, and a Q6_K matrix's 5 rows 12-14 % (llvm-mca: 10 % fewer
+ * cycles on Haswell and Zen 2, 16 % on Skylake, 1 % on Zen 3; 8-bit -2..+4 %). Five rows' sums do not all fit 16
+ * registers beside 6- and 8-bit levels: the compiler keeps some on the stack, off the multiply ports. */
 #define SEK_R2 5
 #ifdef SEK_HAVE_AVXVNNI
 static inline __attribute__((always_inline)) __m256i dp256(__m256i acc, __m256i u, __m256i s) {
@@ -677,12 +676,12 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
          * are those of a widening per chunk. Multiplies per row, chunk and tile half: 2.25, not 3 -- the bound on
          * AVX2-only cores, whose one or two vector multiply ports run vpmaddubsw and vpmaddwd alike. At 5 rows the
          * int16 sums do not all fit the 16 registers; they go to the stack once per chunk, off the multiply ports.
-         * llvm-mca's models, cycles per chunk at rows 1 / 4 / 5, before -> after (tools/kernel_mca.py; the 5-row
-         * pass took a tile half at a time before; the widenings, once per 4 chunks, not counted): Haswell 9.1 / 26.1
+         * llvm-mca's models, cycles per chunk at rows 1 / 4 / 5, a widening per chunk (5 rows a tile half at a time)
+         * -> this (tools/dev/kernel_mca.py; the widenings, once per 4 chunks, not counted): Haswell 9.1 / 26.1
          * / 32.2 -> 6.1 / 19.1 / 23.1, Skylake 6.1 / 17-18 / 22 -> 5.4 / 14.1 / 17.1, Zen 2 6.3 / 24.1 / 30.2 ->
-         * 5.6 / 16.3 / 20.1, Zen 3 4.6 / 15.0 / 22 -> 4.1 / 13.5 / 17.9. A model, not a measurement: no AVX2-only
-         * machine was at hand. On a Zen 5 (which takes the AVX512-VNNI path itself) this path measured the same as
-         * before at 1-4 rows and 0-5 % slower at 5. */
+         * 5.6 / 16.3 / 20.1, Zen 3 4.6 / 15.0 / 22 -> 4.1 / 13.5 / 17.9. A model, not a measurement of an AVX2-only
+         * machine. On a Zen 5 (which takes the AVX512-VNNI path itself) this path measures the same as a widening per
+         * chunk at 1-4 rows and 0-5 % slower at 5. */
         const int64_t nch = blk / 8, G = nch < 4 ? nch : 4;
         for (int64_t j0 = 0; j0 < nch; j0 += G) {
             __m256i s16[SEK_R2][2];

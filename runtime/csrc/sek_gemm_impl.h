@@ -27,7 +27,7 @@ enum { SEK_ISA_BEST = 0, SEK_ISA_SCALAR = 1, SEK_ISA_AVX2 = 2, SEK_ISA_VNNI512 =
 
 /* The weights stream from DRAM once per step, and the hot loops do enough work per 64-byte line that the core's
  * out-of-order window alone keeps too few lines in flight: one thread read Q4_K blocks at ~15 GB/s where a bare
- * read loop reaches 21-25 (tools/kernel_membench.c). Each block first asks for the lines SEK_AHEAD bytes further
+ * read loop reaches 21-25 (tools/dev/kernel_membench.c). Each block first asks for the lines SEK_AHEAD bytes further
  * on in its tile, into L2 (a hint: it never faults, past the end of the weights included). Measured on an
  * AVX512-VNNI EPYC, one process alternating the distance per burst (0 / 2048 / 3072 / 4096 / 6144 bytes): the exact
  * Qwen2.5-Coder-1.5B step at T = 1 went from 37.1 to 35.2 ms, at T = 5 from 52.6 to 43.9, at T = 9 from 77.1 to
@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *
     prefetch_block_skip(p, bytes, 0);
 }
 
-/* Marks an inner loop's body for llvm-mca in an analysis build (-DSEK_MCA: tools/kernel_mca.py); nothing
+/* Marks an inner loop's body for llvm-mca in an analysis build (-DSEK_MCA: tools/dev/kernel_mca.py); nothing
  * otherwise. */
 #ifdef SEK_MCA
 #define SEK_MCA_BEGIN(name) __asm__ volatile("# LLVM-MCA-BEGIN " name)

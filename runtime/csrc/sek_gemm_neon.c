@@ -1,7 +1,7 @@
 /* specedge's row-invariant GEMM on Arm (AArch64) NEON: the same integers and fp32 operations, in the same order, as
  * sek_gemm.c's portable reference (whose first comment documents the arithmetic and the packed layout), so the
  * outputs are bitwise the reference's; with Armv8.2 dot products (sdot) or without them (Armv8.0). Checked under
- * qemu against the reference on x86 (tools/sek_isa_check.c, tests/runtime/test_sek_kernel.py). Elsewhere this
+ * qemu against the reference on x86 (tools/dev/sek_isa_check.c, tests/runtime/test_sek_kernel.py). Elsewhere this
  * file compiles to nothing. */
 #include <stdint.h>
 #include <string.h>

@@ -158,8 +158,8 @@ def test_unknown_architecture_is_refused(tmp_path):
         load_source(p)
 
 
-# ---- files whose counts, layout or configuration lie (a hostile pass, twenty-seventh session): each was a runaway
-# allocation, a traceback or a silently broken export before
+# ---- files whose counts, layout or configuration lie: each must be refused cleanly, never a runaway allocation, a
+# traceback or a silently broken export
 
 
 def test_a_gguf_array_count_past_the_end_of_the_file_is_refused_at_once(tiny_llama, tmp_path):

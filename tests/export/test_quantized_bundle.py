@@ -80,7 +80,7 @@ def test_quantized_bundle_generates_and_speculation_is_exact(q_bundles, fmt):
     assert rel < (0.05 if fmt == "int8" else 1.0), rel
     # Strict at every accuracy level: no width-1 target step, so MatMulNBits' M=1 kernel never runs and every
     # row is bitwise the same whatever the width (with invariant=False, level 4 differs at activation-rounding
-    # near-ties of ~1e-2: the old behaviour).
+    # near-ties of ~1e-2).
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     for prompt in PROMPTS:
         plain = dec.generate(prompt, params, drafter="none").token_ids

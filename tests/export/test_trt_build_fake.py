@@ -2,7 +2,7 @@
 
 This checks *our* side of the calls — a strongly typed network, one profile per width with
 min = opt = max, the workspace cap, the timing cache read and written back, parser errors and the
-out-of-memory hint — not TensorRT itself; tools/gpu_check.sh builds real engines.
+out-of-memory hint — not TensorRT itself; tools/gpu/gpu_check.sh builds real engines.
 """
 
 from __future__ import annotations

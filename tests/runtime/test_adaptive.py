@@ -373,7 +373,7 @@ def test_the_drafts_catch_up_is_spread_over_the_runs_of_model_rounds_it_serves()
     c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011)
     auto = AutoDrafter(c, NoDrafter(), GatedModel(confidence=0.9))
     auto.alpha["model"] = Acceptance(successes=9, failures=1)
-    assert auto._streak_priced(0.1, 90, 8) == pytest.approx(0.1)  # the prior: as before
+    assert auto._streak_priced(0.1, 90, 8) == pytest.approx(0.1)  # the prior: spread over the whole request
     catchup, horizon = 0.12, 90  # 10 tokens behind, as single draft steps
     before = decide(c, 0.5, 0, 0.9, 8, model_overhead=catchup, horizon=horizon)
     c.model_streak = 2.0  # runs of two model rounds
@@ -465,8 +465,8 @@ def test_catching_the_draft_up_on_a_prompt_needs_a_wider_margin(behind):
 
 @pytest.mark.parametrize("behind", [0, 40])
 def test_a_probe_that_would_catch_the_draft_up_on_the_prompt_needs_the_wider_margin_too(behind):
-    """The same for a re-probe, priced at its optimistic acceptance: chat answers on the AVX2 build paid a ~150 ms
-    prompt catch-up for a probe 37 tokens in, 14 before their end, and ran 0.82-0.89x plain (replayed)."""
+    """The same for a re-probe, priced at its optimistic acceptance: at MODEL_MARGIN, short chat answers pay a
+    ~150 ms prompt catch-up for a probe near their end and run slower than plain."""
     from specedge.runtime.adaptive import MODEL_MARGIN, PROMPT_MARGIN
 
     c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.011})
@@ -559,10 +559,9 @@ def test_the_lookups_acceptance_is_learned_from_the_rounds_it_did_not_run():
 
 def test_a_probe_ends_where_the_estimate_picks_prompt_lookup():
     """A probe whose drafts all pass goes on (each round longer), so that a good draft is learned against what
-    earlier requests carried over. It ran on past the point where the estimate chose prompt lookup: after chat
-    answers, an edit whose draft passed every probe round ran the draft model to its end (18 rounds of 4 tokens)
-    where lookup ran at 2.09x plain against the model's 1.50x (replayed: auto 0.85x the best fixed configuration on
-    the edit suite)."""
+    earlier requests carried over. It stops where the estimate chooses prompt lookup: run on, an edit whose draft
+    passes every probe round runs the draft model to its end where lookup runs at 2.09x plain against the model's
+    1.50x."""
     model = ScriptedModel()
     auto = AutoDrafter(costs(), PromptLookupDrafter(ngram_max=3, ngram_min=2), model)
     auto.alpha["prompt-lookup"] = Acceptance(successes=50, failures=1)  # lookup's matches pass
@@ -578,9 +577,9 @@ def test_a_probe_ends_where_the_estimate_picks_prompt_lookup():
 
 def test_until_a_request_shows_whether_it_copies_its_catch_up_is_not_priced_over_short_runs():
     """A request is taken to copy until COPY_TOKENS are committed, and a copying request's catch-up is priced over
-    the runs of model rounds learned. One summary whose model rounds alternated with lookup rounds left runs of ~2
-    rounds; the JSON answers after it ran plain for their first 24 tokens (0.56-0.73x model:4). Until the request
-    shows whether it copies, a run is taken to last at least UNSURE_SHARE of it."""
+    the runs of model rounds learned. A summary whose model rounds alternate with lookup rounds leaves runs of ~2
+    rounds, which would keep the JSON answers after it plain for their first 24 tokens. Until the request shows
+    whether it copies, a run is taken to last at least UNSURE_SHARE of it."""
     c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.111})
     c.model_tried, c.model_streak = True, 2.0
     c.model_acceptance = Acceptance(successes=95, failures=5)
@@ -598,9 +597,9 @@ def test_until_a_request_shows_whether_it_copies_its_catch_up_is_not_priced_over
 def test_a_request_the_target_is_sure_of_and_lookup_does_not_serve_prices_its_catch_up_over_itself(sure, copied,
                                                                                                   drafts):
     """Until a request shows whether it copies, its catch-up is spread over UNSURE_SHARE of it at least; where its
-    lookup has matched nothing and the target is sure of most of its tokens, over that share. A JSON answer after a
-    chat answer whose runs lookup had cut to ~2 rounds priced its long prompt's catch-up over a fifth of itself and
-    ran its first 17 rounds plain on the AVX2 proxy (qwen-dv3: a slow draft prefill)."""
+    lookup has matched nothing and the target is sure of most of its tokens, over that share. Otherwise a JSON
+    answer after a chat answer whose runs lookup had cut to ~2 rounds prices its long prompt's catch-up over a fifth
+    of itself and, where the draft's prefill is slow, runs most of its rounds plain."""
     c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.3})
     c.model_tried, c.model_streak = True, 2.0
     c.model_acceptance = Acceptance(successes=95, failures=5)

@@ -3,7 +3,7 @@ with negative controls (planted bugs as alternative rules), plus direct checks o
 
 A draft q_i = (1 - eps) p_i + eps * noise_i accepts ~30-90 % of its tokens, so every number of accepted tokens
 0..k (and with it every position's rejection branch and the bonus row) occurs thousands of times.
-``tools/mutation_check.py`` plants the same bugs in the real code and checks that this suite catches each."""
+``tools/dev/mutation_check.py`` plants the same bugs in the real code and checks that this suite catches each."""
 
 from __future__ import annotations
 

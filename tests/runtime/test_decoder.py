@@ -536,7 +536,7 @@ def test_the_text_is_the_same_whatever_the_rounds_where_a_character_is_cut(decod
 
 def test_a_stop_string_completed_beside_half_a_character_ends_the_request_at_that_token(decoders):
     """A token that completes a stop string and also starts a multi-byte character (' \\xe6'): its text is held
-    back until the character completes, but the stop string is already there (was: found one token later)."""
+    back until the character completes, but the stop string is already there, so the request ends at it."""
     from specedge.runtime.decoder import _Request
     from specedge.runtime.stats import Stats
     from specedge.runtime.text import IncrementalDetokenizer

@@ -228,8 +228,8 @@ def test_cli_refuses_bad_options_in_one_line(bundles, args, message):
     assert "Traceback" not in r.output
 
 
-# ---- the second hostile pass (twenty-seventh session): each of these was a traceback, a hang or a silent wrong
-# result before
+# ---- damaged bundles and wrong arguments: each must end in a clear error, never a traceback, a hang or a silent
+# wrong result
 
 
 def damaged_copy(bundles, tmp_path, name: str, data: bytes) -> Path:

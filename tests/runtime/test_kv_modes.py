@@ -107,3 +107,18 @@ def test_last_token_logits_at_every_width(mode_decoders, mode):
         np.testing.assert_allclose(last[0], ref, rtol=1e-4, atol=1e-4, err_msg=f"n={n}")
         if full is not None:
             np.testing.assert_allclose(full[-1], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_portable_bundle_on_a_cpu_says_it_is_exact_only_up_to_near_ties(mode_decoders):
+    import warnings
+
+    from specedge.runtime import SpecDecoder
+
+    for mode, warns in (("portable", True), ("ort-inplace", False)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            SpecDecoder.load(mode_decoders[mode].bundle_dir, backend="ort-cpu").close()
+        said = [str(w.message) for w in seen if "portable-KV bundle on a CPU" in str(w.message)]
+        assert bool(said) == warns, (mode, said)
+        if warns:
+            assert "--for cpu" in said[0]

@@ -211,7 +211,7 @@ def test_cuda_binding_strided_kv_copy_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is None or not HAS_GPU,
-                    reason="needs TensorRT and an NVIDIA GPU (run tools/gpu_check.sh on one)")
+                    reason="needs TensorRT and an NVIDIA GPU (run tools/gpu/gpu_check.sh on one)")
 def test_trt_engine_greedy_matches_onnx_runtime(bundles, tmp_path):
     import shutil
 

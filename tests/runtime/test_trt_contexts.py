@@ -3,7 +3,7 @@
 This checks *our* side of the calls — one execution context per width, bound once (profile, shapes, addresses) at
 construction, steps that only pick a context and execute or replay, one shared scratch for every context, a CUDA graph
 captured once per width and replayed, a refused capture falling back with its reason — not TensorRT or CUDA
-themselves; tools/gpu_check.sh runs real engines.
+themselves; tools/gpu/gpu_check.sh runs real engines.
 """
 
 from __future__ import annotations

@@ -260,9 +260,9 @@ class ReplayModel:
     def catchup_plan(self, n_tokens: int, tokens=None) -> list[int]:  # noqa: ANN001
         """The steps the decoder's draft would take (``feed_plan`` priced by its step times, as
         ``ModelDrafter.catchup_plan`` prices them by its ``StepClock``): full chunks, then the cheapest steps for the
-        rest. Until the twenty-sixth session this took the smallest width holding the rest, which the decoder does
-        not: chat-0's 41-token prompt and first token in one 64-wide step of the Qwen 0.5B draft built for Haswell
-        (302 ms on the Intel Xeon) where it runs 8 + 2 + 16 + 16 (233 ms)."""
+        rest. Not the smallest width that holds the rest: where a wide step costs more a token than narrow ones (a
+        41-token prompt as one 64-wide step of the Qwen 0.5B draft built for Haswell: 302 ms, against 233 ms for
+        8 + 2 + 16 + 16), the decoder takes the cheaper plan, and so must its replay."""
         behind = n_tokens - 1 - self.rows
         if behind <= 0:
             return []
