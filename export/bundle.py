@@ -186,7 +186,7 @@ def _check_supported(role: str, src: WeightSource, opts: ExportOptions) -> None:
     if opts.kv_mode == "ort-inplace" and D % 16:
         raise UnsupportedModelError(
             f"{role} has head_dim {D}; ONNX Runtime's GroupQueryAttention (--kv-mode ort-inplace) needs a multiple "
-            f"of 16: export with --kv-mode portable")
+            f"of 16: export for TensorRT with --kv-mode portable (--for datacenter-gpu; a CPU profile refuses it)")
     sw = src.config.sliding_window
     if sw is not None and sw < opts.max_context:
         raise UnsupportedModelError(
@@ -198,7 +198,7 @@ def draft_format(opts: ExportOptions) -> WeightFormat:
     """The draft's weight format: ``draft_weights`` (None: the target's), and an int4 draft's lm_head at int4 where
     the format leaves the head to its default (``lm_head`` "auto", which means int8 for a target): the draft only
     proposes, so its head's rounding changes which tokens it proposes, never the output. Measured on the 0.5B
-    Qwen draft: a draft step 16.2 -> 13.5 ms, acceptance 75.2 -> 75.7 % (README, Draft head)."""
+    Qwen draft: a draft step 16.2 -> 13.5 ms, acceptance 75.2 -> 75.7 % (docs/weight-formats.md)."""
     fmt = opts.draft_weights or opts.weights
     if fmt.name == "int4" and fmt.lm_head == "auto" and not fmt.intgemm:
         return dataclasses.replace(fmt, lm_head="int4")

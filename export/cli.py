@@ -194,6 +194,9 @@ def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cac
     given = {n for n in _FORM_OPTIONS if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
     try:
         prof = load_profile(profile)
+        config = ctx.meta.get("specedge.config")
+        if ctx.get_parameter_source("profile") is click.core.ParameterSource.DEFAULT and config:
+            prof = load_profile(config, fallback=prof)  # --config PRESET alone: it says where the bundle runs
         v = settle(form, given, prof, target, _say)
 
         def fmt(name: str, smooth: float, head: str) -> WeightFormat:
@@ -214,8 +217,7 @@ def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cac
                              max_context=v["max_context"], prefill_chunk=v["prefill_chunk"],
                              lookup_ngram_max=v["ngram_max"], lookup_ngram_min=v["ngram_min"],
                              overwrite=overwrite, cache_dir=cache_dir)
-        if "lm_head" not in given:
-            opts = dataclasses.replace(opts, weights=head_from_file(opts.weights, resolve_model(target, cache_dir, _say)))
+        opts = dataclasses.replace(opts, weights=head_from_file(opts.weights, resolve_model(target, cache_dir, _say)))
         _say(f"form (--for {prof.name}): {_form_line(opts)}")
         rep = export_bundle(target, draft, out, opts, progress=_say)
     except SpecEdgeError as e:

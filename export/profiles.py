@@ -42,8 +42,9 @@ class Profile:
     export: dict[str, Any] = field(default_factory=dict)  # [export] defaults, model names left out
 
 
-def load_profile(name: str) -> Profile:
-    """The profile NAME (a preset name or a TOML file); OptionError listing the presets otherwise."""
+def load_profile(name: str, fallback: Profile | None = None) -> Profile:
+    """The profile NAME (a preset name or a TOML file); OptionError listing the presets otherwise. A file with no
+    form options in its [export] table is ``fallback`` where one is given (a --config that names models only)."""
     from specedge.runtime.config import list_presets, load_config
     from specedge.runtime.errors import SpecEdgeError
 
@@ -53,6 +54,8 @@ def load_profile(name: str) -> Profile:
         raise OptionError(f"--for {name}: {e}") from None
     backend = cfg.get("run", {}).get("backend", "ort-cpu")
     table = {k: v for k, v in cfg.get("export", {}).items() if k not in MODEL_KEYS}
+    if not table and fallback is not None:
+        return fallback
     if not table:
         raise OptionError(f"--for {name}: the preset has no [export] table (presets: {', '.join(list_presets())})")
     return Profile(Path(name).stem, "gpu" if backend in GPU_BACKENDS else "cpu", table)

@@ -564,7 +564,7 @@ class WeightFormat:
     @property
     def even_widths(self) -> bool:
         """Whether a target in this format must step at even widths only: MatMulNBits computes rows in pairs
-        and an odd last row through a kernel that rounds differently (README, Exactness). An int8 model in the
+        and an odd last row through a kernel that rounds differently (docs/exactness.md). An int8 model in the
         integer-GEMM form has no MatMulNBits left (unless its lm_head is int4)."""
         all_integer = self.intgemm and self.name == "int8" and self.lm_head in ("auto", "int8", "fp32")
         return self.quantized and not all_integer and not self.specedge

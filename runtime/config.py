@@ -81,6 +81,7 @@ def config_option(section: str):
         # lists become the comma-separated strings the options parse
         table = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in table.items()}
         ctx.default_map = {**(ctx.default_map or {}), **table}
+        ctx.meta["specedge.config"] = value  # (spec-export export: a preset given by --config is its profile too)
         return value
 
     return click.option("--config", is_eager=True, expose_value=False, callback=callback,

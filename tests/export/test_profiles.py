@@ -103,3 +103,22 @@ def test_settle_applies_the_profile_only_where_nothing_was_given(tiny_gguf, monk
 def test_an_unknown_profile_lists_the_presets():
     with pytest.raises(OptionError, match="cpu"):
         load_profile("no-such-board")
+
+
+def test_a_config_preset_alone_is_its_own_profile(tiny_gguf, tmp_path):
+    """--config jetson-orin-nano-8gb without --for: the preset's portable KV mode is its TensorRT form, not refused by
+    the default cpu profile; a --config file that names models only keeps the cpu profile."""
+    r, m = _export(["--target", str(tiny_gguf), "--draft", "prompt-lookup", "--config", "jetson-orin-nano-8gb"], tmp_path)
+    assert r.exit_code == 0, r.output
+    assert m["kv_mode"] == "portable" and "form (--for jetson-orin-nano-8gb)" in r.output
+    models_only = tmp_path / "models.toml"
+    models_only.write_text(f'[export]\ntarget = "{tiny_gguf}"\n')
+    r, m = _export(["--config", str(models_only), "--weights", "int8", "--quant-form", "matmulnbits"], tmp_path, "c")
+    assert r.exit_code == 0, r.output
+    assert m["kv_mode"] == "ort-inplace" and m["k"] == 8 and "form (--for cpu)" in r.output
+
+
+def test_an_explicit_lm_head_auto_is_the_default_one(tiny_gguf, tmp_path):
+    r, m = _export(["--target", str(tiny_gguf), "--lm-head", "auto", "--quant-form", "matmulnbits"], tmp_path)
+    assert r.exit_code == 0, r.output
+    assert m["target"]["quant"]["lm_head"] == "gguf"

@@ -58,8 +58,8 @@ step() { echo; echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 step "doctor"
 spec-export doctor
 step "export SmolLM2-135M (fp32, portable KV, K=4, S_max 1024)"
-[ -f "$B/manifest.json" ] || spec-export export --target smollm2-135m --draft prompt-lookup --k 4 \
-    --verify-widths 3 --max-context 1024 --prefill-chunk 64 --out "$B" --overwrite
+[ -f "$B/manifest.json" ] || spec-export export --target smollm2-135m --draft prompt-lookup --for datacenter-gpu --k 4 \
+    --verify-widths 3 --max-context 1024 --prefill-chunk 64 --no-device-argmax --out "$B" --overwrite
 
 if $PY -c "import tensorrt" 2>/dev/null; then
   step "build fp16 TensorRT engines"

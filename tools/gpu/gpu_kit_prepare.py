@@ -158,10 +158,11 @@ def _bundle(tmp: Path, hf: dict[str, Path], name: str, draft: str, weights: str,
                          kv_mode="portable", device_argmax=form == "qdq")  # the Jetson preset's form: ids on device
     bdir = tmp / "bundles" / name
     export_bundle(hf["target"], hf["draft"] if draft == "draft" else draft, bdir, opts)
-    cmd = (f"spec-export export --target TINY_TARGET --draft {'TINY_DRAFT' if draft == 'draft' else draft} --k {K} "
+    cmd = (f"spec-export export --for datacenter-gpu --target TINY_TARGET "
+           f"--draft {'TINY_DRAFT' if draft == 'draft' else draft} --k {K} "
            f"--verify-widths {','.join(map(str, VERIFY_WIDTHS))} --max-context {MAX_CONTEXT} --prefill-chunk {PREFILL}"
            + (f" --weights {weights} --accuracy-level 0" if weights != "fp32" else "")
-           + (" --quant-form qdq --kv-mode portable --device-argmax" if form == "qdq" else ""))
+           + (" --quant-form qdq --kv-mode portable --device-argmax" if form == "qdq" else " --no-device-argmax"))
     commands = [cmd]
     for p in reduced:
         build_onnx(bdir, p)
