@@ -279,8 +279,8 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
         raise UnsupportedModelError(
             f"{src_onnx.name} uses ONNX Runtime-only ops ({', '.join(sorted(ops & ort_only))}): "
             "reduced-precision graphs for TensorRT are made from fp32 weights, or int8/int4 written as standard "
-            "DequantizeLinear, and the portable KV mode; re-export for TensorRT: --for jetson-orin-nano-8gb (int4 "
-            "Q/DQ) or --for datacenter-gpu (fp32)")
+            "DequantizeLinear, and the portable KV mode; re-export for TensorRT: --for jetson-orin-nano-8gb (int4 as "
+            "--quant-form qdq) or --for datacenter-gpu (fp32)")
     low = PRECISIONS[precision]
     g = model.graph
     data_name = dst_onnx.name + ".data"
