@@ -125,7 +125,8 @@ class _Request:
 
 
 class SpecDecoder:
-    """Speculative decoder over a bundle. Sessions open once and serve many requests.
+    """Speculative decoder over a bundle. Its graph runners (ONNX Runtime sessions, TensorRT contexts) open once and
+    serve many requests.
 
     Thread safety: one prefill or round runs at a time per decoder (a lock held for one step of work, never
     across a yield), so streams from several threads, or several streams interleaved in one thread, are all

@@ -3,8 +3,9 @@
     python tools/demo.py BUNDLE [--max-new-tokens 160] [--repeats 3] [--temperature 0] [--seed 1]
 
 The first prompt is an edit of given code: the answer copies much of its context, so prompt lookup's drafts are
-accepted and speculation pays. The second is free-form: little to copy, and `auto` should stay near plain speed
-(it decides per round from measured step costs and acceptance). For each it prints the decode speed of every mode
+accepted and speculation pays. The second is free-form writing with nothing in the prompt to copy: `auto`, which
+decides every round from measured step costs and acceptance, runs mostly plain rounds there and speculates only
+where the answer starts repeating itself. For each it prints the decode speed of every mode
 (the median of --repeats runs, the modes interleaved: a shared machine's speed moves between runs), its speedup over
 plain in the same run, the acceptance, and whether the text equals the plain text token for token.
 
@@ -19,31 +20,14 @@ import statistics
 import sys
 
 from specedge.runtime import SamplingParams, SpecDecoder
+from specedge.runtime.bench.suites import EDIT_CODE
 from specedge.runtime.cpu import cpu_flags, cpu_name
 
-EDIT_CODE = '''def add_all(xs):
-    tmp = 0
-    for x in xs:
-        tmp = tmp + x
-    return tmp
-
-
-def mean(xs):
-    tmp = add_all(xs)
-    return tmp / len(xs)
-
-
-def variance(xs):
-    m = mean(xs)
-    tmp = 0
-    for x in xs:
-        tmp = tmp + (x - m) ** 2
-    return tmp / len(xs)
-'''
 PROMPTS = (
     ("an edit of given code (the answer copies its context)",
-     "Rename the variable tmp to total everywhere in this code and return the whole file:\n\n" + EDIT_CODE),
-    ("free-form writing (little to copy)", "Write a short story about a robot who learns to paint."),
+     "Rename the variable `tmp` to `total` in this code. Reply with the complete updated code.\n\n```python\n"
+     + EDIT_CODE + "```"),
+    ("free-form writing (nothing in the prompt to copy)", "Write a short story about a robot who learns to paint."),
 )
 MODES = (("plain", "none"), ("prompt lookup", "prompt-lookup"), ("auto", "auto"))
 

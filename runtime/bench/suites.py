@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import PromptError
 
-_EDIT_CODE = '''def add_all(xs):
+EDIT_CODE = '''def add_all(xs):
     tmp = 0
     for x in xs:
         tmp = tmp + x
@@ -84,9 +84,9 @@ SUITES: dict[str, list[str]] = {
         "Write a Python function that checks whether a string is a valid IPv4 address. Explain it briefly.",
     ],
     "edit": [
-        f"Rename the variable `tmp` to `total` in this code and return the full code:\n```python\n{_EDIT_CODE}```",
+        f"Rename the variable `tmp` to `total` in this code and return the full code:\n```python\n{EDIT_CODE}```",
         f"Add type hints and a one-line docstring to every function in this code, and return the full code:\n"
-        f"```python\n{_EDIT_CODE}```",
+        f"```python\n{EDIT_CODE}```",
         f"Change `remove` so that it raises KeyError for an unknown name instead of returning False. "
         f"Return the full class:\n```python\n{_EDIT_CODE_2}```",
     ],
