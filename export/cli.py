@@ -86,13 +86,6 @@ def _profile_option(f):  # noqa: ANN001
              "on a CPU. jetson-orin-nano-8gb, datacenter-gpu, ...: TensorRT forms. Options given here win.")(f)
 
 
-# options a profile may set: given on the command line (or by --config) they win
-_FORM_OPTIONS = ("k", "verify_widths", "draft_catchup_widths", "max_context", "prefill_chunk", "weights",
-                 "draft_weights", "quant_block", "asymmetric", "accuracy_level", "lm_head", "draft_lm_head",
-                 "gguf_exact", "quant_form", "intgemm_activations", "intgemm_full_range", "intgemm_smooth", "kv_mode",
-                 "draft_vocab", "device_argmax", "ngram_max", "ngram_min")
-
-
 @main.command()
 @config_option("export")
 @_profile_option
@@ -191,7 +184,8 @@ def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cac
     _refuse_unused(("ngram_max", "ngram_min"), draft != "prompt-lookup",
                    f"for prompt lookup's matching, and --draft is {draft}")
     ctx = click.get_current_context()
-    given = {n for n in _FORM_OPTIONS if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
+    # every option but the models, the profile and the output is the form's: given here or by --config, it wins
+    given = {n for n in form if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT}
     try:
         prof = load_profile(profile)
         config = ctx.meta.get("specedge.config")
