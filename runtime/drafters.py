@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from .backends import GraphRunner
+from .manifest import DEFAULT_NGRAM_MAX
 from .sampling import SamplingParams, keyed_sample, process_logits, sample
 
 
@@ -60,13 +61,6 @@ class NoDrafter(_Stateless):
         return EMPTY
 
 
-# Shortest suffix match a prompt-lookup draft needs (bundles that record no ngram_min). One-token matches are
-# left to the decoder's free guess, which rides in the width-2 step a plain round runs anyway: as K-token
-# drafts they widened the verify step for little (fixed-k lookup on Qwen int4, one run per suite: 0.73-0.88x
-# plain with them, 0.95-1.05x without on code, chat and JSON; docs/benchmarks.md).
-DEFAULT_NGRAM_MIN = 2
-# Longest context a match is compared over (bundles that record no ngram_max; PromptLookupDrafter says why).
-DEFAULT_NGRAM_MAX = 32
 
 
 class PromptLookupDrafter(_Stateless):

@@ -20,6 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import BundleError
 
+# Shortest suffix match a prompt-lookup draft needs (bundles that record no ngram_min). One-token matches are
+# left to the decoder's free guess, which rides in the width-2 step a plain round runs anyway: as K-token
+# drafts they widened the verify step for little (fixed-k lookup on Qwen int4, one run per suite: 0.73-0.88x
+# plain with them, 0.95-1.05x without on code, chat and JSON; docs/benchmarks.md).
+DEFAULT_NGRAM_MIN = 2
+# Longest context a match is compared over (bundles that record no ngram_max; drafters.PromptLookupDrafter says why).
+DEFAULT_NGRAM_MAX = 32
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -211,15 +219,13 @@ class Manifest:
 
         for key, es in self.engines.items():
             schema.load(EngineSet, es, f"engines.{key}")
-        from .drafters import DEFAULT_NGRAM_MAX
-
         dp = self.drafter_params
         if set(dp) - {"ngram_max", "ngram_min"} or any(
                 isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64 for v in dp.values()) \
                 or dp.get("ngram_min", 1) > dp.get("ngram_max", DEFAULT_NGRAM_MAX):
             raise BundleError(f"drafter_params must hold ngram_min <= ngram_max, integers in 1..64, got {dp!r}")
 
-    def engine_set(self, kind: str, precision: str | None = None) -> "EngineSet":
+    def engine_set(self, kind: str, precision: str | None = None) -> EngineSet:
         """The bundle's reduced-precision graphs ("onnx") or TensorRT engines ("trt") of one precision.
 
         precision None: the only set of that kind (an error if there are several or none)."""
@@ -247,7 +253,7 @@ class Manifest:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, d: Any) -> "Manifest":
+    def from_json(cls, d: Any) -> Manifest:
         """Parsed manifest.json -> Manifest, every field checked against the dataclasses' types (schema.load)
         and the cross-field rules of __post_init__; errors name the field."""
         from . import schema
@@ -295,14 +301,14 @@ class EngineSet:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "EngineSet":
+    def from_json(cls, d: dict[str, Any]) -> EngineSet:
         try:
             return cls(**d)
         except TypeError as e:
             raise BundleError(f"manifest engine entry is malformed: {e}") from e
 
 
-def _check_files(m: "Manifest") -> None:
+def _check_files(m: Manifest) -> None:
     """Every file entry well formed and inside the bundle; every file the models and tokenizer name is listed;
     token ids inside the vocabulary."""
     for name, meta in m.files.items():

@@ -11,13 +11,15 @@ Heavy imports (onnxruntime, tensorrt, CUDA) happen inside the backend modules.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import BackendUnavailableError
 from ..manifest import Manifest, ModelEntry, width_shapes
+from .requirements import MIN_TENSORRT, tensorrt_version_problem  # noqa: F401 (re-exported: doctor, export)
 
 BACKENDS = ("auto", "ort-cpu", "ort-cuda", "ort-trt", "trt")
 TRT_EP_CACHE = "trt-ep-cache"  # inside the bundle: the TensorRT execution provider's engine and timing caches
@@ -44,22 +46,6 @@ class GraphRunner(Protocol):
         """
 
     def close(self) -> None: ...
-
-
-MIN_TENSORRT = (10, 3)  # STRONGLY_TYPED networks, USER_MANAGED scratch, INT64 tensors; JetPack 6.1/6.2 ship 10.3
-
-
-def tensorrt_version_problem(version: str) -> str | None:
-    """Why this TensorRT cannot build or run specedge engines (None: it can)."""
-    try:
-        have = tuple(int(x) for x in version.split(".")[:2])
-    except ValueError:
-        return f"TensorRT version {version!r} is not recognisable"
-    if have < MIN_TENSORRT:
-        return (f"TensorRT {version} is too old: specedge needs TensorRT >= {MIN_TENSORRT[0]}.{MIN_TENSORRT[1]} "
-                f"(strongly typed networks, user-managed scratch, INT64 tensors) - JetPack 6.1 or newer on a Jetson, "
-                f"pip install 'tensorrt>=10.3' elsewhere")
-    return None
 
 
 def tensorrt_installed() -> bool:

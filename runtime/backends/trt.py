@@ -38,15 +38,17 @@ mismatch is refused with the command that rebuilds it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..errors import BackendUnavailableError, BundleError
 from ..manifest import EngineSet, Manifest, ModelDims, Width, io_spec, width_shapes
 from .cuda_rt import D2D, D2H, H2D, CudaError, CudaRuntime, host_array
+from .requirements import tensorrt_version_problem
 
 _NP_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 
@@ -286,8 +288,6 @@ class TrtRunner:
         self.max_context = manifest.max_context
         self.min_width = 1  # the decoder sets 2 (see GraphRunner.min_width)
         bundle_dir = Path(bundle_dir)
-        from . import tensorrt_version_problem
-
         if (why := tensorrt_version_problem(trt.__version__)) is not None:
             raise BackendUnavailableError(why)
         problems = compat_problems(engines, trt.__version__, self.cuda.compute_capability(), self.cuda.device_name())
