@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,8 +12,15 @@ from scipy.stats import chisquare
 
 from specedge.runtime.errors import SamplingParamsError
 from specedge.runtime.sampling import (
-    SamplingParams, process_logits, residual, sample, verify_greedy, verify_sampled,
+    SamplingParams,
+    process_logits,
+    residual,
+    sample,
+    verify_greedy,
+    verify_sampled,
 )
+
+pytestmark = pytest.mark.fast  # torch-free: make test-fast
 
 logits_st = st.integers(2, 12).flatmap(
     lambda v: st.lists(st.floats(-8, 8, allow_nan=False), min_size=v, max_size=v).map(np.array))
@@ -173,3 +182,62 @@ def test_tiny_temperature_is_not_nan():
 
     probs = process_logits(np.array([[1.0, 3.0, 2.0]]), 1e-310)
     assert np.array_equal(probs, [[0.0, 1.0, 0.0]])
+
+
+# ---- every sampling parameter against a literal reference (not process_logits itself): ignoring one must fail
+_LOGITS = np.array([2.0, 1.0, 0.0, -1.0])  # V = 4
+
+
+def _softmax_literal(*logits: float) -> list[float]:
+    e = [math.exp(x) for x in logits]
+    return [x / sum(e) for x in e]
+
+
+# p at T=1 is [0.644, 0.237, 0.087, 0.032]: the mass before each token is 0, 0.644, 0.881, 0.968
+LITERAL = [
+    ((1.0, 0, 1.0), _softmax_literal(2, 1, 0, -1)),
+    ((0.5, 0, 1.0), _softmax_literal(4, 2, 0, -2)),  # temperature: logits / T
+    ((2.0, 0, 1.0), _softmax_literal(1, 0.5, 0, -0.5)),
+    ((1.0, 2, 1.0), _softmax_literal(2, 1) + [0.0, 0.0]),  # top-k 2
+    ((1.0, 3, 1.0), _softmax_literal(2, 1, 0) + [0.0]),
+    ((1.0, 0, 0.6), [1.0, 0.0, 0.0, 0.0]),  # top-p 0.6: the first token alone reaches it
+    ((1.0, 0, 0.7), _softmax_literal(2, 1) + [0.0, 0.0]),  # 0.644 < 0.7: the second is kept too
+    ((1.0, 0, 0.9), _softmax_literal(2, 1, 0) + [0.0]),
+    ((0.5, 3, 0.99), _softmax_literal(4, 2, 0) + [0.0]),  # T, top-k and top-p together
+]
+
+
+@pytest.mark.parametrize("params, want", LITERAL, ids=[f"T{t}-k{k}-p{p}" for (t, k, p), _ in LITERAL])
+def test_process_logits_matches_a_literal_distribution(params, want):
+    temperature, top_k, top_p = params
+    got = process_logits(_LOGITS[None], temperature, top_k, top_p)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("params, want", [LITERAL[1], LITERAL[3], LITERAL[6], LITERAL[8]],
+                         ids=["temperature", "top-k", "top-p", "all"])
+@pytest.mark.parametrize("sampler", ["classic", "keyed"])
+def test_the_plain_sampling_path_draws_the_literal_distribution(params, want, sampler):
+    """choose_next (what a plain round and every emitted token go through) against the literal distribution:
+    chi-square over 20k draws, and no draw outside the kept tokens."""
+    from specedge.runtime.sampling import choose_next
+
+    temperature, top_k, top_p = params
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=5, sampler=sampler)
+    rng = np.random.default_rng(3)
+    n = 20_000
+    counts = np.bincount([choose_next(_LOGITS, sp, rng, position=i) for i in range(n)], minlength=4)
+    want = np.array(want)
+    assert counts[want == 0].sum() == 0
+    assert chisquare(counts[want > 0], want[want > 0] * n).pvalue > 1e-3
+
+
+def test_the_seed_fixes_the_keyed_draws_and_another_seed_changes_them():
+    from specedge.runtime.sampling import choose_next
+
+    def draws(seed):
+        sp = SamplingParams(temperature=1.0, seed=seed)
+        return [choose_next(_LOGITS, sp, np.random.default_rng(seed + 100), position=i) for i in range(200)]
+
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(2)

@@ -1,9 +1,12 @@
 """Mutation check: plant each known bug in the real code, one at a time, and check that the test suite fails.
 
-    python tools/dev/mutation_check.py [--only NAME]
+    python tools/dev/mutation_check.py [--only NAME] [--fast] [--check]
 
 Each plant is an exact text replacement in one source file; the file is restored afterwards (also on Ctrl-C).
 Prints caught/MISSED per plant; exit 1 if any plant survives. Run from the repository root with the test venv.
+Every plant's text must occur exactly once in its file, or the check stops before planting anything (``--check``
+does only that; the test suite runs it, so a plant cannot go stale unseen). ``--fast`` runs the plants whose tests
+take seconds (CI runs them); the whole list takes about an hour on 2 cores.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ TESTS = ["tests/runtime/test_sampling.py", "tests/runtime/test_controlled_drafts
 # name -> (file, original text, planted text[, tests to run instead of TESTS])
 PLANTS = {
     "sample from p instead of the residual at a rejection": (
-        "runtime/sampling.py", "return i, sample(residual(p_target[i], q_row), rng)", "return i, sample(p_target[i], rng)"),
+        "runtime/sampling.py", "return i, sample(residual(p_target[i], q_row), rng)",
+        "return i, sample(p_target[i], rng)"),
     "model drafter returns no q": (
         "runtime/drafters.py", "return Proposal(draft[:kept], None if q is None else q[:kept])",
         "return Proposal(draft[:kept], None)"),
@@ -27,7 +31,16 @@ PLANTS = {
     "bonus token drawn from the wrong row": (
         "runtime/sampling.py", "return n, sample(p_target[n], rng)", "return n, sample(p_target[max(n - 1, 0)], rng)"),
     "process_logits ignores top-p": (
-        "runtime/sampling.py", "    if top_p < 1.0:\n        order", "    if False:\n        order"),
+        "runtime/sampling.py", "    if top_p < 1.0:\n        order", "    if False:\n        order",
+        ["tests/runtime/test_sampling.py"]),
+    "process_logits ignores top-k": (
+        "runtime/sampling.py", "    if 0 < top_k < V:", "    if False:", ["tests/runtime/test_sampling.py"]),
+    "process_logits ignores the temperature": (
+        "runtime/sampling.py", "z = (raw - raw.max(axis=-1, keepdims=True)) / temperature",
+        "z = raw - raw.max(axis=-1, keepdims=True)", ["tests/runtime/test_sampling.py"]),
+    "the keyed sampler ignores the seed": (
+        "runtime/sampling.py", "return keyed_sample(probs, params.seed, position)",
+        "return keyed_sample(probs, 0, position)", ["tests/runtime/test_sampling.py"]),
     "draft-cache rollback removed": (
         "runtime/drafters.py", "self.rows = self._base + min(n_accepted, self._k - 1)", "pass"),
     "prompt lookup proposes one token late": (
@@ -36,8 +49,8 @@ PLANTS = {
         "runtime/drafters.py", "t[np.maximum(before, 0)] == t[n_tok - n - 1 - d]",
         "t[np.maximum(before, 0)] == t[n_tok - n - d]"),
     "a stop string ends the output at once, empty": (
-        "runtime/decoder.py", 'stop_at, req.finish, out = min(hits), "stop", out[: j + 1]',
-        'stop_at, req.finish, out = 0, "stop", out[: j + 1]'),
+        "runtime/decoder.py", 'stop_at, req.finish, out, req.text = min(hits), "stop", out[: j + 1], seen',
+        'stop_at, req.finish, out, req.text = 0, "stop", out[: j + 1], seen'),
     # plants outside the runtime: (file, original, planted, the tests that must catch it)
     "integer GEMM: the row and channel scales multiplied first (ONNX Runtime fuses that into one scale for all rows)": (
         "export/graph.py",
@@ -77,7 +90,8 @@ PLANTS = {
         "_mm256_slli_epi16(_mm256_maddubs_epi16(hi[h], va), 4)), ones)); (void)dlo; (void)dhi;",
         ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: AVX2 activation levels truncated instead of rounded": (
-        "runtime/csrc/sek_gemm.c", "_mm256_cvttps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))",
+        "runtime/csrc/sek_gemm.c",
+        "_mm256_cvttps_epi32(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))",
         "_mm256_cvttps_epi32(x)", ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: a 6-bit level's middle bits taken from the wrong place (AVX512)": (
         "runtime/csrc/sek_gemm.c", "_mm512_and_si512(_mm512_srli_epi16(y, 4), m0c)",
@@ -91,7 +105,8 @@ PLANTS = {
         "const __m512 dmv = dv;", ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: two-level block pairs' mins swapped (AVX2)": (
         "runtime/csrc/sek_gemm.c", "_mm256_set_m128i(_mm_unpackhi_epi16(m0, m1), _mm_unpacklo_epi16(m0, m1))",
-        "_mm256_set_m128i(_mm_unpackhi_epi16(m1, m0), _mm_unpacklo_epi16(m1, m0))", ["tests/runtime/test_sek_kernel.py"]),
+        "_mm256_set_m128i(_mm_unpackhi_epi16(m1, m0), _mm_unpacklo_epi16(m1, m0))",
+        ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: a 4-bit chunk's high nibbles dotted with the low nibbles' activations (Arm NEON)": (
         "runtime/csrc/sek_gemm_neon.c", "acc[r][i] = SEK_SDOT(acc[r][i], hi, a[r], 2 * jj + 1);",
         "acc[r][i] = SEK_SDOT(acc[r][i], hi, a[r], 2 * jj);", ["tests/runtime/test_sek_kernel.py"]),
@@ -110,7 +125,8 @@ PLANTS = {
         "runtime/csrc/sek_gemm.c", "G = nch < 4 ? nch : 4;", "G = nch < 5 ? nch : 5;",
         ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: an AVX-VNNI chunk's high nibbles dotted with the low nibbles' activations": (
-        "runtime/csrc/sek_gemm.c", "return _mm256_add_epi32(acc, dp256(dp256(_mm256_setzero_si256(), u0, s0), u1, s1));",
+        "runtime/csrc/sek_gemm.c",
+        "return _mm256_add_epi32(acc, dp256(dp256(_mm256_setzero_si256(), u0, s0), u1, s1));",
         "return _mm256_add_epi32(acc, dp256(dp256(_mm256_setzero_si256(), u0, s0), u1, s0));",
         ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: a block's integer scale skipped (scalar)": (
@@ -129,7 +145,8 @@ PLANTS = {
         "runtime/csrc/sek_gemm.c", "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;",
         "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RMAX + 1;", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
-        "runtime/csrc/sek_attn.c", "        n[p] = pos + 1;\n", "        n[p] = pos;\n", ["tests/runtime/test_sek_kernel.py"]),
+        "runtime/csrc/sek_attn.c", "        n[p] = pos + 1;\n", "        n[p] = pos;\n",
+        ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: the new k rows stored without RoPE": (
         "runtime/csrc/sek_attn.c", "            rope(k, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);\n",
         "", ["tests/runtime/test_sek_kernel.py"]),
@@ -218,16 +235,31 @@ PLANTS = {
 }
 
 
+# plants whose tests take seconds, not minutes: what CI runs (--fast)
+FAST = ("sample from p instead of the residual at a rejection", "every draft position tested against row 0",
+        "bonus token drawn from the wrong row", "process_logits ignores top-p", "process_logits ignores top-k",
+        "process_logits ignores the temperature", "the keyed sampler ignores the seed")
+
+
+def stale(root: Path) -> list[str]:
+    """The plants whose text to replace does not occur exactly once in its file (the code moved on)."""
+    out = []
+    for name, (file, old, *_) in PLANTS.items():
+        path = root / file
+        n = path.read_text().count(old) if path.is_file() else 0
+        if n != 1:
+            out.append(f"{name!r}: its text occurs {n} times in {file}")
+    return out
+
+
 def run_plant(name: str, root: Path) -> bool:
     file, old, new, *tests = PLANTS[name]
     path = root / file
     original = path.read_text()
-    if original.count(old) != 1:
-        raise SystemExit(f"plant {name!r}: the text to replace occurs {original.count(old)} times in {file}; "
-                         f"update tools/dev/mutation_check.py")
     try:
         path.write_text(original.replace(old, new))
-        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *(tests[0] if tests else TESTS)],
+        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                            *(tests[0] if tests else TESTS)],
                            cwd=root, capture_output=True, text=True)
     finally:
         path.write_text(original)
@@ -237,9 +269,18 @@ def run_plant(name: str, root: Path) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None)
+    ap.add_argument("--fast", action="store_true", help="only the plants whose tests take seconds (CI)")
+    ap.add_argument("--check", action="store_true", help="only check that every plant's text is in its file")
     a = ap.parse_args()
     root = Path(__file__).resolve().parents[2]
-    names = [a.only] if a.only else list(PLANTS)
+    bad = stale(root)
+    if bad:
+        print("stale plants (update tools/dev/mutation_check.py):\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 2
+    if a.check:
+        print(f"all {len(PLANTS)} plants' texts are in their files")
+        return 0
+    names = [a.only] if a.only else list(FAST if a.fast else PLANTS)
     missed = []
     for name in names:
         caught = run_plant(name, root)
