@@ -23,8 +23,10 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from specedge.runtime.manifest import KV_MODES  # noqa: F401  (re-exported: the modes defined here)
-from specedge.runtime.manifest import SEK_DOMAIN
+from specedge.runtime.manifest import (
+    KV_MODES,  # noqa: F401  (re-exported: the modes defined here)
+    SEK_DOMAIN,
+)
 
 
 class PortableAttention:

@@ -13,17 +13,24 @@ import resource
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from specedge.runtime.drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
     KV_MODES,
     MAX_CONTEXT,
     ONNX_OPSET,
-    HeadRows, Manifest, ModelEntry, model_widths, sha256_file, write_manifest,
+    HeadRows,
+    Manifest,
+    ModelEntry,
+    model_widths,
+    sha256_file,
+    write_manifest,
 )
 
 from .fetch import resolve_model
@@ -87,7 +94,8 @@ class ExportOptions:
             raise BundleError(f"--draft-catchup-widths {bad} out of range: each must be in 2..P-1="
                               f"{self.prefill_chunk - 1} (below the prefill chunk), or 'none'")
         if not 1 <= self.lookup_ngram_min <= self.lookup_ngram_max <= 64:
-            raise BundleError(f"prompt-lookup n-gram range {self.lookup_ngram_min}..{self.lookup_ngram_max} is not allowed: "
+            raise BundleError(f"prompt-lookup n-gram range {self.lookup_ngram_min}..{self.lookup_ngram_max} "
+                              "is not allowed: "
                               f"need 1 <= --ngram-min <= --ngram-max <= 64 (defaults {DEFAULT_NGRAM_MIN} and "
                               f"{DEFAULT_NGRAM_MAX})")
 

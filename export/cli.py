@@ -12,9 +12,8 @@ import click
 
 from specedge.runtime.cli import comma_list
 from specedge.runtime.config import config_option
-from specedge.runtime.drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from specedge.runtime.errors import SpecEdgeError
-from specedge.runtime.manifest import INTGEMM_FORMAT, SEK_FORMAT
+from specedge.runtime.manifest import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, INTGEMM_FORMAT, SEK_FORMAT
 
 from .profiles import DEFAULT_PROFILE
 
@@ -276,16 +275,19 @@ def info(bundle: str, verify: bool) -> None:
             form = q.get("format", "MatMulNBits")
             click.echo(f"{'':<11} {form} int{q['bits']} {_quant_layout(q, form)}, "
                        f"lm_head {q['lm_head']}, embedding {q['embedding']}; {q['repacked_from_gguf']} re-packed from "
-                       f"GGUF, {q['requantized']} re-quantized (weight rel. RMS error {q['requant_weight_rel_rms_error']})")
+                       f"GGUF, {q['requantized']} re-quantized "
+                       f"(weight rel. RMS error {q['requant_weight_rel_rms_error']})")
     for raw in m.engines.values():
         es = EngineSet.from_json(raw)
-        where = (f"TensorRT {es.tensorrt} on {es.gpu.get('name')} (compute capability {es.gpu.get('compute_capability')}), "
+        where = (f"TensorRT {es.tensorrt} on {es.gpu.get('name')} "
+                 f"(compute capability {es.gpu.get('compute_capability')}), "
                  if es.kind == "trt" else "ONNX Runtime / TensorRT input, ")
         head = es.build.get("head", "fp32")
         click.echo(f"{'engines':<11} {es.key}: {where}KV {es.kv_dtype}, lm_head {head}: "
                    + ", ".join(f"{r} {f}" for r, f in es.graphs.items()))
     t = m.tokenizer
-    click.echo(f"tokenizer   {t.file}: {t.vocab_size} tokens, bos {t.bos_id} (add_bos={t.add_bos}), eos {list(t.eos_ids)}, "
+    click.echo(f"tokenizer   {t.file}: {t.vocab_size} tokens, bos {t.bos_id} (add_bos={t.add_bos}), "
+               f"eos {list(t.eos_ids)}, "
                f"chat template {'yes' if t.chat_template else 'no'}")
     click.echo("files")
     for name, meta in m.files.items():
@@ -304,7 +306,8 @@ def info(bundle: str, verify: bool) -> None:
               help="Precision of the graph (norms, softmax, RoPE tables and logits stay fp32; the KV cache follows).")
 @click.option("--workspace-gb", type=float, default=2.0, show_default=True, help="TensorRT builder workspace cap.")
 @click.option("--timing-cache", type=click.Path(dir_okay=False), default=None,
-              help="TensorRT timing cache file, reused and updated (default ~/.cache/specedge/trt-timing-<trt>-sm<cc>.cache).")
+              help="TensorRT timing cache file, reused and updated "
+                   "(default ~/.cache/specedge/trt-timing-<trt>-sm<cc>.cache).")
 @click.option("--opt-level", type=click.IntRange(0, 5), default=3, show_default=True,
               help="TensorRT builder optimization level (lower builds faster, may run slower).")
 @click.option("--head", type=click.Choice(["fp32", "low"]), default="fp32", show_default=True,
@@ -358,10 +361,12 @@ def build(bundle: str, backend: str, precision: str, workspace_gb: float, timing
                                       "TensorRT engines.")
 @click.option("--reference", type=click.Choice(["ort-cpu"]), default="ort-cpu", show_default=True,
               help="The reference: the fp32 graphs on ONNX Runtime, CPU.")
-@click.option("--precision", type=click.Choice(["fp16", "bf16"]), default=None, help="Which engines (default: the only ones built).")
+@click.option("--precision", type=click.Choice(["fp16", "bf16"]), default=None,
+              help="Which engines (default: the only ones built).")
 @click.option("--prompts", type=click.Path(dir_okay=False), default=None,
               help="JSONL prompt file (as spec-run bench reads); default: three built-in prompts.")
-@click.option("--tokens", type=int, default=24, show_default=True, help="Greedy tokens per prompt for the agreement check.")
+@click.option("--tokens", type=int, default=24, show_default=True,
+              help="Greedy tokens per prompt for the agreement check.")
 @click.option("--logits-atol", type=float, default=None, help="Default 0.5 (fp16), 2.0 (bf16).")
 @click.option("--logits-rtol", type=float, default=None, help="Default 0.05 (fp16), 0.1 (bf16).")
 @click.option("--kv-atol", type=float, default=None, help="present.* outputs. Default 0.05 (fp16), 0.25 (bf16).")
@@ -379,7 +384,8 @@ def build(bundle: str, backend: str, precision: str, workspace_gb: float, timing
               help="JSON report path (default BUNDLE/validate-<candidate>.json).")
 def validate(bundle: str, candidate: str, reference: str, precision: str | None, prompts: str | None, tokens: int,
              logits_atol: float | None, logits_rtol: float | None, kv_atol: float | None, kv_rtol: float | None,
-             kv_scale: float | None, min_agreement: float, save_goldens: str | None, goldens: str | None, report_path: str | None) -> None:
+             kv_scale: float | None, min_agreement: float, save_goldens: str | None, goldens: str | None,
+             report_path: str | None) -> None:
     """Compare a candidate (fp16 ONNX or TensorRT) with the fp32 reference on recorded real inputs (polygraphy,
     per-output tolerances) and by greedy token agreement. Exit status 0 = passed, 1 = failed, 2 = error."""
     import json
@@ -480,9 +486,8 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
     ex, bu, run = cfg.get("export", {}), cfg.get("build", {}), cfg.get("run", {})
     from .fetch import resolve_model
     from .loaders import load_source
-    from .quant import WeightFormat
-
     from .profiles import default_verify_widths, kernels_buildable
+    from .quant import WeightFormat
 
     k, chunk = int(ex.get("k", 4)), int(ex.get("prefill_chunk", 64))
     verify = tuple(ex.get("verify_widths", default_verify_widths(k)))

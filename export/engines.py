@@ -22,13 +22,20 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from specedge.runtime.backends.trt import import_tensorrt
 from specedge.runtime.errors import BundleError
 from specedge.runtime.manifest import (
-    EngineSet, Manifest, read_manifest, sha256_file, verify_files, width_shapes, write_manifest,
+    EngineSet,
+    Manifest,
+    read_manifest,
+    sha256_file,
+    verify_files,
+    width_shapes,
+    write_manifest,
 )
 
 from .precision import KV_DTYPE, PRECISIONS, convert_graph

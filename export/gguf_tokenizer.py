@@ -105,8 +105,9 @@ def special_ids(v: GgufVocab) -> dict[str, int | None]:
     """bos / eos / eot / eom / unk / pad ids (llama.cpp's defaults for SentencePiece where a key is absent)."""
     spm = v.model == "llama"
     out: dict[str, int | None] = {}
-    for name, key, spm_default in (("bos", "bos_token_id", 1), ("eos", "eos_token_id", 2), ("eot", "eot_token_id", None),
-                                   ("eom", "eom_token_id", None), ("unk", "unknown_token_id", 0),
+    for name, key, spm_default in (("bos", "bos_token_id", 1), ("eos", "eos_token_id", 2),
+                                   ("eot", "eot_token_id", None), ("eom", "eom_token_id", None),
+                                   ("unk", "unknown_token_id", 0),
                                    ("pad", "padding_token_id", None)):
         val = v.get(key, spm_default if spm else None)
         out[name] = int(val) if val is not None and 0 <= int(val) < len(v.tokens) else None
@@ -211,7 +212,7 @@ def _add_tokens(tok, v: GgufVocab) -> None:  # noqa: ANN001
     from tokenizers import AddedToken
 
     special, user = [], []
-    for i, (t, ty) in enumerate(zip(v.tokens, v.types)):
+    for _i, (t, ty) in enumerate(zip(v.tokens, v.types)):
         if ty in (CONTROL, UNKNOWN) and t:
             special.append(AddedToken(t, special=True, normalized=False))
         elif ty == USER_DEFINED and t:

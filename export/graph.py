@@ -20,23 +20,46 @@ in-memory graph structure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
 from specedge.runtime.errors import UnsupportedModelError
-from specedge.runtime.manifest import (GRAPH_POSITIONS_KEY, INTGEMM_FORMAT, ONNX_OPSET, QDQ_FORMAT, SEK_ATTENTION,
-                                       SEK_DOMAIN, SEK_FORMAT, io_spec)
+from specedge.runtime.manifest import (
+    GRAPH_POSITIONS_KEY,
+    INTGEMM_FORMAT,
+    ONNX_OPSET,
+    QDQ_FORMAT,
+    SEK_ATTENTION,
+    SEK_DOMAIN,
+    SEK_FORMAT,
+    io_spec,
+)
 
 from .attention import KV_MODES, InplaceGqaAttention, PortableAttention, SekInplaceAttention
 from .families import ModelConfig
 from .loaders import WeightSource
-from .quant import (GGUF_REPACKABLE, QDQ_OPSET, Packed, QuantSpec, WeightFormat, concat_rows,
-                    dequantize, pack_int4, positive_scales, quantize, quantize_channels, rel_error, repack_gguf,
-                    sek_pack, sek_pack_sb, signed_values)
+from .quant import (
+    GGUF_REPACKABLE,
+    QDQ_OPSET,
+    Packed,
+    QuantSpec,
+    WeightFormat,
+    concat_rows,
+    dequantize,
+    pack_int4,
+    positive_scales,
+    quantize,
+    quantize_channels,
+    rel_error,
+    repack_gguf,
+    sek_pack,
+    sek_pack_sb,
+    signed_values,
+)
 
 _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
 _ALIGN = 64
@@ -239,7 +262,8 @@ class _Linears:
             q, s = self._row_levels(x)
             if self.fmt.intgemm_activation_bits == 16:
                 q2, s2 = self._row_levels(self.g.op("Sub", x, self.g.op("Mul", q, s)))
-                q, s = self.g.op("Concat", *(self.g.op("Unsqueeze", v, self.g.const([0])) for v in (q, q2)), axis=0), (s, s2)
+                q, s = (self.g.op("Concat", *(self.g.op("Unsqueeze", v, self.g.const([0])) for v in (q, q2)), axis=0),
+                        (s, s2))
             zp = float(self.fmt.intgemm_activation_levels + 1)
             u = self.g.op("Add", q, self.g.const(np.float32(zp), np.float32))
             self._rowq[x] = (self.g.op("Cast", u, to=TensorProto.UINT8), s)
@@ -335,7 +359,7 @@ class _Linears:
             return [self._quantize(weights, spec)]
         raws = [self.src.raw(p) for p in parts]
         packed = []
-        for p, r in zip(parts, raws):
+        for _p, r in zip(parts, raws):
             if self._carried(r, spec, exact_width):
                 packed.append(repack_gguf(*r))
                 # an 8-bit part in the integer-GEMM form is re-quantized per channel (_emit), not carried
@@ -386,7 +410,8 @@ class _Linears:
                 **({"activation_bits": self.fmt.intgemm_activation_bits, "weight_bits": self.fmt.intgemm_weight_bits,
                     "pair_sum_bound": self.fmt.intgemm_pair_bound} if self.fmt.intgemm else {}),
                 "repacked_from_gguf": self.repacked, "requantized": self.requantized,
-                "requant_weight_rel_rms_error": round(err, 5), "requant_weight_rel_rms_error_max": round(self._worst, 5)}
+                "requant_weight_rel_rms_error": round(err, 5),
+                "requant_weight_rel_rms_error_max": round(self._worst, 5)}
 
 
 def build_model_graph(

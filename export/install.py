@@ -21,8 +21,8 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from specedge.runtime.errors import BundleError
 from specedge.runtime.manifest import MANIFEST_NAME, SCHEMA

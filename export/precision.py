@@ -26,9 +26,9 @@ graph needs about one tensor of memory.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx
@@ -219,7 +219,8 @@ class _Rewriter:
         if node.op_type == "Cast":
             return _cast_to(node)
         if node.op_type in ("Shape", "Range", "Less", "LessOrEqual", "Greater", "Equal", "ArgMax", "NonZero"):
-            return TensorProto.BOOL if node.op_type in ("Less", "LessOrEqual", "Greater", "Equal") else TensorProto.INT64
+            return (TensorProto.BOOL if node.op_type in ("Less", "LessOrEqual", "Greater", "Equal")
+                    else TensorProto.INT64)
         if prec is not None:
             return prec
         # no float input: integer ops keep their first input's type
@@ -273,7 +274,8 @@ def convert_graph(src_onnx: Path, dst_onnx: Path, precision: str,
     src_onnx, dst_onnx = Path(src_onnx), Path(dst_onnx)
     model = onnx.load(str(src_onnx), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
-    # MatMulInteger: standard, not TensorRT's; SekMatMul(SB) / SekAttention: specedge's own CPU ops (--quant-form specedge)
+    # MatMulInteger: standard, not TensorRT's; SekMatMul(SB) / SekAttention: specedge's own CPU ops
+    # (--quant-form specedge)
     ort_only = {"MatMulNBits", "GroupQueryAttention", "MatMulInteger", "SekMatMul", "SekMatMulSB", "SekAttention"}
     if ops & ort_only or any(o.domain in ("com.microsoft", SEK_DOMAIN) for o in model.opset_import):
         raise UnsupportedModelError(

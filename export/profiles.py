@@ -20,9 +20,10 @@ cache, odd verify widths up to K and the file's own lm_head. Three rules follow 
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from specedge.runtime.errors import OptionError
 

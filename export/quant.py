@@ -359,7 +359,8 @@ def sek_pack(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     float64, rounded once: w = s q - zs; for Q4_K, zs is dmin m up to that rounding of o). N is padded to whole
     tiles with zero columns (scale 0); the graph slices them off. Returns (b, scales, zero points, padded N)."""
     if p.block % 16 or not 16 <= p.block <= 256:
-        raise UnsupportedModelError(f"the specedge kernel takes blocks of 16..256 values (multiples of 16), got {p.block}")
+        raise UnsupportedModelError("the specedge kernel takes blocks of 16..256 values (multiples of 16), "
+                                    f"got {p.block}")
     q = _unpack_nibbles(p.b) if p.bits == 4 else p.b  # [N, kb, block]
     n, kb, blk = q.shape
     if p.zero_points is None:
@@ -394,8 +395,8 @@ def sek_pack_sb(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     """A matrix with two-level scales (p.superblocks: GGUF Q4_K, Q6_K) in the layout of specedge's kernel
     (SekMatMulSB): the levels as sek_pack lays them out at 4 bits; at 6 bits, per (tile, block), block/16 groups of
     three 64-byte chunks X, Y, Z: group h, byte 4c+t holds in bits 0-5 column c's level at k = 16h+t (X), 16h+4+t
-    (Y), 16h+8+t (Z), and in bits 6-7 the top, middle and low two bits of its level at k = 16h+12+t. Returns (b, sc, d, mn, dmin, padded N); sc/mn int8 [N/16, k_blocks, 16], d/dmin
-    fp16 [N/16, k_superblocks, 16]."""
+    (Y), 16h+8+t (Z), and in bits 6-7 the top, middle and low two bits of its level at k = 16h+12+t. Returns (b, sc,
+    d, mn, dmin, padded N); sc/mn int8 [N/16, k_blocks, 16], d/dmin fp16 [N/16, k_superblocks, 16]."""
     sb = p.superblocks
     if sb is None:
         raise ValueError("sek_pack_sb needs a matrix with super-block scales (GGUF Q4_K / Q6_K)")
@@ -468,7 +469,8 @@ class WeightFormat:
     gguf_exact: bool = True
     # how a quantized matrix is written: com.microsoft MatMulNBits, or standard ONNX (opset 21) DequantizeLinear
     # (int4/int8 blocked, symmetric, scales > 0) feeding MatMul — what TensorRT 10 parses as weight-only INT4,
-    # and what ONNX Runtime (>= 1.25: runtime.backends.ort.QDQ_MIN_ORT) fuses back into MatMulNBits at load (same kernel, bitwise equal)
+    # and what ONNX Runtime (>= 1.25: runtime.backends.ort.QDQ_MIN_ORT) fuses back into MatMulNBits at load
+    # (same kernel, bitwise equal)
     # intgemm: every 8-bit matrix (all of an int8 model; an int4 model's int8 lm_head and its Q6_K parts) is
     # int8 per output channel, run by MatMulInteger on activations quantized to int8 per row, then scaled:
     # exact integer sums, so a row's result never depends on the step's width on any CPU, and MLAS's integer
@@ -510,7 +512,8 @@ class WeightFormat:
             raise UnsupportedModelError("--quant-form qdq needs symmetric blocks: TensorRT's DequantizeLinear takes "
                                         "only zero zero-points (drop --asymmetric, or use --quant-form matmulnbits)")
         if self.intgemm_activation_bits not in (8, 16):
-            raise UnsupportedModelError(f"integer-GEMM activations are 8 or 16 bits, got {self.intgemm_activation_bits}")
+            raise UnsupportedModelError("integer-GEMM activations are 8 or 16 bits, "
+                                        f"got {self.intgemm_activation_bits}")
         if self.intgemm_activation_bits == 16 and self.form != "intgemm":
             raise UnsupportedModelError("--intgemm-activations 16 needs --quant-form intgemm")
         if self.intgemm_full_range and self.form != "intgemm":

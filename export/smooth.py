@@ -22,7 +22,7 @@ step of that bundle runs the same ones. What it changes is how close the bundle 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -108,7 +109,8 @@ class Case:
 
     def real(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The outputs restricted to what the runtime uses: present.* rows < n (logits rows are all used)."""
-        return {k: np.ascontiguousarray(v[:, :, :self.n] if k.startswith("present.") else v) for k, v in outputs.items()}
+        return {k: np.ascontiguousarray(v[:, :, :self.n] if k.startswith("present.") else v)
+                for k, v in outputs.items()}
 
 
 @dataclass
@@ -302,7 +304,8 @@ def compare_cases(bundle_dir: Path, manifest: Manifest, cases: list[Case], opts:
                                                          [c for c in cases if c.role == role]):
             with runner:
                 for c in mine:
-                    feed = {k: (v.astype(kv_dtype) if k.startswith("past_key_values.") else v) for k, v in c.feed.items()}
+                    feed = {k: (v.astype(kv_dtype) if k.startswith("past_key_values.") else v)
+                            for k, v in c.feed.items()}
                     got = c.real({k: np.asarray(v, dtype=np.float32) for k, v in runner.infer(feed).items()})
                     names = sorted(c.reference)
                     t = {n: tol["logits" if n == "logits" else "present"] for n in names}
@@ -311,7 +314,8 @@ def compare_cases(bundle_dir: Path, manifest: Manifest, cases: list[Case], opts:
                                   check_error_stat={n: t[n].stat for n in names})
                     results = RunResults()
                     results.append(("reference", [IterationResult(c.reference, runner_name="reference")]))
-                    results.append(("candidate", [IterationResult({n: got[n] for n in names}, runner_name="candidate")]))
+                    results.append(("candidate", [IterationResult({n: got[n] for n in names},
+                                                                  runner_name="candidate")]))
                     acc = Comparator.compare_accuracy(results, compare_func=func)
                     if not hasattr(acc, "values"):  # polygraphy >= 0.50: one AccuracyResult per compare function
                         acc = acc[0]
@@ -330,7 +334,8 @@ def _case_summary(c: Case, per: dict, tol: dict[str, Tolerance]) -> dict:
                 "failed": sorted(n for n in names if not bool(per[n]))[:8]}
 
     kv = [n for n in per if n.startswith("present.")]
-    return {"role": c.role, "case": c.name, "T": c.T, "n": c.n, "past_len": int(c.feed["past_len"][0]), "logits": {**agg(["logits"]), **tol["logits"].to_json()},
+    return {"role": c.role, "case": c.name, "T": c.T, "n": c.n, "past_len": int(c.feed["past_len"][0]),
+            "logits": {**agg(["logits"]), **tol["logits"].to_json()},
             "present": {**agg(kv), **tol["present"].to_json(), "tensors": len(kv)},
             "passed": all(bool(v) for v in per.values())}
 
@@ -339,7 +344,8 @@ def _case_line(s: dict) -> str:
     ok = lambda b: "ok" if b else "FAIL"  # noqa: E731
     lg, kv = s["logits"], s["present"]
     scale = f" + {kv['scale']:.3g} x max|ref|" if kv["scale"] else ""
-    return (f"{s['role']} {s['case']} T={s['T']} ({s['n']} real) at {s['past_len']}: logits max|d| {lg['max_absdiff']:.4g} mean {lg['mean_absdiff']:.3g} "
+    return (f"{s['role']} {s['case']} T={s['T']} ({s['n']} real) at {s['past_len']}: "
+            f"logits max|d| {lg['max_absdiff']:.4g} mean {lg['mean_absdiff']:.3g} "
             f"(atol {lg['atol']}, rtol {lg['rtol']}) {ok(lg['passed'])}; KV ({kv['tensors']} tensors) max|d| "
             f"{kv['max_absdiff']:.4g} (atol {kv['atol']}{scale}) {ok(kv['passed'])}")
 
@@ -393,7 +399,8 @@ def validate(bundle: str | Path, opts: ValidateOptions = ValidateOptions(),
         raise BundleError("validate compares reduced-precision graphs and TensorRT engines, which are built from "
                           "fp32 or --quant-form qdq bundles in the portable KV mode; this bundle is "
                           f"{manifest.kv_mode} / {manifest.target.precision}"
-                          f"{' (' + manifest.target.quant.get('format', 'MatMulNBits') + ')' if manifest.target.quant else ''}")
+                          + (f" ({manifest.target.quant.get('format', 'MatMulNBits')})"
+                             if manifest.target.quant else ""))
     precision = opts.precision or ("fp16" if opts.candidate != "trt" else manifest.engine_set("trt").precision)
     base = DEFAULT_TOLERANCES.get(precision, DEFAULT_TOLERANCES["fp16"])
     tol = {"logits": opts.logits or base["logits"], "present": opts.present or base["present"]}

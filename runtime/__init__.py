@@ -9,8 +9,16 @@ __version__ = "0.2.0"
 
 from .decoder import GenerationResult, SpecDecoder, StreamEvent  # noqa: E402
 from .errors import (  # noqa: E402
-    BackendUnavailableError, BundleError, ContextLengthError, OptionError, OutOfMemoryError, PromptError,
-    SamplingParamsError, SpecEdgeError, UnsupportedModelError, VocabularyMismatchError,
+    BackendUnavailableError,
+    BundleError,
+    ContextLengthError,
+    OptionError,
+    OutOfMemoryError,
+    PromptError,
+    SamplingParamsError,
+    SpecEdgeError,
+    UnsupportedModelError,
+    VocabularyMismatchError,
 )
 from .manifest import Manifest, read_manifest  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402

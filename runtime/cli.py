@@ -58,7 +58,8 @@ def main() -> None:
                    "cost model predicts fastest; hybrid: prompt lookup when the context has a match, else the model; "
                    "model / lookup: fixed drafter; off: plain decoding.")
 @click.option("--no-spec", is_flag=True, help="Plain decoding (same as --spec off).")
-@click.option("--k", "k", type=int, default=None, help="(Maximum) draft length, 0..K of the bundle (default K; 0 = plain decoding).")
+@click.option("--k", "k", type=int, default=None,
+              help="(Maximum) draft length, 0..K of the bundle (default K; 0 = plain decoding).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -74,8 +75,8 @@ def main() -> None:
 @click.option("--threads", type=THREADS, default=None, help="ONNX Runtime intra-op threads (default: physical cores).")
 @click.option("--invariant/--no-invariant", default=True, show_default=True, help=INVARIANT_HELP)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True, help=CUDA_GRAPHS_HELP)
-def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k, seed, stop,
-         stats, stats_json, sampler, threads, invariant, cuda_graphs) -> None:
+def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k,
+             seed, stop, stats, stats_json, sampler, threads, invariant, cuda_graphs) -> None:
     """Generate a completion of PROMPT with the speculative runtime over BUNDLE."""
     from .adaptive import SPEC_MODES
     from .decoder import SpecDecoder

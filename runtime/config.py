@@ -1,8 +1,8 @@
 """Deployment presets (``configs/*.toml``) and the ``--config`` CLI option.
 
 A preset may also carry a ``[board]`` table (memory_gb, unified, reserved_gb: what the memory plan,
-``spec-export plan``, checks against). A preset has one table per command — ``[export]``, ``[build]`` (spec-export), ``[run]`` and
-``[bench]`` (spec-run generate / bench) — whose keys are that
+``spec-export plan``, checks against). A preset has one table per command — ``[export]``, ``[build]`` (spec-export),
+``[run]`` and ``[bench]`` (spec-run generate / bench) — whose keys are that
 command's option names (``max_context``, ``precision``, ``backend``, …). ``--config NAME`` (a
 preset in ``configs/``) or ``--config PATH`` (any TOML file) makes them the command's defaults;
 options given on the command line still win.

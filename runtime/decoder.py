@@ -20,20 +20,45 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from .adaptive import SPEC_MODES, AutoDrafter, CostModel
 from .backends import GraphRunner, open_runner, resolve_backend
-from .drafters import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
+from .drafters import (
+    Drafter,
+    ModelDrafter,
+    NoDrafter,
+    PromptLookupDrafter,
+    Proposal,
+    feed,
+)
 from .errors import BundleError, ContextLengthError, OptionError, PromptError, SamplingParamsError
-from .manifest import (INTGEMM_FORMAT, MANIFEST_NAME, SEK_ATTENTION, SEK_FORMAT, VERIFY_MODES, Manifest,
-                       read_manifest)
-from .sampling import (SamplingParams, accept_argmax, choose_next, process_logits, top1_probability, verify_greedy,
-                       verify_keyed, verify_sampled)
+from .manifest import (
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+    INTGEMM_FORMAT,
+    MANIFEST_NAME,
+    SEK_ATTENTION,
+    SEK_FORMAT,
+    VERIFY_MODES,
+    Manifest,
+    read_manifest,
+)
+from .sampling import (
+    SamplingParams,
+    accept_argmax,
+    choose_next,
+    process_logits,
+    top1_probability,
+    verify_greedy,
+    verify_keyed,
+    verify_sampled,
+)
 from .stats import Stats
 from .text import IncrementalDetokenizer, TextCodec, check_text
 
@@ -172,7 +197,7 @@ class SpecDecoder:
     @classmethod
     def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "size",
              threads: int | None = None, precision: str | None = None, invariant: bool = True,
-             cuda_graphs: bool = True) -> "SpecDecoder":
+             cuda_graphs: bool = True) -> SpecDecoder:
         """verify: "size" (default: every file present with its recorded size — what the CLI does; a bit flip in a
         weight file is not caught), "sha256" (hash every file first: minutes for gigabytes on a Jetson; `spec-export
         info BUNDLE` does it on demand) or "none".
@@ -183,7 +208,8 @@ class SpecDecoder:
         differ from verify rows by kernel rounding (int8/int4: up to ~0.6 in a logit).
         cuda_graphs: TensorRT only - True (default) captures each width's engine run into a CUDA graph at its first
         step and replays it after (less launch overhead per step); False always runs execute_async_v3."""
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256):
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or not 1 <= threads <= 256):
             raise OptionError(f"threads must be an int in 1..256 (or None: physical cores), got {threads!r}")
         if verify not in VERIFY_MODES:
             raise OptionError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")

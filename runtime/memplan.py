@@ -42,7 +42,7 @@ class Board:
         return int((self.memory_gb - self.reserved_gb) * GiB)
 
     @classmethod
-    def from_table(cls, name: str, table: dict[str, Any]) -> "Board":
+    def from_table(cls, name: str, table: dict[str, Any]) -> Board:
         why = "needs a table"
         try:
             b = cls(str(table.get("name", name)), float(table["memory_gb"]), bool(table.get("unified", False)),
@@ -213,7 +213,8 @@ def format_plan(p: Plan) -> str:
     for m in p.models:
         w = m.weights
         lines.append(f"  {m.role:6s} weights {gb(sum(w.values()))} (linear {gb(w['linear']).strip()}, lm_head "
-                     f"{gb(w['lm_head']).strip()}, embedding {gb(w['embedding']).strip()}); KV at S_max {gb(m.kv).strip()}"
+                     f"{gb(w['lm_head']).strip()}, embedding {gb(w['embedding']).strip()}); "
+                     f"KV at S_max {gb(m.kv).strip()}"
                      f" + new rows {gb(m.new_rows).strip()}; scratch ~{gb(m.scratch).strip()}")
     lines.append(f"  process ~{gb(p.process).strip()} ({'CUDA context + TensorRT kernels, ' if p.gpu else ''}Python)")
     v, why = p.verdict()

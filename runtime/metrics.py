@@ -88,7 +88,8 @@ class Metrics:
         ]
         with self._lock:
             lines += [f'{p}rounds_total{{strategy="{k}"}} {v.value:.0f}' for k, v in sorted(self.rounds.items())]
-        lines += [f"# TYPE {p}time_to_first_token_seconds histogram", *self.ttft.lines(f"{p}time_to_first_token_seconds"),
+        lines += [f"# TYPE {p}time_to_first_token_seconds histogram",
+                  *self.ttft.lines(f"{p}time_to_first_token_seconds"),
                   f"# TYPE {p}time_per_output_token_seconds histogram",
                   *self.tpot.lines(f"{p}time_per_output_token_seconds")]
         return "\n".join(lines) + "\n"

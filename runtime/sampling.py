@@ -37,7 +37,6 @@ import numpy as np
 
 from .errors import SamplingParamsError
 
-
 SAMPLERS = ("keyed", "classic")
 
 

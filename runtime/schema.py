@@ -41,7 +41,8 @@ def load(tp: Any, value: Any, where: str) -> Any:
                 return load(a, value, where)
             except BundleError as e:
                 errors.append(str(e))
-        raise BundleError(errors[0] if len(errors) == 1 else f"{where} must be one of {options}, got {_describe(value)}")
+        raise BundleError(errors[0] if len(errors) == 1
+                          else f"{where} must be one of {options}, got {_describe(value)}")
     if tp in _NAMES:
         ok = isinstance(value, tp) and not (tp is not bool and isinstance(value, bool))
         if tp is float and isinstance(value, int) and not isinstance(value, bool):

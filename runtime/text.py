@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .errors import BundleError, PromptError
 from .manifest import TokenizerInfo
-
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"  # private-use characters around a message index while rendering

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from .tools_loader import load_tool
 
+pytestmark = pytest.mark.fast  # torch-free: make test-fast
 
 def _tool():
     return load_tool("bench_peers")

@@ -159,9 +159,8 @@ def test_a_tampered_golden_fails_the_cpu_parity_check(kit, tmp_path, rehash):
 
 def test_trt_size_bookkeeping_with_a_stand_in_tensorrt(kit, tmp_path, monkeypatch):
     """The 1-vs-N-profile measurement's own arithmetic (TensorRT itself is checked on a GPU machine)."""
-    from tests.export.test_trt_build_fake import fake_trt
-
     import specedge.runtime.backends.trt as trt_backend
+    from tests.export.test_trt_build_fake import fake_trt
 
     monkeypatch.syspath_prepend(str(ROOT / "tools" / "gpu"))
     import gpu_kit_trt
@@ -184,10 +183,9 @@ def test_trt_size_bookkeeping_with_a_stand_in_tensorrt(kit, tmp_path, monkeypatc
 def test_trt_build_bookkeeping_of_the_int4_qdq_bundle(kit, tmp_path, monkeypatch):
     """The int4-qdq build check's own arithmetic — engine bytes vs the fp16 graph's weights and its INT4 blocks, vs
     the same models' fp16 engines — on engines that the stand-in TensorRT built in-process."""
-    from tests.export.test_trt_build_fake import fake_trt
-
     import specedge.export.engines as engines
     import specedge.runtime.backends.cuda_rt as cuda_rt
+    from tests.export.test_trt_build_fake import fake_trt
 
     monkeypatch.syspath_prepend(str(ROOT / "tools" / "gpu"))
     import gpu_kit_trt as kt

@@ -134,7 +134,8 @@ def run_hf(manifest, ids_list, specs, max_new: int, rows: list[dict]) -> dict:
     def load(entry):
         src = Path(entry.source["path"])
         if src.suffix == ".gguf":
-            return AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, torch_dtype=torch.float32).eval()
+            return AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                        torch_dtype=torch.float32).eval()
         return AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).eval()
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -596,7 +597,8 @@ def main() -> None:
     med = {n: statistics.median(r[n]["decode_tok_s"] for r in rows) for n in names}
     t = manifest.target
     lines = [
-        f"Machine: {machine['cpu']} ({machine.get('cpu_flags', '')}), {machine['cpus']} CPUs, copy bandwidth {machine['copy_bandwidth_gbs']} GB/s; "
+        f"Machine: {machine['cpu']} ({machine.get('cpu_flags', '')}), {machine['cpus']} CPUs, "
+        f"copy bandwidth {machine['copy_bandwidth_gbs']} GB/s; "
         f"onnxruntime {machine['onnxruntime']}; " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         f"Bundle `{a.bundle}` (target {t.precision}, kv_mode {manifest.kv_mode}); source "
         f"`{Path(t.source.get('path', '')).name}`; greedy; max_new_tokens {a.max_new_tokens}; "

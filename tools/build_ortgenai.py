@@ -307,7 +307,8 @@ def build(a) -> Path:
     set_threads(tmp / "genai_config.json", a.threads)
     shutil.rmtree(root / "builder-cache", ignore_errors=True)
     stamp = {**want, "threads": a.threads, "variant": out.name, "versions": _versions(),
-             "graph": _graph_summary(tmp / "model.onnx"), "bytes": _du(tmp), "seconds_total": round(time.time() - t0, 1),
+             "graph": _graph_summary(tmp / "model.onnx"), "bytes": _du(tmp),
+             "seconds_total": round(time.time() - t0, 1),
              "seconds_builder": round(builder_s, 1),
              "peak_rss_children_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
              "peak_rss_self_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
@@ -356,7 +357,8 @@ def cmd_pair(a) -> None:
     cfg["speculative"] = {"max_draft_tokens": a.k}
     (out / "genai_config.json").write_text(json.dumps(cfg, indent=4))
     for f in tdir.iterdir():  # tokenizer and template files: og.Tokenizer reads them from the model folder
-        if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name not in ("genai_config.json", STAMP):
+        if (f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model")
+                and f.name not in ("genai_config.json", STAMP)):
             shutil.copy2(f, out / f.name)
     say(f"draft-model pair {out}: decoder target/{tm['decoder']['filename']}, draft draft/{dm['decoder']['filename']}")
     print(out)

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Our plain decoding against native llama.cpp's llama-bench, interleaved over several rounds (one number per
-engine per round, medians at the end): plain decoding against the native peer with a shared machine's noise averaged out.
+engine per round, medians at the end): plain decoding against the native peer with a shared machine's noise averaged
+out.
 
     python tools/plain_parity.py BUNDLE GGUF [--rounds 3] [--max-new-tokens 96] [--threads 2]
 
@@ -19,6 +20,7 @@ import statistics
 from pathlib import Path
 
 from bench_peers import llama_bench_tg  # tools/ is this script's directory
+
 from specedge.runtime import SamplingParams, SpecDecoder
 from specedge.runtime.bench.runner import machine_info
 from specedge.runtime.bench.suites import suite_prompts

@@ -18,16 +18,24 @@ copied, and a width is usable only where past_len + T <= S_max (:attr:`pads_into
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..cpu import INT16_MAX, int16_pair_saturation, physical_cores
 from ..errors import BackendUnavailableError, BundleError, OutOfMemoryError
 from ..manifest import (
-    GRAPH_POSITIONS_KEY, INTGEMM_FORMAT, QDQ_FORMAT, SEK_FORMAT, EngineSet, Manifest, Width, io_spec,
+    GRAPH_POSITIONS_KEY,
+    INTGEMM_FORMAT,
+    QDQ_FORMAT,
+    SEK_FORMAT,
+    EngineSet,
+    Manifest,
+    Width,
+    io_spec,
 )
 
 
@@ -225,7 +233,8 @@ class OrtRunner:
             logits_dev = None
         else:
             logits = None
-            logits_dev = ort.OrtValue.ortvalue_from_shape_and_type((1, w.L, self.entry.logits_width), np.float32, "cuda", 0)
+            logits_dev = ort.OrtValue.ortvalue_from_shape_and_type((1, w.L, self.entry.logits_width), np.float32,
+                                                                   "cuda", 0)
             io.bind_ortvalue_output("logits", logits_dev)
         pshape = (1, d.n_kv_heads, w.T, d.head_dim)
         if self.pads_into_cache:  # present IS the cache: the same OrtValues as the past inputs

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from specedge.export.bundle import ExportOptions, export_bundle
 from specedge.export.cli import main as export_cli
-from specedge.runtime.errors import SpecEdgeError, BundleError, UnsupportedModelError, VocabularyMismatchError
+from specedge.runtime.errors import BundleError, SpecEdgeError, UnsupportedModelError, VocabularyMismatchError
 from specedge.runtime.manifest import MANIFEST_NAME, Manifest, read_manifest
 
 from ..conftest import make_hf_model

@@ -143,7 +143,8 @@ def test_profiles_follow_the_manifest(bundles):
     opts = trt_ep_options(bundles["model"], m, "target")
     widths = m.target.widths
     # ONE profile spanning the widths (the EP keeps its context on profile 0): min, opt = K+1, max
-    lo, opt, hi = (dict(e.split(":") for e in opts[f"trt_profile_{k}_shapes"].split(",")) for k in ("min", "opt", "max"))
+    lo, opt, hi = (dict(e.split(":") for e in opts[f"trt_profile_{k}_shapes"].split(","))
+                   for k in ("min", "opt", "max"))
     assert len(lo) == len(opt) == len(hi) == 3 + 2 * m.target.dims.n_layers  # each input named once
     assert lo["input_ids"] == "1x1" and lo["logits_at"] == "1x1"
     assert opt["input_ids"] == opt["logits_at"] == f"1x{m.k + 1}"

@@ -35,7 +35,8 @@ def quantize_k(t: np.ndarray, qt) -> np.ndarray:
         d = _f16(np.abs(scale).max(-1) / 127.0).astype(np.float32)  # [n, sb]
         sc = np.where(d[..., None] > 0, np.rint(scale / np.where(d > 0, d, 1)[..., None]), 0).clip(-128, 127)
         step = d[..., None] * sc
-        q = (np.rint(sub / np.where(step > 0, step, 1)[..., None]) + 32).clip(0, 63).astype(np.uint8).reshape(n, -1, 256)
+        q = ((np.rint(sub / np.where(step > 0, step, 1)[..., None]) + 32).clip(0, 63).astype(np.uint8)
+             .reshape(n, -1, 256))
         ql, qh = [], []
         for h in range(2):
             a, b, c, e = (q[..., 128 * h + 32 * i: 128 * h + 32 * i + 32] for i in range(4))
@@ -47,8 +48,10 @@ def quantize_k(t: np.ndarray, qt) -> np.ndarray:
         mn = np.maximum(-sub.min(-1), 0.0)  # w = d sc q - dmin m, q in 0..15
         scale = (sub.max(-1) + mn) / 15.0
         d, dmin = (_f16(v.max(-1) / 63.0).astype(np.float32) for v in (scale, mn))
-        sc = np.where(d[..., None] > 0, np.rint(scale / np.where(d > 0, d, 1)[..., None]), 0).clip(0, 63).astype(np.uint8)
-        m = np.where(dmin[..., None] > 0, np.rint(mn / np.where(dmin > 0, dmin, 1)[..., None]), 0).clip(0, 63).astype(np.uint8)
+        sc = (np.where(d[..., None] > 0, np.rint(scale / np.where(d > 0, d, 1)[..., None]), 0)
+              .clip(0, 63).astype(np.uint8))
+        m = (np.where(dmin[..., None] > 0, np.rint(mn / np.where(dmin > 0, dmin, 1)[..., None]), 0)
+             .clip(0, 63).astype(np.uint8))
         step = d[..., None] * sc
         q = np.rint((sub + (dmin[..., None] * m)[..., None]) / np.where(step > 0, step, 1)[..., None]).clip(0, 15)
         q = q.astype(np.uint8)  # [n, sb, 8, 32]
@@ -153,7 +156,10 @@ def test_unknown_architecture_is_refused(tmp_path):
     p = tmp_path / "x.gguf"
     w = gguf.GGUFWriter(str(p), "mamba")
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with pytest.raises(UnsupportedModelError, match="supported"):
         load_source(p)
 

@@ -108,7 +108,8 @@ def test_an_unknown_profile_lists_the_presets():
 def test_a_config_preset_alone_is_its_own_profile(tiny_gguf, tmp_path):
     """--config jetson-orin-nano-8gb without --for: the preset's portable KV mode is its TensorRT form, not refused by
     the default cpu profile; a --config file that names models only keeps the cpu profile."""
-    r, m = _export(["--target", str(tiny_gguf), "--draft", "prompt-lookup", "--config", "jetson-orin-nano-8gb"], tmp_path)
+    r, m = _export(["--target", str(tiny_gguf), "--draft", "prompt-lookup", "--config", "jetson-orin-nano-8gb"],
+                   tmp_path)
     assert r.exit_code == 0, r.output
     assert m["kv_mode"] == "portable" and "form (--for jetson-orin-nano-8gb)" in r.output
     models_only = tmp_path / "models.toml"

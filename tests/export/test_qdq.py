@@ -146,7 +146,8 @@ def test_fp16_graph_of_a_qdq_bundle_keeps_int4_blocks_and_runs(mixed, tmp_path):
     m = onnx.load(str(graph), load_external_data=True)
     dqs = [n for n in m.graph.node if n.op_type == "DequantizeLinear"]
     assert dqs and trt_parser_problems(m) == []
-    assert {next(t for t in m.graph.initializer if t.name == n.input[0]).data_type for n in dqs} == {onnx.TensorProto.INT4}
+    assert ({next(t for t in m.graph.initializer if t.name == n.input[0]).data_type for n in dqs}
+            == {onnx.TensorProto.INT4})
     ref = SpecDecoder.load(mixed["fp32"])
     ids = ref.encode_prompt(PROMPTS[1])
     a, b16 = _logits(ref, ids), _logits(dec, ids)

@@ -6,12 +6,22 @@ import gguf
 import numpy as np
 import onnxruntime as ort
 import pytest
-from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 from onnx import TensorProto, helper
 
-from specedge.export.quant import (QuantSpec, concat_rows, dequantize, quantize, quantize_channels, rel_rms_error,
-                                   repack_gguf)
+from specedge.export.quant import (
+    QuantSpec,
+    concat_rows,
+    dequantize,
+    quantize,
+    quantize_channels,
+    rel_rms_error,
+    repack_gguf,
+)
 from specedge.runtime.errors import UnsupportedModelError
+
+pytestmark = pytest.mark.fast  # torch-free: make test-fast
 
 Q = gguf.GGMLQuantizationType
 
@@ -188,7 +198,8 @@ def _matmulnbits(x: np.ndarray, p, accuracy_level: int) -> np.ndarray:
 @pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True), (8, False)])
 def test_onnxruntime_matmulnbits_computes_our_dequantized_matmul(bits, symmetric):
     w = _weights()
-    p = concat_rows([quantize(w[:10], QuantSpec(bits, 32, symmetric)), quantize(w[10:], QuantSpec(bits, 32, symmetric))])
+    p = concat_rows([quantize(w[:10], QuantSpec(bits, 32, symmetric)),
+                     quantize(w[10:], QuantSpec(bits, 32, symmetric))])
     x = np.random.default_rng(1).standard_normal((3, w.shape[1])).astype(np.float32)
     ref = x @ dequantize(p).T
     np.testing.assert_allclose(_matmulnbits(x, p, accuracy_level=0), ref, rtol=1e-4, atol=1e-4)

@@ -119,7 +119,8 @@ def fake_trt(parse_ok: bool = True, build_log: tuple = (), plan: bytes | None = 
             return Err()
 
     return types.SimpleNamespace(
-        __version__=version, rec=rec, Builder=Builder, BuilderFlag=types.SimpleNamespace(TF32="tf32"), OnnxParser=OnnxParser, ILogger=_ILogger,
+        __version__=version, rec=rec, Builder=Builder, BuilderFlag=types.SimpleNamespace(TF32="tf32"),
+        OnnxParser=OnnxParser, ILogger=_ILogger,
         IProgressMonitor=_IProgressMonitor, NetworkDefinitionCreationFlag=types.SimpleNamespace(STRONGLY_TYPED=1),
         MemoryPoolType=types.SimpleNamespace(WORKSPACE="workspace"))
 
@@ -157,15 +158,18 @@ def test_build_failures_are_explained(manifest_and_profiles, tmp_path):
     _, profiles = manifest_and_profiles
     opts = TrtBuildOptions()
     with pytest.raises(BuildError, match="ONNX parser rejected target.onnx: Unsupported ONNX data type"):
-        _build_one(fake_trt(parse_ok=False), Path("target.onnx"), profiles, opts, tmp_path / "c", lambda s: None, tmp_path / "e")
+        _build_one(fake_trt(parse_ok=False), Path("target.onnx"), profiles, opts, tmp_path / "c", lambda s: None,
+                   tmp_path / "e")
     oom = ((_Severity.ERROR, "[optimizer.cpp::computeCosts::3728] Error Code 10: Internal Error (Could not find any "
                              "implementation for node {ForeignNode[...]}.)"),)
     with pytest.raises(BuildError) as e:
-        _build_one(fake_trt(build_log=oom, plan=None), Path("t.onnx"), profiles, opts, tmp_path / "c", lambda s: None, tmp_path / "e")
+        _build_one(fake_trt(build_log=oom, plan=None), Path("t.onnx"), profiles, opts, tmp_path / "c", lambda s: None,
+                   tmp_path / "e")
     assert OOM_HINT in str(e.value) and "Could not find any implementation" in str(e.value)
     other = ((_Severity.ERROR, "Network validation failed."),)
     with pytest.raises(BuildError, match="TensorRT said: Network validation failed") as e:
-        _build_one(fake_trt(build_log=other, plan=None), Path("t.onnx"), profiles, opts, tmp_path / "c", lambda s: None, tmp_path / "e")
+        _build_one(fake_trt(build_log=other, plan=None), Path("t.onnx"), profiles, opts, tmp_path / "c",
+                   lambda s: None, tmp_path / "e")
     assert OOM_HINT not in str(e.value)
     assert not (tmp_path / "c").exists()  # a failed build leaves no timing cache behind
     with pytest.raises(BuildError, match=r"TensorRT 8.6.1 is too old: specedge needs TensorRT >= 10.3.*JetPack 6.1"):

@@ -7,9 +7,17 @@ import pytest
 
 from specedge.runtime import SamplingParams
 from specedge.runtime.adaptive import (
-    Acceptance, AutoDrafter, ConfidenceGate, CostModel, TargetSplit, decide, expected_tokens_per_round,
+    Acceptance,
+    AutoDrafter,
+    ConfidenceGate,
+    CostModel,
+    TargetSplit,
+    decide,
+    expected_tokens_per_round,
 )
-from specedge.runtime.drafters import NoDrafter, Proposal, PromptLookupDrafter
+from specedge.runtime.drafters import NoDrafter, PromptLookupDrafter, Proposal
+
+pytestmark = pytest.mark.fast  # torch-free: make test-fast
 
 
 def costs(draft: float | None = 0.01) -> CostModel:

@@ -9,8 +9,16 @@ import pytest
 from click.testing import CliRunner
 
 from specedge.runtime.bench import (
-    BenchPlan, best_k, ideal_speedup, load_prompts, paired_speedups, round_cost_in_plain_steps, run_bench, spread,
-    suite_prompts, write_report,
+    BenchPlan,
+    best_k,
+    ideal_speedup,
+    load_prompts,
+    paired_speedups,
+    round_cost_in_plain_steps,
+    run_bench,
+    spread,
+    suite_prompts,
+    write_report,
 )
 from specedge.runtime.bench.analysis import expected_tokens_per_round
 from specedge.runtime.cli import main as run_cli
@@ -59,7 +67,8 @@ def test_prompt_files(tmp_path):
                  '{"messages": [{"role": "user", "content": "yo"}]}\n{"text": "raw", "raw": true}\n')
     ps = load_prompts(f)
     assert [(p.suite, p.id) for p in ps] == [("mine", "x"), ("custom", "p-3"), ("custom", "p-4")]
-    assert ps[0].as_request() == ("hi", True) and ps[1].as_request()[1] is False and ps[2].as_request() == ("raw", False)
+    assert (ps[0].as_request() == ("hi", True) and ps[1].as_request()[1] is False
+            and ps[2].as_request() == ("raw", False))
     f.write_text('{"text": "ok"}\n{"text": "a", "messages": []}\n')
     with pytest.raises(PromptError, match=r"p.jsonl:2: .*exactly one of"):
         load_prompts(f)

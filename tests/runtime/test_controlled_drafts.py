@@ -14,6 +14,8 @@ from scipy.stats import chisquare
 from specedge.runtime.drafters import ModelDrafter, PromptLookupDrafter
 from specedge.runtime.sampling import SamplingParams, residual, sample, verify_sampled
 
+pytestmark = pytest.mark.fast  # torch-free: make test-fast
+
 K, V, N = 4, 6, 30_000
 
 

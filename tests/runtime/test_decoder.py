@@ -10,7 +10,13 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from specedge.runtime import (
-    BundleError, ContextLengthError, OptionError, PromptError, SamplingParams, SamplingParamsError, SpecDecoder,
+    BundleError,
+    ContextLengthError,
+    OptionError,
+    PromptError,
+    SamplingParams,
+    SamplingParamsError,
+    SpecDecoder,
 )
 from specedge.runtime.drafters import feed
 
@@ -75,7 +81,8 @@ def test_max_new_and_eos_at_round_boundaries(decoders, bundle, drafter):
 def test_a_seed_fixes_the_text_whatever_the_drafter(decoders, bundle):
     """Position-keyed sampling: plain, every drafter, every k and repeated auto requests give one text."""
     dec = decoders[bundle]
-    drafters = ["prompt-lookup", "auto", "hybrid", "model"] if dec.draft_runner is not None else ["prompt-lookup", "auto"]
+    drafters = (["prompt-lookup", "auto", "hybrid", "model"] if dec.draft_runner is not None
+                else ["prompt-lookup", "auto"])
     for temperature, top_p in ((0.8, 1.0), (1.2, 0.9)):
         params = SamplingParams(max_new_tokens=32, temperature=temperature, top_p=top_p, seed=7, ignore_eos=True)
         plain = dec.generate(PROMPTS[0], params, drafter="none").token_ids
@@ -273,7 +280,7 @@ def test_lookup_drafts_need_a_two_token_match_while_the_free_guess_takes_any(dec
     """A one-token match is a weak guess: as a multi-token draft it widens the verify step for little (measured:
     fixed-k lookup on Qwen at 0.73-0.88x plain with 1-gram drafts, 0.95-1.05x without; docs/benchmarks.md), but
     as the free guess in the width-2 step that runs anyway it costs nothing."""
-    from specedge.runtime.drafters import DEFAULT_NGRAM_MIN
+    from specedge.runtime.manifest import DEFAULT_NGRAM_MIN
 
     assert DEFAULT_NGRAM_MIN == 2
     for dec in (decoders["model"], decoders["lookup"]):

@@ -53,8 +53,8 @@ def test_inplace_generation_equals_portable_and_speculation_is_exact(mode_decode
         near_ties += greedy_mismatch(port, prompt, plain, port.generate(prompt, params, drafter="none").token_ids)
         for drafter in ("model", "prompt-lookup"):
             for k in (1, 2, 4):
-                near_ties += greedy_mismatch(inpl, prompt, inpl.generate(prompt, params, drafter=drafter, k=k).token_ids,
-                                             plain)
+                near_ties += greedy_mismatch(inpl, prompt,
+                                             inpl.generate(prompt, params, drafter=drafter, k=k).token_ids, plain)
     assert near_ties <= 1
 
 

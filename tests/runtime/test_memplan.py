@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from specedge.export import cli as export_cli
 from specedge.runtime import memplan
 from specedge.runtime.manifest import read_manifest
-from specedge.runtime.memplan import GiB, Board, plan_for_manifest
+from specedge.runtime.memplan import Board, GiB, plan_for_manifest
 
 
 def test_weight_count_matches_the_exported_fp32_graph(bundles):
@@ -29,7 +29,8 @@ def test_verdicts_follow_the_board(bundles):
     big = plan_for_manifest(m, "trt", "fp16", board=Board("big", 64, True, 2))
     assert big.verdict()[0] == "fits" and big.process >= memplan.CUDA_CONTEXT_BYTES
     total = big.total / GiB
-    assert plan_for_manifest(m, "trt", "fp16", board=Board("small", total * 0.9, True, 0)).verdict()[0] == "does not fit"
+    assert (plan_for_manifest(m, "trt", "fp16", board=Board("small", total * 0.9, True, 0)).verdict()[0]
+            == "does not fit")
     assert plan_for_manifest(m, "trt", "fp16", board=Board("tight", total * 1.1, True, 0)).verdict()[0] == "tight"
     # fp16 engines halve the linear weights of the fp32 export; the CPU plan has no CUDA context
     cpu = plan_for_manifest(m, "ort-cpu")

@@ -154,7 +154,8 @@ def test_nan_propagates_tiny_blocks_count_as_zero_and_the_rounding_mode_does_not
     clean[:, 7] = 3.0  # an exact maximum: a * (127 / max) lands on 127 (and past it when rounding upward)
     want = {isa: kernel.gemm(clean, b, s, z, n_pad, k_pad, 128, 4, isa) for isa in kernel.isas()}
     # FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO: glibc's values on x86 (the MXCSR/x87 bits) and on Arm (FPCR's RMode)
-    modes = (0x400000, 0x800000, 0xC00000) if platform.machine().lower() in ("aarch64", "arm64") else (0x800, 0x400, 0xC00)
+    modes = ((0x400000, 0x800000, 0xC00000) if platform.machine().lower() in ("aarch64", "arm64")
+             else (0x800, 0x400, 0xC00))
     for mode in modes:
         assert libm.fesetround(mode) == 0
         try:
@@ -275,8 +276,8 @@ def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_
     np.testing.assert_array_equal(w.reshape(n, -1).astype(np.float32), ref_w)  # exact products, one rounding
     a = rng.standard_normal((3, p.k)).astype(np.float32)
     a[1] *= 300.0
-    ref = _reference_sb(a, q, tiles(sc), None if mn is None else tiles(mn), tiles(d), None if mn is None else tiles(dmin),
-                        block, zp)
+    ref = _reference_sb(a, q, tiles(sc), None if mn is None else tiles(mn), tiles(d),
+                        None if mn is None else tiles(dmin), block, zp)
     assert np.abs(ref - a @ w.reshape(n, -1).T).max() < 0.02 * np.abs(a @ w.reshape(n, -1).T).max()
     for isa in kernel.isas():
         y = kernel.gemm_sb(a, b, sc, d, mn, dmin, n_pad, p.k, block, bits, 256, zp, isa)
@@ -411,7 +412,8 @@ def test_the_fused_bias_and_residual_give_the_bits_of_separate_add_nodes():
     for with_bias in (True, False):
         bb = bias if with_bias else None
         fused = _session(_fused_model(b, s, z, 256, n_pad, 4, 128, bb, n_pad)).run(None, {"x": x, "r": r})[0]
-        apart = _session(_fused_model(b, s, z, 256, n_pad, 4, 128, bb, n_pad, fused=False)).run(None, {"x": x, "r": r})[0]
+        apart = _session(_fused_model(b, s, z, 256, n_pad, 4, 128, bb, n_pad,
+                                      fused=False)).run(None, {"x": x, "r": r})[0]
         assert np.array_equal(fused, apart), with_bias
     only_bias = _session(_fused_model(b, s, z, 256, n_pad, 4, 128, bias)).run(None, {"x": x})[0]
     plain = _session(_model(b, s, z, 256, n_pad, 4, 128)).run(None, {"x": x})[0]
@@ -646,14 +648,14 @@ def test_the_memory_bench_builds_against_the_kernel_and_runs(tmp_path):
     header and runs: a tool the benchmarks page quotes must not rot."""
     from pathlib import Path
 
-    from specedge.runtime.kernels import compiler, _march
+    from specedge.runtime.kernels import _march, compiler
 
     root = Path(__file__).resolve().parents[2]
     exe = tmp_path / "membench"
     csrc = root / "runtime" / "csrc"
     subprocess.run([*compiler(), "-O3", _march(), "-std=c11", "-D_GNU_SOURCE", "-pthread", "-I", str(csrc),
-                    str(root / "tools" / "dev" / "kernel_membench.c"), str(csrc / "sek_gemm.c"), str(csrc / "sek_gemm_neon.c"),
-                    "-o", str(exe), "-lm"],
+                    str(root / "tools" / "dev" / "kernel_membench.c"), str(csrc / "sek_gemm.c"),
+                    str(csrc / "sek_gemm_neon.c"), "-o", str(exe), "-lm"],
                    check=True, capture_output=True)
     for bits in ("4", "6"):
         out = subprocess.run([str(exe), "1600", bits, "2", "3", "1"], check=True, capture_output=True, text=True).stdout
@@ -670,8 +672,8 @@ def _isa_check(cc: list[str], flags: list[str], exe, runner: list[str] = ()) -> 
     root = Path(__file__).resolve().parents[2]
     csrc = root / "runtime" / "csrc"
     sources = [root / "tools" / "dev" / "sek_isa_check.c", csrc / "sek_gemm.c", csrc / "sek_gemm_neon.c"]
-    subprocess.run([*cc, "-O2", *flags, "-std=c11", "-D_GNU_SOURCE", "-I", str(csrc), *map(str, sources), "-o", str(exe),
-                    "-lm"], check=True, capture_output=True)
+    subprocess.run([*cc, "-O2", *flags, "-std=c11", "-D_GNU_SOURCE", "-I", str(csrc), *map(str, sources), "-o",
+                    str(exe), "-lm"], check=True, capture_output=True)
     r = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), r.stdout + r.stderr
     lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.startswith(("isas ", "digest ")))
@@ -682,7 +684,7 @@ def test_every_isa_path_of_this_cpu_equals_the_c_reference_in_every_weight_forma
     """tools/dev/sek_isa_check.c on this CPU: every path this build has, at 1..12 rows, bitwise the portable reference
     (one- and two-level scales, 4/6/8-bit, zero points as bytes and as fp32 products, a partial last block, extreme
     activation blocks), and every row the same alone as among the others."""
-    from specedge.runtime.kernels import compiler, _march
+    from specedge.runtime.kernels import _march, compiler
 
     isas, digest = _isa_check(compiler(), [_march()], tmp_path / "isa_check")
     assert "scalar" in isas.split() and len(digest) == 16
@@ -703,7 +705,7 @@ def test_the_avx_vnni_path_computes_the_same_bits_as_this_cpu(tmp_path):
     whole kernel library builds for it without warnings."""
     from pathlib import Path
 
-    from specedge.runtime.kernels import CFLAGS, SOURCES, compiler, _march
+    from specedge.runtime.kernels import CFLAGS, SOURCES, _march, compiler
 
     probe = subprocess.run([*compiler(), "-march=alderlake", "-E", "-x", "c", "-"], input="", capture_output=True,
                            text=True)
@@ -732,7 +734,7 @@ def test_the_arm_neon_path_computes_the_same_bits_as_this_cpu(tmp_path, march):
     the reference's outputs there are bitwise this CPU's. The whole kernel library builds for Arm too."""
     from pathlib import Path
 
-    from specedge.runtime.kernels import CFLAGS, SOURCES, compiler, _march
+    from specedge.runtime.kernels import CFLAGS, SOURCES, _march, compiler
 
     _, here = _isa_check(compiler(), [_march()], tmp_path / "isa_check")
     isas, there = _isa_check(["aarch64-linux-gnu-gcc"], ["-static", f"-march={march}"], tmp_path / "isa_check_arm",

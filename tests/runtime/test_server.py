@@ -168,11 +168,13 @@ def test_a_disconnect_frees_the_server_and_overload_is_503(bundles):
         codes = sorted(r[0] for r in results)
         assert codes.count(200) >= 1 and 503 in codes and set(codes) <= {200, 503}
         busy = next(r for r in results if r[0] == 503)
-        assert busy[1]["error"]["code"] == "overloaded" and {k.lower(): v for k, v in busy[2].items()}["retry-after"] == "1"
+        assert (busy[1]["error"]["code"] == "overloaded"
+                and {k.lower(): v for k, v in busy[2].items()}["retry-after"] == "1")
         texts = {r[1]["choices"][0]["text"] for r in results if r[0] == 200}
         assert len(texts) == 1  # every served request got the same (correct) text
         metrics = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
-        assert "specedge_requests_rejected_total" in metrics and "specedge_time_to_first_token_seconds_bucket" in metrics
+        assert ("specedge_requests_rejected_total" in metrics
+                and "specedge_time_to_first_token_seconds_bucket" in metrics)
     finally:
         s.close()
 

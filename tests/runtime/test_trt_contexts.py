@@ -21,6 +21,8 @@ from specedge.runtime.backends.trt import SharedScratch, TrtRunner
 from specedge.runtime.errors import BundleError, SpecEdgeError
 from specedge.runtime.manifest import EngineSet, ModelDims, ModelEntry, Width, io_spec, width_shapes
 
+pytestmark = pytest.mark.fast  # torch-free: make test-fast
+
 S_MAX = 64
 STREAM = 0x5EED
 WIDTHS = {"target": (Width("decode", 1, 1), Width("verify", 2, 2), Width("verify", 5, 5), Width("prefill", 8, 1)),

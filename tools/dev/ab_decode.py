@@ -3,7 +3,8 @@
 
     python tools/dev/ab_decode.py BUNDLE_A BUNDLE_B [--spec model:4,auto:8] [--suite code,chat,...] [--per-suite 2]
                               [--rounds 2] [--max-new-tokens 96]
-    python tools/dev/ab_decode.py BUNDLE --lib LIB_A --lib LIB_B [...]      # two builds of runtime/csrc (A: old, B: new)
+    python tools/dev/ab_decode.py BUNDLE --lib LIB_A --lib LIB_B [...]      # two builds of runtime/csrc
+                                                                             # (A: old, B: new)
 
 A shared VM's speed drifts by tens of percent within minutes, so two decoders timed in blocks minutes apart say
 when each ran, not which is faster. Here both are loaded once, and every prompt runs on A and on B back to back, the

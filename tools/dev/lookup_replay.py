@@ -40,16 +40,22 @@ import argparse
 import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
 
 import numpy as np
 
 from specedge.runtime.adaptive import AutoDrafter, CostModel
 from specedge.runtime.drafters import (
-    DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, EMPTY, Drafter, NoDrafter, PromptLookupDrafter, Proposal, feed_plan,
+    EMPTY,
+    Drafter,
+    NoDrafter,
+    PromptLookupDrafter,
+    Proposal,
+    feed_plan,
 )
+from specedge.runtime.manifest import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from specedge.runtime.sampling import SamplingParams, top1_probability
 
 PARAMS = SamplingParams(max_new_tokens=1 << 30)
@@ -143,8 +149,8 @@ def accepted(draft: np.ndarray, future: list[int]) -> int:
 
 def replay(make: Callable[[CostModel], Drafter], seq: list[int], n_prompt: int, steps: dict[int, float],
            k: int, ngram_max: int, costs: CostModel | None = None,
-           model: "ReplayModel | None" = None, max_new: int | None = None,
-           drift: "Drift | None" = None, target_conf: list[float] | None = None) -> tuple[float, int]:
+           model: ReplayModel | None = None, max_new: int | None = None,
+           drift: Drift | None = None, target_conf: list[float] | None = None) -> tuple[float, int]:
     """Seconds of steps and rounds to decode seq[n_prompt + 1:] (the prefill gave seq[n_prompt]) with the drafter,
     under the decoder's rules: an empty proposal runs a plain round — at width 2 with the free guess (the decoder's
     own guesser) in its second row where the target has no width-1 step, else a width-1 step; a round commits the

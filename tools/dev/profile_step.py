@@ -21,8 +21,6 @@ from collections import defaultdict
 from pathlib import Path
 
 
-
-
 def profile(bundle: Path, role: str, T: int, steps: int, past: int, threads: int | None) -> dict:
     import onnxruntime as ort
 

@@ -187,12 +187,11 @@ def fake_tensorrt(cp, kernels):
 
 def main() -> int:
     import cupy as cp
+    from gpu_check_cuda import Checks  # tools/ is on sys.path: run directly or through gpu_kit.py exec
 
     from specedge.runtime.backends import trt as trt_backend
     from specedge.runtime.backends.cuda_rt import CudaRuntime
     from specedge.runtime.manifest import EngineSet, ModelEntry
-
-    from gpu_check_cuda import Checks  # tools/ is on sys.path: run directly or through gpu_kit.py exec
 
     check = Checks()
 

@@ -4,7 +4,8 @@
                                                          # fp16 + int4 (MatMulNBits and qdq) graphs, goldens from
                                                          # ONNX Runtime CPU (~10 s)
     bash tools/gpu/gpu_check.sh .gpu-kit                     # GPU machine: every check below, report JSON, < 8 min
-    python tools/gpu/gpu_kit.py check .gpu-kit --report R.json [--dry-run] [--only SUBSTR,..] [--work DIR] [--budget-s S]
+    python tools/gpu/gpu_kit.py check .gpu-kit --report R.json [--dry-run] [--only SUBSTR,..] [--work DIR]
+                                                             [--budget-s S]
     python tools/gpu/gpu_kit.py spec-export ARGS | exec SCRIPT ARGS   # the CLI / a script, with the imports below
 
 `check` copies the kit's bundles to a work folder (the kit stays as prepared), runs the CPU checks (the kit's
@@ -131,7 +132,7 @@ def stub_onnx() -> str | None:
         def __init__(self, name: str):
             self._name = name
 
-        def __getattr__(self, attr: str) -> "Missing":
+        def __getattr__(self, attr: str) -> Missing:
             if attr.startswith("__"):
                 raise AttributeError(attr)
             return Missing(f"{self._name}.{attr}")
@@ -212,7 +213,8 @@ def cmd_trt_sizes(a: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: list[str]) -> int:
-    """Run a Python script (e.g. tools/gpu/gpu_check_cuda.py) with this checkout and the carried libraries importable."""
+    """Run a Python script (e.g. tools/gpu/gpu_check_cuda.py) with this checkout and the carried libraries
+    importable."""
     import runpy
 
     use_checkout()

@@ -13,15 +13,29 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
+from typing import Any
 
 import gpu_kit_goldens as gg
 import gpu_kit_trt as kt
-from gpu_kit_runs import (CONFIGS, Config, Skip, cuda_binding_plan, greedy, greedy_plan, nan_cache, nan_cache_plan,
-                          parity, parity_plan, runner_graphs_plan, script_check, validate, validate_plan)
+from gpu_kit_runs import (
+    CONFIGS,
+    Config,
+    Skip,
+    cuda_binding_plan,
+    greedy,
+    greedy_plan,
+    nan_cache,
+    nan_cache_plan,
+    parity,
+    parity_plan,
+    runner_graphs_plan,
+    script_check,
+    validate,
+    validate_plan,
+)
 
 TOOLS = Path(__file__).resolve().parent
 
@@ -40,7 +54,7 @@ class Ctx:
     results: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, kit: Path, work: Path, dry_run: bool, budget_s: float, libs: dict, specedge: str) -> "Ctx":
+    def create(cls, kit: Path, work: Path, dry_run: bool, budget_s: float, libs: dict, specedge: str) -> Ctx:
         meta = json.loads((kit / "kit.json").read_text())
         shutil.rmtree(work / "bundles", ignore_errors=True)
         shutil.copytree(kit / "bundles", work / "bundles")  # builds write engines and manifests: not into the kit
@@ -195,6 +209,7 @@ def integrity(ctx: Ctx) -> dict:
     """Every kit file against kit.json (sha256, bytes); every bundle's manifest hashes; goldens recorded from
     these graphs at these widths."""
     from gpu_kit_prepare import sha256
+
     from specedge.runtime.manifest import read_manifest
 
     bad = []
@@ -260,7 +275,8 @@ def checks(ctx: Ctx) -> list[Check]:
     out += [Check(f"trt-parser/{b}", False, ("onnx",), lambda c, b=b: kt.parser_rules_plan(c, b),
                   lambda c, b=b: kt.parser_rules(c, b)) for b in qdq]  # TensorRT's input, checked on the CPU
     # GPU without TensorRT: the CUDA binding, ONNX Runtime CUDA
-    out.append(Check("cuda-binding", True, ("cupy",), cuda_binding_plan, lambda c: script_check(c, "gpu_check_cuda.py")))
+    out.append(Check("cuda-binding", True, ("cupy",), cuda_binding_plan,
+                     lambda c: script_check(c, "gpu_check_cuda.py")))
     out.append(Check("trt-runner-graphs", True, ("cupy",), runner_graphs_plan,
                      lambda c: script_check(c, "gpu_check_graphs.py")))
     for prec in (None, "fp16"):

@@ -21,10 +21,11 @@ entry. Nothing here needs a GPU; the backends are opened by the caller.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -36,12 +36,11 @@ import shutil
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
-
-import numpy as np
 
 import gpu_kit_goldens as gg
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT_VERSION = 1
@@ -130,8 +129,9 @@ def _models(root: Path, say: Callable[[str], None]) -> dict[str, Path]:
     (rows of a verify step committed, the rest rolled back) and not only rejections."""
     sys.path.insert(0, str(ROOT))
     try:
-        from tests.conftest import make_hf_model, make_tokenizer
         from transformers import AutoModelForCausalLM
+
+        from tests.conftest import make_hf_model, make_tokenizer
     except ImportError as e:
         raise SystemExit(f"prepare needs the test extras (torch + transformers + pytest) to make the tiny models: "
                          f"{e}; use the test venv (make test creates it)") from None

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any
 
 import gpu_kit_goldens as gg
+import numpy as np
 
 TOOLS = Path(__file__).resolve().parent
 LOGIT_SCALE = 5.0  # the kit models' logit magnitude: greedy near-tie bound = 2 x (rel x scale + atol)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections import Counter
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
