@@ -7,7 +7,7 @@
 
 __version__ = "0.2.0"
 
-from .decoder import GenerationResult, SpecDecoder, StreamEvent  # noqa: E402
+from .decoder import SpecDecoder  # noqa: E402
 from .errors import (  # noqa: E402
     BackendUnavailableError,
     BundleError,
@@ -21,6 +21,7 @@ from .errors import (  # noqa: E402
     VocabularyMismatchError,
 )
 from .manifest import Manifest, read_manifest  # noqa: E402
+from .request import GenerationResult, StreamEvent  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 from .stats import Stats  # noqa: E402
 

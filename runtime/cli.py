@@ -78,8 +78,8 @@ def main() -> None:
 def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k,
              seed, stop, stats, stats_json, sampler, threads, invariant, cuda_graphs) -> None:
     """Generate a completion of PROMPT with the speculative runtime over BUNDLE."""
-    from .adaptive import SPEC_MODES
     from .decoder import SpecDecoder
+    from .policy import SPEC_MODES
     from .sampling import SamplingParams
 
     for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character gets a replacement, not a crash

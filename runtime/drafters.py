@@ -10,7 +10,7 @@ output exact; a bad one is only slower.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -41,8 +41,30 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget all state (new request)."""
 
+    def wants_confidence(self) -> bool:
+        """Whether the decoder should pass this round's committed rows' top-1 probabilities (observe_confidence)."""
 
-class _Stateless:
+    def observe_confidence(self, top1: list[float]) -> None:
+        """The target's top-1 probability at each row the round commits (auto's prior for the draft)."""
+
+    def strategy_rounds(self) -> dict[str, int] | None:
+        """Rounds per strategy a request ran (auto and hybrid choose per round); None: every round was this one's."""
+
+
+class DrafterHooks:
+    """What a drafter that needs none of the optional hooks of :class:`Drafter` does with them."""
+
+    def wants_confidence(self) -> bool:
+        return False
+
+    def observe_confidence(self, top1: list[float]) -> None:
+        pass
+
+    def strategy_rounds(self) -> dict[str, int] | None:
+        return None
+
+
+class _Stateless(DrafterHooks):
     """Drafters that keep no state between rounds: commit and reset do nothing."""
 
     def commit(self, n_accepted: int) -> None:
@@ -106,7 +128,24 @@ class PromptLookupDrafter(_Stateless):
         return Proposal(np.array(t[start: start + k], dtype=np.int64), None)
 
 
-class ModelDrafter:
+@dataclass
+class DraftCache:
+    """A draft model's KV cache as the drafters that take turns on it see it: which drafter's rows it holds
+    (``owner``), the committed tokens those rows are for (``rows_for``: a new request's drafter adopts the leading
+    rows that agree with its own tokens), and the draft's measured step times (``clock``). One per draft runner,
+    made by the decoder; :meth:`forget` after anything else wrote the cache."""
+
+    runner: GraphRunner
+    owner: object | None = None
+    rows_for: np.ndarray | None = None
+    clock: StepClock = field(default_factory=lambda: StepClock())
+
+    def forget(self) -> None:
+        """No drafter's rows are in the cache any more (a cold request, or dummy rows written by a timing)."""
+        self.owner = self.rows_for = None
+
+
+class ModelDrafter(DrafterHooks):
     """A separate draft model with its own KV cache.
 
     Invariant between rounds: the draft cache holds rows for ``tokens[:rows]``, a prefix of
@@ -119,9 +158,10 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, runner: GraphRunner, target_vocab: int, prefill_chunk: int,
+    def __init__(self, cache: DraftCache, target_vocab: int, prefill_chunk: int,
                  head_ids: np.ndarray | None = None):
-        self.runner = runner
+        self.cache = cache
+        self.runner = cache.runner
         self.target_vocab = target_vocab
         self.prefill_chunk = prefill_chunk
         # a partial draft head (HeadRows.ids(): logits column j is token head_ids[j]); ids the target lacks dropped
@@ -132,10 +172,7 @@ class ModelDrafter:
         if self._keep is not None:
             self.head_ids = self.head_ids[self._keep]
         self.rows = 0
-        # the runner's measured step times, shared by every drafter on it: the catch-up takes its cheapest steps
-        self.clock = getattr(runner, "step_clock", None)
-        if self.clock is None:
-            self.clock = runner.step_clock = StepClock()
+        self.clock = cache.clock  # shared by every drafter on the cache: the catch-up takes its cheapest steps
         self.dropped: tuple[int, float] | None = None  # the draw the last proposal's keep() stopped at, if any
         self._base = 0  # committed tokens when the last proposal was made
         self._k = 0
@@ -192,7 +229,7 @@ class ModelDrafter:
             else:
                 feed(self.runner, tokens[self.rows: n - 1], self.rows, self.prefill_chunk, self.clock)
             self.rows = n - 1
-        self.runner.draft_rows_for = tokens[: n - 1]  # committed tokens: never rewritten, so a view will do
+        self.cache.rows_for = tokens[: n - 1]  # committed tokens: never rewritten, so a view will do
         self.time_catch_up += time.perf_counter() - t0
         self._base, self._k = n, k
         self.confidences: list[float] = []
@@ -250,17 +287,17 @@ class ModelDrafter:
     def _adopt(self, tokens: np.ndarray) -> None:
         """Take over the draft cache: if another drafter (an earlier request, or another stream) used it last, keep
         only the rows that agree with these tokens — a chat turn's draft then catches up on its new tokens only."""
-        if getattr(self.runner, "draft_owner", None) is self:
+        if self.cache.owner is self:
             return
         self.rows = self._adoptable(tokens)
-        self.runner.draft_owner = self
+        self.cache.owner = self
 
     def _adoptable(self, tokens: np.ndarray) -> int:
         """The draft cache's rows this drafter can use for these tokens: its own, or, where another drafter used the
         cache last, the leading rows that agree with them."""
-        if getattr(self.runner, "draft_owner", None) is self:
+        if self.cache.owner is self:
             return self.rows
-        prev = getattr(self.runner, "draft_rows_for", None)
+        prev = self.cache.rows_for
         if prev is None:
             return 0
         m = min(len(prev), len(tokens) - 1)

@@ -191,6 +191,18 @@ def verify_keyed(p_target: np.ndarray, draft_tokens: np.ndarray, seed: int, posi
     raise AssertionError("unreachable")
 
 
+def verify_round(logits: np.ndarray, draft_tokens: np.ndarray, q_draft: np.ndarray | None, params: SamplingParams,
+                 rng: np.random.Generator, position: int) -> tuple[int, int]:
+    """A verify step's rows logits [n+1, V] (row i at sequence ``position`` + i) against the draft: (accepted,
+    next token) by the rule ``params`` asks for: greedy, keyed, or classic rejection sampling."""
+    if params.greedy:
+        return verify_greedy(logits, draft_tokens)
+    p_target = process_logits(logits, params.temperature, params.top_k, params.top_p)
+    if params.sampler == "keyed":
+        return verify_keyed(p_target, draft_tokens, params.seed, position)
+    return verify_sampled(p_target, q_draft, draft_tokens, rng)
+
+
 def top1_probability(logits: np.ndarray) -> list[float]:
     """The softmax's largest probability in each row of logits [n, V] (the model's own, at temperature 1): how
     sure it is of its next token."""

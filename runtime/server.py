@@ -24,7 +24,9 @@ from typing import Any
 
 from .decoder import SpecDecoder
 from .errors import ContextLengthError, PromptError, SamplingParamsError, SpecEdgeError
+from .factory import DRAFTER_ALIASES
 from .metrics import Metrics
+from .request import check_fits
 from .sampling import SamplingParams
 
 DRAFTERS = ("auto", "hybrid", "model", "prompt-lookup", "lookup", "none", "off")
@@ -242,7 +244,7 @@ class Server:
             m = self.dec.manifest
             prompt, params, drafter, k = parse_request(body, chat, m.max_context, m.k)
             stream, include_usage = parse_streaming(body)
-            if self.dec.DRAFTER_ALIASES.get(drafter, drafter) == "model" and self.dec.draft_runner is None:
+            if DRAFTER_ALIASES.get(drafter, drafter) == "model" and self.dec.draft_runner is None:
                 raise ApiError(400, "this bundle has no draft model; use drafter 'auto', 'prompt-lookup' or 'none'",
                                param="speculation.drafter")
             try:  # tokenize and check the context here (off the event loop), so the error is the client's and
@@ -287,7 +289,7 @@ class Server:
 
     def _prompt_tokens(self, prompt: Any, params: SamplingParams) -> int:
         n = len(self.dec.encode_prompt(prompt))
-        self.dec._check_fits(n, params)
+        check_fits(self.dec.manifest, n, params)
         return n
 
     # --------------------------------------------------------------- responses

@@ -88,6 +88,19 @@ class TextCodec:
                 ids = [self.info.bos_id] + ids
         return ids
 
+    def encode_prompt(self, prompt: str | Sequence[dict[str, Any]], chat: bool | None = None) -> list[int]:
+        """A prompt as text (through the chat template as a user message where ``chat``) or chat messages."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise PromptError("the prompt is empty")
+            check_text(prompt, "the prompt")
+            if chat:
+                return self.encode_chat([{"role": "user", "content": prompt}])
+            return self.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise PromptError(f"a prompt is a string or a list of chat messages, got {type(prompt).__name__}")
+        return self.encode_chat(prompt)
+
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Render the chat template and encode it, with special tokens parsed only in the template's own markup:
         each message's content is encoded as plain text (see ``_tok_text``)."""

@@ -116,6 +116,35 @@ def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, t
                      threads=threads, engines=engines, providers=providers, accuracy_level=accuracy_level)
 
 
+def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: int | None = None,
+                 precision: str | None = None, cuda_graphs: bool = True
+                 ) -> tuple[GraphRunner, GraphRunner | None, dict]:
+    """A bundle's target runner, its draft runner (None without a draft model) and what they share (close it with
+    :func:`close_shared` after both runners). A failure frees whatever had opened."""
+    shared: dict = {}
+    target = draft = None
+    try:
+        target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
+                             cuda_graphs=cuda_graphs)
+        draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared,
+                             cuda_graphs=cuda_graphs) if manifest.draft else None)
+    except BaseException:  # device memory is not left to the garbage collector
+        for runner in (draft, target):
+            if runner is not None:
+                runner.close()
+        close_shared(shared)
+        raise
+    return target, draft, shared
+
+
+def close_shared(shared: dict) -> None:
+    """Free what the runners of one bundle share (TensorRT: the scratch and the stream both runners used)."""
+    if "scratch" in shared:
+        shared["scratch"].close()
+        shared["cuda"].stream_destroy(shared["stream"])
+    shared.clear()
+
+
 def trt_ep_options(bundle_dir: Path, manifest: Manifest, role: str) -> dict[str, object]:
     """ONNX Runtime TensorRT execution provider options: engine and timing caches inside the bundle, and ONE
     optimization profile spanning every declared width (min: the narrowest T and L, max: the widest, opt: the

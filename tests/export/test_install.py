@@ -71,7 +71,11 @@ def test_bundle_with_foreign_files_is_refused_and_kept(tmp_path, tiny_llama):
 def test_empty_directory_is_filled(tmp_path, tiny_llama):
     (tmp_path / "empty").mkdir()
     out = export_bundle(tiny_llama, "prompt-lookup", tmp_path / "empty", OPTS).out
-    read_manifest(out, verify="sha256")
+    assert out == tmp_path / "empty"
+    m = read_manifest(out, verify="sha256")  # raises unless every file is there with its hash
+    assert m.drafter == "prompt-lookup" and {"manifest.json", m.target.graph, m.target.weights} <= {
+        p.name for p in out.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name != "empty"]  # no workspace left beside it
 
 
 def _complete_bundle_id(out: Path) -> str:

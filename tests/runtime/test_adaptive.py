@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 
 from specedge.runtime import SamplingParams
-from specedge.runtime.adaptive import (
+from specedge.runtime.adaptive import AutoDrafter
+from specedge.runtime.drafters import NoDrafter, PromptLookupDrafter, Proposal
+from specedge.runtime.policy import (
     Acceptance,
-    AutoDrafter,
     ConfidenceGate,
     CostModel,
     TargetSplit,
     decide,
     expected_tokens_per_round,
 )
-from specedge.runtime.drafters import NoDrafter, PromptLookupDrafter, Proposal
 
 pytestmark = pytest.mark.fast  # torch-free: make test-fast
 
@@ -454,7 +454,7 @@ def test_catching_the_draft_up_on_a_prompt_needs_a_wider_margin(behind):
     where it would first catch up on it (PROMPT_MARGIN): that is an investment made before the request has shown
     whether lookup will serve it (the first edit after code prompts paid it in its first round, lookup then running
     at twice the model's rate)."""
-    from specedge.runtime.adaptive import MODEL_MARGIN, PROMPT_MARGIN
+    from specedge.runtime.policy import MODEL_MARGIN, PROMPT_MARGIN
 
     assert MODEL_MARGIN < 1.07 < PROMPT_MARGIN
     c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.011})
@@ -475,7 +475,7 @@ def test_catching_the_draft_up_on_a_prompt_needs_a_wider_margin(behind):
 def test_a_probe_that_would_catch_the_draft_up_on_the_prompt_needs_the_wider_margin_too(behind):
     """The same for a re-probe, priced at its optimistic acceptance: at MODEL_MARGIN, short chat answers pay a
     ~150 ms prompt catch-up for a probe near their end and run slower than plain."""
-    from specedge.runtime.adaptive import MODEL_MARGIN, PROMPT_MARGIN
+    from specedge.runtime.policy import MODEL_MARGIN, PROMPT_MARGIN
 
     c = CostModel({1: 0.033, 2: 0.034, 3: 0.036, 5: 0.041, 9: 0.062}, 0.011, draft_widths={1: 0.011, 64: 0.011})
     c.model_tried, c.model_acceptance = True, Acceptance(successes=30, failures=70)  # no round pays: plain

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from specedge.runtime.drafters import ModelDrafter, PromptLookupDrafter
+from specedge.runtime.drafters import DraftCache, ModelDrafter, PromptLookupDrafter
 from specedge.runtime.sampling import SamplingParams, residual, sample, verify_sampled
 
 pytestmark = pytest.mark.fast  # torch-free: make test-fast
@@ -109,7 +109,7 @@ def test_model_drafter_rolls_its_cache_back_and_returns_q():
         def step(self, tokens, past_len, all_logits):  # noqa: ANN001
             return np.tile(np.linspace(0, 1, V), (len(tokens) if all_logits else 1, 1))
 
-    d = ModelDrafter(FakeRunner(), V, prefill_chunk=8)
+    d = ModelDrafter(DraftCache(FakeRunner()), V, prefill_chunk=8)
     params = SamplingParams(temperature=1.0, seed=3)
     tokens = np.arange(10) % V
     for m in range(0, 5):
@@ -177,15 +177,15 @@ def test_a_new_model_drafter_keeps_the_draft_rows_that_agree():
             FakeRunner.fed += len(tokens)
             return np.zeros((len(tokens) if all_logits else 1, V))
 
-    runner = FakeRunner()
-    first = ModelDrafter(runner, V, prefill_chunk=8)
+    cache = DraftCache(FakeRunner())  # one cache, three drafters in turn
+    first = ModelDrafter(cache, V, prefill_chunk=8)
     a = np.arange(12) % V
     first.propose(a, 2, SamplingParams(), np.random.default_rng(0))
-    second = ModelDrafter(runner, V, prefill_chunk=8)  # the next request, whose prompt extends the first's tokens
+    second = ModelDrafter(cache, V, prefill_chunk=8)  # the next request, whose prompt extends the first's tokens
     b = np.concatenate([a, [1, 2, 3]])
     second._adopt(b)
     assert second.rows == len(a) - 1
-    third = ModelDrafter(runner, V, prefill_chunk=8)
+    third = ModelDrafter(cache, V, prefill_chunk=8)
     c = b.copy()
     c[4] = (c[4] + 1) % V  # differs at position 4
     third._adopt(c)
@@ -205,7 +205,7 @@ def test_a_partial_draft_head_proposes_token_ids_and_keeps_the_target_distributi
         def step(self, tokens, past_len, all_logits):  # noqa: ANN001
             return np.tile(np.array([0.0, 1.0, 3.0, 9.0]), (len(tokens) if all_logits else 1, 1))
 
-    d = ModelDrafter(FakeRunner(), V, prefill_chunk=8, head_ids=head_ids)
+    d = ModelDrafter(DraftCache(FakeRunner()), V, prefill_chunk=8, head_ids=head_ids)
     tokens = np.arange(10) % V
     assert d.propose(tokens, 2, SamplingParams(), np.random.default_rng(0)).tokens.tolist() == [5, 5]
     d.reset()

@@ -314,8 +314,8 @@ def test_feed_runs_its_plan_and_the_draft_prices_its_catch_up_by_it(decoders, n)
         ids = np.arange(3, 3 + n, dtype=np.int64)
         feed(runner, ids, 0, P)
         assert ran == feed_plan(runner, n, 0, P) and sum(t for t, _ in ran) == n
-        runner.draft_owner = runner.draft_rows_for = None  # no rows to adopt
-        drafter = ModelDrafter(runner, dec.manifest.target.dims.vocab, P)
+        dec.draft_cache.forget()  # no rows to adopt
+        drafter = ModelDrafter(dec.draft_cache, dec.manifest.target.dims.vocab, P)
         tokens = np.arange(3, 3 + n + 1, dtype=np.int64)
         planned = drafter.catchup_plan(n + 1, tokens)  # behind by n committed tokens; priced by the draft's clock
         ran.clear()
@@ -361,10 +361,10 @@ def test_the_drafts_catch_up_counts_the_rows_it_will_adopt(decoders):
     dec = decoders["model"]
     P, V = dec.manifest.prefill_chunk, dec.manifest.target.dims.vocab
     params = SamplingParams(max_new_tokens=8)
-    first = ModelDrafter(dec.draft_runner, V, P)
+    first = ModelDrafter(dec.draft_cache, V, P)
     tokens = np.arange(3, 40, dtype=np.int64)
     first.propose(tokens, 2, params, None)  # the cache now holds rows for tokens[:-1] (and a draft row)
-    second = ModelDrafter(dec.draft_runner, V, P)
+    second = ModelDrafter(dec.draft_cache, V, P)
     longer = np.concatenate([tokens, np.arange(50, 55, dtype=np.int64)])
     # the plans carry the first draw's token (longer[-1]) too
     assert sum(second.catchup_plan(len(longer), longer)) == 6  # tokens[-1] and four new ones; the rest adopted
@@ -386,7 +386,7 @@ def test_the_draft_reports_the_draw_its_gate_dropped(decoders):
     params = SamplingParams(max_new_tokens=8)
 
     def fresh():
-        return ModelDrafter(dec.draft_runner, dec.manifest.target.dims.vocab, dec.manifest.prefill_chunk)
+        return ModelDrafter(dec.draft_cache, dec.manifest.target.dims.vocab, dec.manifest.prefill_chunk)
 
     full = fresh().propose(tokens, 4, params, None)
     asked: list[float] = []
@@ -420,16 +420,16 @@ def test_the_draw_that_rides_with_the_catch_up_is_the_one_a_single_step_gives(de
     from specedge.runtime.drafters import ModelDrafter
 
     dec = decoders["model"]
-    runner, P, V = dec.draft_runner, dec.manifest.prefill_chunk, dec.manifest.target.dims.vocab
+    P, V = dec.manifest.prefill_chunk, dec.manifest.target.dims.vocab
     params = SamplingParams(max_new_tokens=8)
     rng = np.random.default_rng(5)
     for n in (2, 3, 6, 13, 30):
         tokens = rng.integers(3, V, n).astype(np.int64)
-        runner.draft_owner = runner.draft_rows_for = None
-        fused = ModelDrafter(runner, V, P)
+        dec.draft_cache.forget()
+        fused = ModelDrafter(dec.draft_cache, V, P)
         got = fused.propose(tokens, 4, params, None).tokens.tolist()
-        runner.draft_owner = runner.draft_rows_for = None
-        apart = ModelDrafter(runner, V, P)
+        dec.draft_cache.forget()
+        apart = ModelDrafter(dec.draft_cache, V, P)
         apart.propose(tokens, 0, params, None)  # k = 0: catches up on tokens[:-1] only
         assert apart.rows == n - 1
         assert apart.propose(tokens, 4, params, None).tokens.tolist() == got, n
@@ -442,41 +442,41 @@ def test_step_costs_are_kept_between_processes(bundles, tmp_path, monkeypatch):
     import json as _json
     import time as _time
 
-    from specedge.runtime import decoder as D
+    from specedge.runtime import step_costs as D
 
     monkeypatch.setenv("SPECEDGE_COST_CACHE", str(tmp_path / "costs"))
     first = SpecDecoder.load(bundles["model"])
     said = []
     costs = first.cost_model(say=said.append)
-    path = first._cost_cache_file()
+    path = first.cost_cache_file()
     assert said and path is not None and path.is_file()
     second = SpecDecoder.load(bundles["model"])
-    assert second._cost_cache_file() == path
+    assert second.cost_cache_file() == path
     monkeypatch.setattr(SpecDecoder, "time_steps", lambda *a, **kw: pytest.fail("timed again"))
     again = second.cost_model(say=said.append)
     assert len(said) == 1 and again.target == costs.target and again.draft_widths == costs.draft_widths
-    assert SpecDecoder.load(bundles["model"], threads=1)._cost_cache_file() != path  # other threads: another key
+    assert SpecDecoder.load(bundles["model"], threads=1).cost_cache_file() != path  # other threads: another key
     monkeypatch.undo()
     monkeypatch.setenv("SPECEDGE_COST_CACHE", str(tmp_path / "costs"))
     fresh = {"timing": D.STEP_TIMING, "measured_at": _time.time(), "steps": {"target": {"2": 0.01}}}
-    assert D._read_step_costs(path) is not None
+    assert D.read_step_costs(path) is not None
     for bad in ("{not json", _json.dumps({**fresh, "measured_at": _time.time() - 2 * D.COST_CACHE_MAX_AGE_S}),
                 _json.dumps({**fresh, "steps": {"target": {"2": -1}}}),
                 _json.dumps({**fresh, "timing": D.STEP_TIMING - 1}),  # timed the older way: its shape is suspect
                 _json.dumps({k: v for k, v in fresh.items() if k != "timing"})):
         path.write_text(bad)
-        assert D._read_step_costs(path) is None
+        assert D.read_step_costs(path) is None
         third = SpecDecoder.load(bundles["model"])
-        assert third.cost_model().target and D._read_step_costs(path) is not None  # timed and kept again
+        assert third.cost_model().target and D.read_step_costs(path) is not None  # timed and kept again
     monkeypatch.setenv("SPECEDGE_COST_CACHE", "off")
-    assert SpecDecoder.load(bundles["model"])._cost_cache_file() is None
+    assert SpecDecoder.load(bundles["model"]).cost_cache_file() is None
 
 
 def test_step_timing_takes_the_widths_in_turn_so_a_phase_moves_them_alike(decoders, monkeypatch):
     """``time_steps`` feeds auto's cost model its shape (one width against another). A shared machine that slows
     down halfway through the timing must not make the widths timed late look dearer: each pass takes every width,
     and each width's fastest is kept. (Timed one width after another, the later widths' times were all slow-phase.)"""
-    from specedge.runtime import decoder as D
+    from specedge.runtime import step_costs as D
 
     dec = decoders["model"]
     base = {T: 0.001 * T for T in (w.T for w in dec.target.entry.widths)}
@@ -544,7 +544,7 @@ def test_the_text_is_the_same_whatever_the_rounds_where_a_character_is_cut(decod
 def test_a_stop_string_completed_beside_half_a_character_ends_the_request_at_that_token(decoders):
     """A token that completes a stop string and also starts a multi-byte character (' \\xe6'): its text is held
     back until the character completes, but the stop string is already there, so the request ends at it."""
-    from specedge.runtime.decoder import _Request
+    from specedge.runtime.request import Request, commit
     from specedge.runtime.stats import Stats
     from specedge.runtime.text import IncrementalDetokenizer
 
@@ -556,11 +556,11 @@ def test_a_stop_string_completed_beside_half_a_character_ends_the_request_at_tha
     stop = "b" + tok.decode([held])[:-1]
     seq = ab + [held] + ab
     for rounds in ([[t] for t in seq], [seq]):  # plain: a token a round; speculative: one round
-        req = _Request(np.zeros(64, dtype=np.int64), 1, 1, SamplingParams(max_new_tokens=20, stop=(stop,)),
+        req = Request(np.zeros(64, dtype=np.int64), 1, 1, SamplingParams(max_new_tokens=20, stop=(stop,)),
                        np.random.default_rng(0), Stats(), IncrementalDetokenizer(dec.codec), stop_hold=len(stop) - 1)
         text = ""
         for r in rounds:
-            text += dec._commit(req, r).text
+            text += commit(req, dec.manifest.tokenizer.eos_ids, r).text
             if req.finish:
                 break
         assert req.finish == "stop" and req.tokens[1:req.n].tolist() == ab + [held] and text == "a", rounds

@@ -400,7 +400,9 @@ def test_cuda_graphs_flag_reaches_the_runner(monkeypatch, bundle):
 
     monkeypatch.setattr(decoder, "read_manifest", lambda *a, **kw: SimpleNamespace())
     monkeypatch.setattr(decoder, "resolve_backend", lambda name, m: "trt")
-    monkeypatch.setattr(decoder, "open_runner", fake_open)
+    import specedge.runtime.backends as backends
+
+    monkeypatch.setattr(backends, "open_runner", fake_open)  # what SpecDecoder.load's open_runners calls
     with pytest.raises(Stop):
         decoder.SpecDecoder.load(bundle[0], backend="trt", cuda_graphs=False)
     assert seen[-1] is False

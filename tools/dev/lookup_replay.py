@@ -46,7 +46,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from specedge.runtime.adaptive import AutoDrafter, CostModel
+from specedge.runtime.adaptive import AutoDrafter
 from specedge.runtime.drafters import (
     EMPTY,
     Drafter,
@@ -56,6 +56,7 @@ from specedge.runtime.drafters import (
     feed_plan,
 )
 from specedge.runtime.manifest import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+from specedge.runtime.policy import CostModel
 from specedge.runtime.sampling import SamplingParams, top1_probability
 
 PARAMS = SamplingParams(max_new_tokens=1 << 30)

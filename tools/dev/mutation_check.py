@@ -49,7 +49,7 @@ PLANTS = {
         "runtime/drafters.py", "t[np.maximum(before, 0)] == t[n_tok - n - 1 - d]",
         "t[np.maximum(before, 0)] == t[n_tok - n - d]"),
     "a stop string ends the output at once, empty": (
-        "runtime/decoder.py", 'stop_at, req.finish, out, req.text = min(hits), "stop", out[: j + 1], seen',
+        "runtime/request.py", 'stop_at, req.finish, out, req.text = min(hits), "stop", out[: j + 1], seen',
         'stop_at, req.finish, out, req.text = 0, "stop", out[: j + 1], seen'),
     # plants outside the runtime: (file, original, planted, the tests that must catch it)
     "integer GEMM: the row and channel scales multiplied first (ONNX Runtime fuses that into one scale for all rows)": (
@@ -186,8 +186,8 @@ PLANTS = {
         "runtime/adaptive.py", "target_split.record(confs[:n]", "target_split.record(confs",
         ["tests/runtime/test_adaptive.py"]),
     "the decoder computes the target's confidence in every round of a request": (
-        "runtime/decoder.py", "if not ids_only and wants is not None and wants():",
-        "if not ids_only and wants is not None:", ["tests/runtime/test_decoder.py"]),
+        "runtime/decoder.py", "if not ids_only and drafter.wants_confidence():",
+        "if not ids_only:", ["tests/runtime/test_decoder.py"]),
     "auto's lookup learns only from the rounds it ran": (
         "runtime/adaptive.py", "            self._learn_lookup(tokens, *self._shadow)\n", "",
         ["tests/runtime/test_adaptive.py"]),
@@ -200,14 +200,14 @@ PLANTS = {
         "runtime/drafters.py", "first = feed(self.runner, tokens[self.rows: n], self.rows",
         "first = feed(self.runner, tokens[self.rows: n - 1], self.rows"),
     "auto prices a catch-up with the first draw's step in it twice": (
-        "runtime/adaptive.py", "self._catchup_prediction(plan) - self.draft_time())",
+        "runtime/policy.py", "self._catchup_prediction(plan) - self.draft_time())",
         "self._catchup_prediction(plan))", ["tests/runtime/test_adaptive.py"]),
     "auto's step costs averaged per width alone (widths not run keep an old phase's speed)": (
-        "runtime/adaptive.py", "self.speed *= (seconds / (self.speed * self.target[w])) ** (1 - self.decay)",
+        "runtime/policy.py", "self.speed *= (seconds / (self.speed * self.target[w])) ** (1 - self.decay)",
         "self.target[w] *= (seconds / (self.speed * self.target[w])) ** (1 - self.decay)",
         ["tests/runtime/test_adaptive.py"]),
     "auto scores a copying request's gap by tokens per second again": (
-        "runtime/adaptive.py", 'if gap == float("inf") or rate <= 0:', "if True:", ["tests/runtime/test_adaptive.py"]),
+        "runtime/policy.py", 'if gap == float("inf") or rate <= 0:', "if True:", ["tests/runtime/test_adaptive.py"]),
     "auto measures a gap to the end of the round that closed it": (
         "runtime/adaptive.py", "if len(self.lookup.propose(tokens[:p], 1, params, rng).tokens)), n_tokens)",
         "if False), n_tokens)", ["tests/runtime/test_adaptive.py"]),
@@ -217,14 +217,14 @@ PLANTS = {
         "pace=pace,\n                   margin=MODEL_MARGIN)",
         ["tests/runtime/test_adaptive.py"]),
     "reuse_prefix=False leaves the draft's rows to be adopted": (
-        "runtime/decoder.py", "if not reuse_prefix and self.draft_runner is not None:", "if False:"),
+        "runtime/decoder.py", "if not reuse_prefix and self.draft_cache is not None:", "if False:"),
     "the replayed draft's catch-up costs nothing": (
         "tools/dev/lookup_replay.py", "        self.spent += catchup\n", "", ["tests/test_lookup_replay.py"]),
     "a kept step-cost entry of another timing is read": (
-        "runtime/decoder.py", 'if raw.get("timing") != STEP_TIMING or not', "if not",
+        "runtime/step_costs.py", 'if raw.get("timing") != STEP_TIMING or not', "if not",
         ["tests/runtime/test_decoder.py"]),
     "step timing keeps the fastest whatever is asked": (
-        "runtime/decoder.py", 'out[role] = {T: float(reduce(ts))', 'out[role] = {T: float(np.min(ts))',
+        "runtime/step_costs.py", "return {T: float(reduce(ts))", "return {T: float(np.min(ts))",
         ["tests/runtime/test_decoder.py"]),
     "re-timed traces keep their old step times": (
         "tools/dev/lookup_replay.py", '"steps": {str(T): s for T, s in timed["target"].items()',
