@@ -348,7 +348,7 @@ class AutoDrafter(DrafterHooks):
         kind, n = self._last
         if kind == "none":
             return
-        if kind == "model" and getattr(self.model, "last_was_stopper", False):
+        if kind == "model" and self.model.last_was_stopper:
             # the draw the gate stopped at rode along for free: the acceptance the next rounds are priced by is that
             # of the tokens the gate lets through (with the stopper's misses in it, auto drafted less where the draft
             # is good); its confidence bin learns from it below all the same

@@ -173,6 +173,7 @@ class ModelDrafter(DrafterHooks):
             self.head_ids = self.head_ids[self._keep]
         self.rows = 0
         self.clock = cache.clock  # shared by every drafter on the cache: the catch-up takes its cheapest steps
+        self.last_was_stopper = False  # whether the last proposed token is the draw keep() stopped at
         self.dropped: tuple[int, float] | None = None  # the draw the last proposal's keep() stopped at, if any
         self._base = 0  # committed tokens when the last proposal was made
         self._k = 0
@@ -358,7 +359,7 @@ def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int,
     """
     plan, i = [], 0
     all_widths = sorted(w.T for w in runner.entry.widths)
-    lowest = getattr(runner, "min_width", 1)
+    lowest = runner.min_width
     full = [w.T for w in runner.entry.widths if w.L == w.T and w.T >= lowest]
     final = [t for t in all_widths if t >= lowest] if last_any else full  # the widths the last token may ride in
     if cost is not None and final:
@@ -371,7 +372,7 @@ def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int,
         rem = n - i
         # a runner that writes its padding rows into the cache can only use widths that end inside S_max
         widths = [t for t in all_widths
-                  if not getattr(runner, "pads_into_cache", False) or past_len + i + t <= runner.max_context]
+                  if not runner.pads_into_cache or past_len + i + t <= runner.max_context]
         if full and rem <= max(full):  # the rest, last token included, in one all-logits width
             plan.append((rem, True))
             return plan
@@ -405,7 +406,7 @@ def _cheapest_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: in
         at = past_len + n - r
         options = []
         for w in all_widths:
-            if getattr(runner, "pads_into_cache", False) and at + w > runner.max_context:
+            if runner.pads_into_cache and at + w > runner.max_context:
                 continue
             c = cost(w)
             if c is None:

@@ -122,6 +122,8 @@ def test_acceptance_estimate_and_confidence_gate():
 class ScriptedModel:
     """Stands in for ModelDrafter: proposes k fixed tokens at a fixed confidence."""
 
+    last_was_stopper = False  # the last proposed token is never the draw a gate stopped at
+
     def __init__(self, confidence: float = 0.9):
         self.calls, self.rows, self.time_catch_up, self.confidence = 0, 0, 0.0, confidence
         self.dropped = None  # ModelDrafter's: the draw a gate stopped at (this one never names one)

@@ -337,7 +337,7 @@ def test_the_draft_catches_up_in_its_cheapest_steps_by_their_measured_times():
     from specedge.runtime.drafters import StepClock, feed_plan
 
     runner = SimpleNamespace(entry=SimpleNamespace(widths=[SimpleNamespace(T=1, L=1), SimpleNamespace(T=64, L=1)]),
-                             min_width=1, max_context=2048)
+                             min_width=1, max_context=2048, pads_into_cache=False)
     clock = StepClock()
     assert feed_plan(runner, 31, 24, 64, cost=clock.cost) == feed_plan(runner, 31, 24, 64)  # nothing measured yet
     assert feed_plan(runner, 31, 24, 64) == [(1, False)] * 30 + [(1, True)]  # the width-agnostic rule

@@ -246,7 +246,8 @@ class ReplayModel:
         self.draft_steps, self.chunk = draft_steps, chunk
         # the draft's widths, as feed_plan reads them off a runner (every row's logits at every width: a catch-up's
         # last token may ride in any of them)
-        self._runner = SimpleNamespace(entry=SimpleNamespace(widths=[SimpleNamespace(T=T, L=T) for T in draft_steps]))
+        self._runner = SimpleNamespace(entry=SimpleNamespace(widths=[SimpleNamespace(T=T, L=T) for T in draft_steps]),
+                                       min_width=1, pads_into_cache=False, max_context=1 << 30)
         self.rows, self._base, self._k = 0, 0, 0
         self.spent = self.time_catch_up = 0.0  # seconds at the measured step times
         self.felt = 0.0  # the same under ``drift`` (what the drafter observes): set by ``replay``
