@@ -21,7 +21,7 @@ import numpy as np
 from .backends import GraphRunner, close_shared, open_runners, resolve_backend
 from .drafters import DraftCache, Drafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import BundleError, OptionError
-from .factory import check_load_options, draft_length, make_drafter, warn_about_form, width1_exact
+from .factory import check_load_options, draft_length, make_drafter, plain_width, warn_about_form, width1_exact
 from .manifest import DEFAULT_NGRAM_MAX, Manifest, read_manifest
 from .policy import CostModel
 from .request import GenerationResult, Request, StreamEvent, check_fits, commit
@@ -53,7 +53,7 @@ class SpecDecoder:
         # carries a free one-token guess instead of running alone.
         self.invariant = invariant
         self.width1_exact = width1_exact(manifest)
-        target.min_width = 2 if invariant and not self.width1_exact else 1
+        assert target.min_width == plain_width(manifest, invariant), "open the target with plain_width's min_width"
         warn_about_form(bundle_dir, manifest, backend, invariant)
         p = manifest.drafter_params
         # the free guess takes any match, down to one token: it rides in a width-2 step that runs anyway
@@ -83,7 +83,8 @@ class SpecDecoder:
         bundle_dir = Path(bundle)
         manifest = read_manifest(bundle_dir, verify=verify)
         backend = resolve_backend(backend, manifest)
-        target, draft, shared = open_runners(backend, bundle_dir, manifest, threads, precision, cuda_graphs)
+        target, draft, shared = open_runners(backend, bundle_dir, manifest, threads, precision, cuda_graphs,
+                                             target_min_width=plain_width(manifest, invariant))
         try:
             dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer),
                       invariant)

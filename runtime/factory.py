@@ -68,9 +68,15 @@ def draft_length(k: object, K: int) -> int:
 
 def width1_exact(manifest: Manifest) -> bool:
     """specedge's own kernels (matrices and attention) compute a lone row exactly as inside a wider step: plain
-    decoding may run width 1 (no guess row) and stays bitwise the same. Elsewhere a width-1 step runs other kernels,
-    so invariant plain rounds run width 2 with a free one-token guess."""
+    decoding may run width 1 (no guess row) and stays bitwise the same."""
     return (manifest.target.quant or {}).get("attention") == SEK_ATTENTION
+
+
+def plain_width(manifest: Manifest, invariant: bool) -> int:
+    """The narrowest step the target runs: 1 where its kernels are exact at width 1 (or invariance is not asked
+    for); else 2, so that a plain round runs width 2 with a free one-token guess and every logits row is computed by
+    the kernels that compute it in a verify step."""
+    return 2 if invariant and not width1_exact(manifest) else 1
 
 
 def warn_about_form(bundle_dir: Path, manifest: Manifest, backend: str, invariant: bool) -> None:

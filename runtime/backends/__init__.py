@@ -29,10 +29,10 @@ class GraphRunner(Protocol):
     entry: ModelEntry
     max_context: int
     pads_into_cache: bool  # True: a step writes all T rows (padding too) at past_len, so past_len + T <= S_max
-    # Narrowest width a step may run in (fewer tokens are padded). The decoder sets 2 on the target: ONNX Runtime
-    # CPU computes a width-1 step with other kernels (GEMV; MatMulNBits' M=1 path) than any wider step, while
-    # rows of every width >= 2 are bitwise identical — so never running width 1 makes every logits row
-    # independent of how the step that computed it was batched.
+    # Narrowest width a step may run in (fewer tokens are padded), given when the runner opens. A decoder's target
+    # gets 2 unless its kernels are exact at width 1 (factory.plain_width): ONNX Runtime CPU computes a width-1 step
+    # with other kernels (GEMV; MatMulNBits' M=1 path) than any wider step, while rows of every width >= 2 are
+    # bitwise identical — so never running width 1 makes every logits row independent of how its step was batched.
     min_width: int
     has_argmax: bool  # the graph outputs next_ids (Manifest.device_argmax): step(ids_only=True) is available
 
@@ -93,7 +93,7 @@ def resolve_backend(name: str, manifest: Manifest) -> str:
 
 def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, threads: int | None = None,
                 precision: str | None = None, shared: dict | None = None, cuda_graphs: bool = True,
-                accuracy_level: int | None = None) -> GraphRunner:
+                accuracy_level: int | None = None, min_width: int = 1) -> GraphRunner:
     """One model's runner. precision: None/"fp32" runs the fp32 graph on ONNX Runtime; "fp16" runs the bundle's
     fp16 ONNX graphs (``spec-export build --backend onnx``); TensorRT runs the built engines (None: the only
     precision built). shared: per-decoder state the runners of one bundle share (TensorRT: stream, scratch).
@@ -104,7 +104,7 @@ def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, t
         from .trt import TrtRunner
 
         return TrtRunner(bundle_dir, manifest, role, manifest.engine_set("trt", precision), shared,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, min_width=min_width)
     from .ort import OrtRunner
 
     engines = manifest.engine_set("onnx", precision) if precision not in (None, "fp32") else None
@@ -113,19 +113,21 @@ def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, t
         providers = [("TensorrtExecutionProvider", trt_ep_options(bundle_dir, manifest, role)),
                      ("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
     return OrtRunner(bundle_dir, manifest, role, device="cpu" if backend == "ort-cpu" else "cuda",
-                     threads=threads, engines=engines, providers=providers, accuracy_level=accuracy_level)
+                     threads=threads, engines=engines, providers=providers, accuracy_level=accuracy_level,
+                     min_width=min_width)
 
 
 def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: int | None = None,
-                 precision: str | None = None, cuda_graphs: bool = True
+                 precision: str | None = None, cuda_graphs: bool = True, target_min_width: int = 1
                  ) -> tuple[GraphRunner, GraphRunner | None, dict]:
-    """A bundle's target runner, its draft runner (None without a draft model) and what they share (close it with
-    :func:`close_shared` after both runners). A failure frees whatever had opened."""
+    """A bundle's target runner (its steps at least ``target_min_width`` wide), its draft runner (None without a draft
+    model) and what they share (close it with :func:`close_shared` after both runners). A failure frees whatever had
+    opened."""
     shared: dict = {}
     target = draft = None
     try:
         target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
-                             cuda_graphs=cuda_graphs)
+                             cuda_graphs=cuda_graphs, min_width=target_min_width)
         draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared,
                              cuda_graphs=cuda_graphs) if manifest.draft else None)
     except BaseException:  # device memory is not left to the garbage collector

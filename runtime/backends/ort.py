@@ -123,7 +123,7 @@ class OrtRunner:
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, role: str, device: str = "cpu",
                  threads: int | None = None, engines: EngineSet | None = None, providers: list | None = None,
-                 accuracy_level: int | None = None):
+                 accuracy_level: int | None = None, min_width: int = 1):
         """engines: a reduced-precision ("onnx") engine set to run instead of the fp32 graph.
         providers: ONNX Runtime execution providers (default: CUDA for device "cuda", else CPU).
         accuracy_level: for --quant-form qdq graphs, the fused MatMulNBits' compute precision instead of the
@@ -141,7 +141,7 @@ class OrtRunner:
         self.max_context = manifest.max_context
         self.device = device
         self.pads_into_cache = manifest.kv_mode == "ort-inplace"  # a step writes all T rows at past_len
-        self.min_width = 1  # narrowest width a step may run in (the decoder sets 2: see GraphRunner)
+        self.min_width = min_width  # narrowest width a step runs in (GraphRunner.min_width)
         self.has_argmax = manifest.device_argmax
         d = self.entry.dims
         so = ort.SessionOptions()

@@ -274,7 +274,7 @@ class TrtRunner:
     pads_into_cache = False  # portable graphs: only the n real rows are copied into the cache
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, role: str, engines: EngineSet,
-                 shared: dict[str, Any] | None = None, cuda_graphs: bool = True):
+                 shared: dict[str, Any] | None = None, cuda_graphs: bool = True, min_width: int = 1):
         trt = import_tensorrt()
         shared = shared if shared is not None else {}
         if "cuda" not in shared:
@@ -286,7 +286,7 @@ class TrtRunner:
         self._scratch: SharedScratch = shared["scratch"]
         self.entry = manifest.models[role]
         self.max_context = manifest.max_context
-        self.min_width = 1  # the decoder sets 2 (see GraphRunner.min_width)
+        self.min_width = min_width  # narrowest width a step runs in (GraphRunner.min_width)
         bundle_dir = Path(bundle_dir)
         if (why := tensorrt_version_problem(trt.__version__)) is not None:
             raise BackendUnavailableError(why)
