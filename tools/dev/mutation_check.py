@@ -6,7 +6,7 @@ Each plant is an exact text replacement in one source file; the file is restored
 Prints caught/MISSED per plant; exit 1 if any plant survives. Run from the repository root with the test venv.
 Every plant's text must occur exactly once in its file, or the check stops before planting anything (``--check``
 does only that; the test suite runs it, so a plant cannot go stale unseen). ``--fast`` runs the plants whose tests
-take seconds (CI runs them); the whole list takes about an hour on 2 cores.
+take seconds (CI runs them); the whole list takes about 40 minutes on 2 cores.
 """
 
 from __future__ import annotations
