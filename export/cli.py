@@ -486,15 +486,14 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
     ex, bu, run = cfg.get("export", {}), cfg.get("build", {}), cfg.get("run", {})
     from .fetch import resolve_model
     from .loaders import load_source
-    from .profiles import default_verify_widths, kernels_buildable
+    from .profiles import auto_form, default_verify_widths, load_profile
     from .quant import WeightFormat
 
     k, chunk = int(ex.get("k", 4)), int(ex.get("prefill_chunk", 64))
     verify = tuple(ex.get("verify_widths", default_verify_widths(k)))
     form = ex.get("quant_form", "matmulnbits")
-    if form == "auto":  # as the export resolves it here (export/profiles.py)
-        form = "specedge" if run.get("backend", "ort-cpu") == "ort-cpu" and kernels_buildable() is None \
-            else "matmulnbits"
+    if form == "auto":  # as the export resolves it here
+        form = auto_form(weights or ex.get("weights", "fp32"), load_profile(what), lambda _: None)
     models = []
     for role in ("target", "draft"):
         name = ex.get(role)

@@ -13,8 +13,8 @@ cache, odd verify widths up to K and the file's own lm_head. Three rules follow 
   (``--weights int4``), never implied by a profile;
 * without a C compiler the 4-bit blocks go to ONNX Runtime's MatMulNBits (exact too, slower), and the export says so;
 * on a CPU profile the portable KV mode is refused: its attention sums a position's value into the cache part or
-  the new part depending on the step that fed it, so its rows differ by ~1e-6 between feeding patterns and greedy
-  speculation can differ from plain decoding at a near-tie (docs/exactness.md).
+  the new part depending on the step that fed it, so its rows differ by ~1e-6 between feeding patterns; greedy
+  speculation then differs from plain decoding at near-ties in fp32 and often in int8/int4 (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -113,17 +113,18 @@ def settle(values: dict[str, Any], given: set[str], profile: Profile, target: st
                 f"for it with --weights int8 or int4 (spec-export info then prints the error it added)")
         out["weights"] = "fp32"
     if out.get("quant_form") == "auto":
-        out["quant_form"] = _auto_form(out["weights"], profile, say)
+        out["quant_form"] = auto_form(out["weights"], profile, say)
     if profile.device == "cpu" and out["kv_mode"] == "portable":
         raise OptionError(
             f"--kv-mode portable is not bitwise exact on a CPU (--for {profile.name}): its attention sums a "
             "position's value in the cache part or the new part depending on the step that fed it, so greedy "
-            "speculation can differ from plain decoding at a near-tie. Use --kv-mode ort-inplace (exact in every "
+            "speculation can differ from plain decoding (at near-ties in fp32; often in int8/int4, where the "
+            "activations' rounding amplifies it: docs/exactness.md). Use --kv-mode ort-inplace (exact in every "
             "weight format), or export for TensorRT with --for jetson-orin-nano-8gb or --for datacenter-gpu")
     return out
 
 
-def _auto_form(weights: str, profile: Profile, say: Callable[[str], None]) -> str:
+def auto_form(weights: str, profile: Profile, say: Callable[[str], None]) -> str:
     """--quant-form auto: specedge's kernels on a CPU where they can be built, else ONNX Runtime's MatMulNBits
     (a GPU profile names its form; an fp32 export has no quantized matrices)."""
     if weights not in ("int8", "int4") or profile.device != "cpu":
@@ -131,7 +132,7 @@ def _auto_form(weights: str, profile: Profile, say: Callable[[str], None]) -> st
     why = kernels_buildable()
     if why is None:
         return "specedge"
-    say(f"note: {why}, so the 4-bit blocks go to ONNX Runtime's MatMulNBits (exact, ~1.3-1.7x slower a step): "
+    say(f"note: {why}, so the 4-bit blocks go to ONNX Runtime's MatMulNBits (exact, slower: docs/cpu-kernels.md): "
         "install a C compiler (apt install gcc) and export again for specedge's kernels")
     return "matmulnbits"
 

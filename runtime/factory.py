@@ -91,7 +91,8 @@ def warn_about_form(bundle_dir: Path, manifest: Manifest, backend: str, invarian
                       f"from plain. Re-export it: new exports use even widths (docs/exactness.md).", stacklevel=4)
     if backend == "ort-cpu" and manifest.kv_mode == "portable":
         warnings.warn(f"{bundle_dir}: a portable-KV bundle on a CPU: its attention's rows differ by ~1e-6 between "
-                      f"feeding patterns, so greedy speculation equals plain decoding except at near-ties. "
+                      f"feeding patterns, so greedy speculation can differ from plain decoding (at near-ties in "
+                      f"fp32, often in int8/int4). "
                       f"Export with --for cpu (in-place KV) for bitwise identity (docs/exactness.md).",
                       stacklevel=4)
 
