@@ -35,7 +35,7 @@ from specedge.runtime.manifest import (
 
 from .fetch import resolve_model
 from .graph import build_model_graph
-from .install import check_destination, install, workspace
+from .install import MARKER, check_destination, install, real_destination, workspace
 from .loaders import WeightSource, load_source
 from .quant import QDQ_OPSET, WeightFormat
 from .tokenizer import TOKENIZER_FILE, check_same_vocab, write_tokenizer
@@ -131,7 +131,8 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
     say = progress or (lambda s: None)
     t0 = time.perf_counter()
     out = Path(out)
-    check_destination(out, opts.overwrite)  # before any work: never replace what is not ours
+    dest = real_destination(out)  # --out a symbolic link: the bundle goes where it points, the link is kept
+    check_destination(dest, opts.overwrite)  # before any work: never replace what is not ours
     draft = str(draft)
     tsrc = load_source(resolve_model(str(target), opts.cache_dir, say))
     if opts.draft_vocab and draft in DRAFT_NO_MODEL:
@@ -142,7 +143,7 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
         if src is not None:
             _check_supported(role, src, opts)
 
-    with workspace(out) as tmp:
+    with workspace(dest) as tmp:
         # tokenizers first: a draft with another vocabulary is refused before minutes of graph export
         tok = write_tokenizer(tsrc, tmp)
         for role, src in (("target", tsrc), ("draft", dsrc)):  # an id past the embedding fails only at run time
@@ -162,7 +163,7 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
             head = _draft_head(dsrc, tmp / TOKENIZER_FILE, tok.eos_ids, opts.draft_vocab, say)
             draft_entry = _export_model("draft", dsrc, tmp, opts, say, head)
         files = {}
-        for f in sorted(tmp.iterdir()):
+        for f in sorted(p for p in tmp.iterdir() if p.name != MARKER):  # (the marker is the workspace's)
             say(f"hashing {f.name}")
             files[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
         from specedge.runtime import __version__
@@ -179,7 +180,7 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
         )
         write_manifest(tmp, manifest)
         tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary directory
-        install(tmp, out)
+        install(tmp, dest)
     total = sum(m["bytes"] for m in manifest.files.values())
     return ExportReport(manifest, out, time.perf_counter() - t0, peak_rss_mb(), total)
 

@@ -1,8 +1,10 @@
 """Nothing lost: --overwrite replaces only our bundles, the swap survives an interrupt at every step, SIGTERM
-cleans up, stale temp dirs of killed exports are removed."""
+cleans up, the private folders of killed exports (and only those) are removed or put back, and a symbolic link
+given as --out is written through."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -104,7 +106,7 @@ def _calls_to_inject(monkeypatch):
 
     for obj, name in ((bundle_mod, "write_tokenizer"), (bundle_mod, "_export_model"), (bundle_mod, "sha256_file"),
                       (bundle_mod, "write_manifest"), (bundle_mod, "install"), (inst.os, "replace"),
-                      (inst.shutil, "rmtree")):
+                      (inst, "_mark"), (inst, "_unmark"), (inst, "_remove_private"), (inst.shutil, "rmtree")):
         wrap(obj, name)
     return state
 
@@ -156,18 +158,106 @@ def test_sigterm_during_export_cleans_up_and_keeps_the_old_bundle(tmp_path, tiny
     assert _complete_bundle_id(out) == "none"
 
 
-def test_stale_temp_dirs_of_dead_exports_are_removed(tmp_path, tiny_llama):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+def _dead_pid() -> int:
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True).stdout)
     time.sleep(0.1)
-    for name in (f".b.tmp-{dead}-x1", f".b.old-{dead}"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "model.onnx.data").write_bytes(b"0" * 1000)
-    (tmp_path / f".b.tmp-{os.getpid()}-live").mkdir()  # a live process's: kept
+    return pid
+
+
+def _killed(script: str, *args: str, wait_for: str | None = None) -> None:
+    """Run an export in a child process that SIGKILLs itself (or is SIGKILLed once it prints ``wait_for``)."""
+    p = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True)
+    if wait_for is not None:
+        assert p.stdout.readline().strip() == wait_for
+        p.kill()
+    assert p.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_a_workspace_left_by_a_killed_export_is_removed_by_the_next(tmp_path, tiny_llama):
+    out = export_bundle(tiny_llama, "none", tmp_path / "b", OPTS).out
+    _killed(SLOW_EXPORT, str(tiny_llama), str(out), wait_for="hashing")
+    left = siblings(out)
+    assert len(left) == 1 and ".tmp-" in left[0] and (tmp_path / left[0] / inst.MARKER).is_file()
+    assert _complete_bundle_id(out) == "none"
+    live = tmp_path / f".b.tmp-{os.getpid()}-live"  # a running export's (this process's): kept
+    live.mkdir()
+    inst._mark(live)
     (tmp_path / ".other.tmp-1-x").mkdir()  # another bundle's: not ours to judge here
-    export_bundle(tiny_llama, "prompt-lookup", tmp_path / "b", OPTS)
-    assert siblings(tmp_path / "b") == [f".b.tmp-{os.getpid()}-live"]
-    assert (tmp_path / ".other.tmp-1-x").is_dir()
+    export_bundle(tiny_llama, "prompt-lookup", out, ExportOptions(**{**OPTS.__dict__, "overwrite": True}))
+    assert siblings(out) == [live.name]
+    assert (tmp_path / ".other.tmp-1-x").is_dir() and _complete_bundle_id(out) == "prompt-lookup"
+
+
+KILLED_BETWEEN_RENAMES = """
+import os, signal, sys
+import specedge.export.bundle as b
+real = os.replace
+def replace(src, dst):
+    if os.path.abspath(dst) == os.path.abspath(sys.argv[2]) and ".tmp-" in os.path.basename(src):
+        os.kill(os.getpid(), signal.SIGKILL)  # the old bundle is aside, the new one not yet in place
+    return real(src, dst)
+os.replace = replace
+b.export_bundle(sys.argv[1], "prompt-lookup", sys.argv[2],
+                b.ExportOptions(k=2, max_context=64, prefill_chunk=8, overwrite=True))
+"""
+
+
+def test_a_bundle_moved_aside_by_a_killed_export_is_put_back_by_the_next(tmp_path, tiny_llama):
+    out = export_bundle(tiny_llama, "none", tmp_path / "b", OPTS).out
+    _killed(KILLED_BETWEEN_RENAMES, str(tiny_llama), str(out))
+    assert not out.exists() and any(".old-" in s for s in siblings(out))  # the old bundle is whole, aside
+    with pytest.raises(BundleError, match="already holds a bundle; pass --overwrite"):
+        inst.check_destination(out, False)  # it is back in place, and replaced only with --overwrite
+    assert _complete_bundle_id(out) == "none"
+    export_bundle(tiny_llama, "prompt-lookup", out, ExportOptions(**{**OPTS.__dict__, "overwrite": True}))
+    assert _complete_bundle_id(out) == "prompt-lookup" and siblings(out) == []
+
+
+def test_folders_of_the_user_named_like_private_siblings_are_never_removed(tmp_path, tiny_llama):
+    dead = _dead_pid()
+    mine = [tmp_path / n for n in (f".b.tmp-{dead}-x1", f".b.old-{dead}", f".b.old-{dead}-cafe", f".b.tmp-{dead}-m",
+                                   "elsewhere")]
+    for d in mine:
+        d.mkdir()
+        (d / "thesis.txt").write_text("four years of work")
+    (mine[3] / inst.MARKER).write_text(json.dumps({"magic": "something else", "pid": dead}))
+    (mine[4] / inst.MARKER).write_text(json.dumps({"magic": inst._MAGIC, "pid": dead}))
+    (tmp_path / f".b.old-{dead}-link").symlink_to(mine[4])  # a link is never followed, whatever it points to
+    copy = export_bundle(tiny_llama, "none", tmp_path / f".b.old-{dead}-copy", OPTS).out  # a bundle, no marker
+    export_bundle(tiny_llama, "prompt-lookup", tmp_path / "b", OPTS)  # b is new: nothing is put back in its place
+    export_bundle(tiny_llama, "prompt-lookup", tmp_path / "b", ExportOptions(**{**OPTS.__dict__, "overwrite": True}))
+    assert _complete_bundle_id(tmp_path / "b") == "prompt-lookup"
+    for d in mine:
+        assert (d / "thesis.txt").read_text() == "four years of work"
+    assert _complete_bundle_id(copy) == "none" and (tmp_path / f".b.old-{dead}-link").is_symlink()
+
+
+def test_overwrite_through_a_symbolic_link_writes_where_it_points_and_keeps_the_link(tmp_path, tiny_llama):
+    v1 = export_bundle(tiny_llama, "none", tmp_path / "v1", OPTS).out
+    link = tmp_path / "current"
+    link.symlink_to("v1")
+    with pytest.raises(BundleError, match="already holds a bundle; pass --overwrite"):
+        export_bundle(tiny_llama, "prompt-lookup", link, OPTS)
+    rep = export_bundle(tiny_llama, "prompt-lookup", link, ExportOptions(**{**OPTS.__dict__, "overwrite": True}))
+    assert rep.out == link and link.is_symlink() and os.readlink(link) == "v1"
+    assert _complete_bundle_id(v1) == "prompt-lookup"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "v1"]  # no private sibling left behind
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to-empty").symlink_to(tmp_path / "empty")
+    export_bundle(tiny_llama, "none", tmp_path / "to-empty", OPTS)
+    assert (tmp_path / "to-empty").is_symlink() and _complete_bundle_id(tmp_path / "empty") == "none"
+
+
+def test_a_symbolic_link_loop_or_a_dangling_link_is_refused(tmp_path, tiny_llama):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(BundleError, match="is a symbolic link that loops"):
+        export_bundle(tiny_llama, "none", tmp_path / "a", ExportOptions(**{**OPTS.__dict__, "overwrite": True}))
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(BundleError, match="dangling symbolic link"):
+        export_bundle(tiny_llama, "none", tmp_path / "gone", OPTS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "gone"]
 
 
 def test_k_is_bounded():
