@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .backends import GraphRunner, close_shared, open_runners, resolve_backend
+from .cache_rows import CacheRows
 from .drafters import DraftCache, Drafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import BundleError, OptionError
 from .factory import check_load_options, draft_length, make_drafter, plain_width, warn_about_form, width1_exact
@@ -59,7 +60,7 @@ class SpecDecoder:
         # the free guess takes any match, down to one token: it rides in a width-2 step that runs anyway
         self._guesser = PromptLookupDrafter(p.get("ngram_max", DEFAULT_NGRAM_MAX), 1)
         self._lock = threading.Lock()  # held for one prefill or round at a time (never across a yield)
-        self._owner: Request | None = None  # the request whose rows the caches hold
+        self.rows = CacheRows()  # what the target cache's rows hold (a prefix of one request's tokens)
         self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
         self._shared: dict = {}  # what the runners share (TensorRT: CUDA stream and scratch memory)
         self.precision = "fp32"  # of the graphs/engines run (set by load)
@@ -171,15 +172,17 @@ class SpecDecoder:
         req = Request(tokens, len(ids), len(ids), params, np.random.default_rng(params.seed), stats,
                        IncrementalDetokenizer(self.codec), stop_hold=max((len(s) for s in params.stop), default=1) - 1)
         # The lock is held for one step of work at a time, never across a yield: a paused, abandoned or
-        # interleaved stream blocks nobody. Whoever runs next owns the caches; a stream that finds another
-        # owner on resuming re-prefills its committed tokens first (see _resync).
+        # interleaved stream blocks nobody. Whoever runs next writes the caches; a stream that finds other rows
+        # there on resuming re-prefills its committed tokens first (see _resync). self.rows is narrowed before a
+        # write and widened after it: an exception anywhere leaves it claiming only rows written for its tokens.
         with self._lock:
             t_start = time.perf_counter()
-            start = self._cached_prefix(tokens[: req.n]) if reuse_prefix else 0
+            start = self.rows.agree(tokens[: req.n]) if reuse_prefix else 0
             if not reuse_prefix and self.draft_cache is not None:  # nor the draft's rows: the drafter starts cold
                 self.draft_cache.forget()
-            self._owner = req
+            self.rows.writing(tokens, start)
             logits = feed(self.target, tokens[start: req.n], start, self.manifest.prefill_chunk)
+            self.rows.wrote(tokens, req.n)
             stats.reused_tokens = start
             if not np.isfinite(logits).all():  # damaged weights decode NaN logits to token 0: often an EOS, silently
                 raise BundleError(f"the target's logits after the prompt are not finite (NaN or inf): its weights in "
@@ -194,7 +197,7 @@ class SpecDecoder:
             with self._lock:
                 if self.target is None:
                     raise OptionError("this decoder was closed while the stream was paused; load the bundle again")
-                if self._owner is not req:
+                if not self.rows.holds(req.tokens, req.n - 1):
                     self._resync(req, drafter)
                 ev = self._round(req, drafter, k)
             stats.decode_s = time.perf_counter() - t_first
@@ -202,25 +205,15 @@ class SpecDecoder:
                 stats.strategies = drafter.strategy_rounds() or {drafter.name: stats.rounds}
             yield ev
 
-    def _cached_prefix(self, ids: np.ndarray) -> int:
-        """How many leading tokens of ``ids`` already have their rows in the target cache (those of the request
-        that used it last), keeping at least the last token to feed: where a prefill can start."""
-        if self._owner is None:
-            return 0
-        have = self._owner.tokens[: self._owner.n - 1]  # rows valid for these (the invariant between rounds)
-        m = min(len(have), len(ids) - 1)
-        diff = np.flatnonzero(have[:m] != ids[:m])
-        return int(diff[0]) if len(diff) else m
-
     def _resync(self, req: Request, drafter: Drafter) -> None:
         """Another request used the caches since this one's last round: rebuild the target's rows for
         tokens[:n-1] (the invariant between rounds) from where they still agree, and make a model drafter
         catch up from scratch."""
-        if req.n > 1:
-            start = self._cached_prefix(req.tokens[: req.n])
-            if start < req.n - 1:
-                feed(self.target, req.tokens[start: req.n - 1], start, self.manifest.prefill_chunk)
-        self._owner = req  # a model drafter re-adopts the draft cache itself (ModelDrafter._adopt)
+        start = self.rows.agree(req.tokens[: req.n])
+        self.rows.writing(req.tokens, start)
+        if start < req.n - 1:
+            feed(self.target, req.tokens[start: req.n - 1], start, self.manifest.prefill_chunk)
+        self.rows.wrote(req.tokens, req.n - 1)  # a model drafter re-adopts the draft cache itself (ModelDrafter._adopt)
         req.stats.resyncs += 1
 
     def _round(self, req: Request, drafter: Drafter, k: int) -> StreamEvent:
@@ -235,6 +228,7 @@ class SpecDecoder:
         verify_in = np.concatenate([req.tokens[req.n - 1: req.n], prop.tokens])  # [last committed, d_1..d_n]
         # greedy on a graph with next_ids: only the n+1 argmax ids leave the device (same rows, same argmax)
         ids_only = req.params.greedy and self.target.has_argmax
+        self.rows.writing(req.tokens, req.n - 1)
         out = (self.target.step(verify_in, req.n - 1, all_logits=True, ids_only=True) if ids_only  # [n+1]
                else self.target.step(verify_in, req.n - 1, all_logits=True))  # [n+1, V]
         t2 = time.perf_counter()
@@ -248,6 +242,7 @@ class SpecDecoder:
         if not ids_only and drafter.wants_confidence():  # auto's prior (greedy on next_ids graphs: no logits)
             drafter.observe_confidence(top1_probability(out[: m + 1]))  # the rows whose tokens this round commits
         ev = commit(req, self.manifest.tokenizer.eos_ids, [*prop.tokens[:m].tolist(), nxt])
+        self.rows.wrote(req.tokens, req.n - 1)  # the verify step wrote from n-1 on: rows before it never changed
         # accepted: the draft tokens the request kept (an eos or a stop string may end it inside the round)
         st.record_round(0 if guess else len(prop.tokens), 0 if guess else min(m, len(ev.token_ids)),
                         guessed=m if guess else None)
@@ -275,7 +270,7 @@ class SpecDecoder:
             raise OptionError(f"time_steps: stat must be 'min' or 'median', got {stat!r}")
         out: dict[str, dict[int, float]] = {}
         with self._lock:
-            self._owner = None  # dummy rows below: a paused stream must re-prefill
+            self.rows.forget()  # dummy rows below: a paused stream must re-prefill
             if self.draft_cache is not None:
                 self.draft_cache.forget()
             for role, runner in (("target", self.target), ("draft", self.draft_runner)):
@@ -286,10 +281,11 @@ class SpecDecoder:
 
     def close(self) -> None:
         """Release the sessions and buffers; later calls raise OptionError. Closing twice is harmless."""
-        if self.target is None:
-            return
-        self.target.close()
-        if self.draft_runner is not None:
-            self.draft_runner.close()
-        self.target = self.draft_runner = None  # type: ignore[assignment]
-        close_shared(self._shared)
+        with self._lock:  # a step in progress on another thread finishes first
+            if self.target is None:
+                return
+            self.target.close()
+            if self.draft_runner is not None:
+                self.draft_runner.close()
+            self.target = self.draft_runner = None  # type: ignore[assignment]
+            close_shared(self._shared)

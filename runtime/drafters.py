@@ -292,6 +292,8 @@ class ModelDrafter(DrafterHooks):
             return
         self.rows = self._adoptable(tokens)
         self.cache.owner = self
+        # the rows past these are about to be rewritten: an interrupted catch-up must not leave them counted
+        self.cache.rows_for = tokens[: self.rows]
 
     def _adoptable(self, tokens: np.ndarray) -> int:
         """The draft cache's rows this drafter can use for these tokens: its own, or, where another drafter used the
