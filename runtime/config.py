@@ -10,6 +10,7 @@ options given on the command line still win.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,15 +47,29 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in d.glob("*.toml")) if d.is_dir() else []
 
 
-def load_config(name_or_path: str) -> dict[str, dict[str, Any]]:
+def config_path(name_or_path: str) -> Path:
+    """The file ``--config`` names: a preset (a bare name such as ``cpu``), else the file at that path, whatever its
+    suffix. A folder or a missing file is an error naming the presets."""
     p = Path(name_or_path)
-    if not p.suffix:
-        p = presets_dir() / f"{name_or_path}.toml"
-    if not p.is_file():
-        raise SpecEdgeError(f"config {name_or_path!r} not found: give a TOML file or one of the presets "
-                            f"({', '.join(list_presets()) or 'none found in ' + str(presets_dir())})")
+    if not p.suffix and p.name == name_or_path:
+        preset = presets_dir() / f"{name_or_path}.toml"
+        if preset.is_file():
+            return preset
+    if p.is_file():
+        return p
+    what = "is a folder, not a TOML file" if p.is_dir() else "not found"
+    raise SpecEdgeError(f"config {name_or_path!r} {what}: give a TOML file or one of the presets "
+                        f"({', '.join(list_presets()) or 'none found in ' + str(presets_dir())})")
+
+
+def load_config(name_or_path: str) -> dict[str, dict[str, Any]]:
+    p = config_path(name_or_path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise SpecEdgeError(f"config {p} is not a TOML file: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise SpecEdgeError(f"config {p}: cannot read it ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecEdgeError(f"config {p} is not valid TOML: {e}") from e
     unknown = sorted(set(data) - set(SECTIONS) - {"preset", "board"})
@@ -73,11 +88,16 @@ def config_option(section: str):
             table = load_config(value).get(section, {})
         except SpecEdgeError as e:
             raise click.BadParameter(str(e)) from None
-        names = {p.name for p in ctx.command.params}
-        bad = sorted(set(table) - names)
+        params = {p.name: p for p in ctx.command.params}
+        bad = sorted(set(table) - set(params))
         if bad:
             raise click.BadParameter(f"[{section}] of {value} has keys this command does not take: {', '.join(bad)} "
-                                     f"(options: {', '.join(sorted(names - {'config'}))})")
+                                     f"(options: {', '.join(sorted(set(params) - {'config'}))})")
+        for key, v in table.items():  # click would turn 4.7 into 4 without a word
+            if isinstance(params[key].type, click.types.IntParamType) and type(v) is not int:
+                shown = json.dumps(v) if isinstance(v, (bool, float, str)) else repr(v)  # as TOML writes it
+                raise click.BadParameter(f"[{section}] {key} = {shown} in {config_path(value)}: {key} takes an "
+                                         f"integer")
         # lists become the comma-separated strings the options parse
         table = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in table.items()}
         ctx.default_map = {**(ctx.default_map or {}), **table}
