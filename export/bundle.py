@@ -28,8 +28,8 @@ from specedge.runtime.manifest import (
     HeadRows,
     Manifest,
     ModelEntry,
+    file_entry,
     model_widths,
-    sha256_file,
     write_manifest,
 )
 
@@ -165,7 +165,7 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
         files = {}
         for f in sorted(p for p in tmp.iterdir() if p.name != MARKER):  # (the marker is the workspace's)
             say(f"hashing {f.name}")
-            files[f.name] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+            files[f.name] = file_entry(f)
         from specedge.runtime import __version__
 
         manifest = Manifest(

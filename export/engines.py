@@ -31,8 +31,8 @@ from specedge.runtime.errors import BundleError
 from specedge.runtime.manifest import (
     EngineSet,
     Manifest,
+    file_entry,
     read_manifest,
-    sha256_file,
     verify_files,
     width_shapes,
     write_manifest,
@@ -123,7 +123,7 @@ def _register(manifest: Manifest, bundle_dir: Path, es: EngineSet, say: Say) -> 
             p = bundle_dir / name
             if p.is_file():
                 say(f"hashing {name}")
-                files[name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                files[name] = file_entry(p)
     engines = {**manifest.engines, es.key: es.to_json()}
     m = dataclasses.replace(manifest, files=files, engines=engines)
     write_manifest(bundle_dir, m)

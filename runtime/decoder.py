@@ -23,7 +23,7 @@ from .cache_rows import CacheRows
 from .drafters import DraftCache, Drafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import BundleError, OptionError
 from .factory import check_load_options, draft_length, make_drafter, plain_width, warn_about_form, width1_exact
-from .manifest import DEFAULT_NGRAM_MAX, Manifest, read_manifest
+from .manifest import DEFAULT_NGRAM_MAX, FileWatch, Manifest, read_manifest
 from .policy import CostModel
 from .request import GenerationResult, Request, StreamEvent, check_fits, commit
 from .sampling import SamplingParams, accept_argmax, choose_next, top1_probability, verify_round
@@ -45,8 +45,10 @@ class SpecDecoder:
     """
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, backend: str, target: GraphRunner,
-                 draft: GraphRunner | None, codec: TextCodec, invariant: bool = True):
+                 draft: GraphRunner | None, codec: TextCodec, invariant: bool = True, files: FileWatch | None = None):
         self.bundle_dir, self.manifest, self.backend = bundle_dir, manifest, backend
+        # the bundle's files as they were read: a request finds any replaced or rewritten since (FileWatch.check)
+        self.files = files if files is not None else FileWatch(bundle_dir, manifest.files)
         self.target, self.draft_runner, self.codec = target, draft, codec
         self.draft_cache = None if draft is None else DraftCache(draft)  # the draft's rows, owner and step clock
         # Batch invariance: the target never runs a width-1 step (GraphRunner.min_width), so every logits row is
@@ -70,9 +72,9 @@ class SpecDecoder:
     def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "size",
              threads: int | None = None, precision: str | None = None, invariant: bool = True,
              cuda_graphs: bool = True) -> SpecDecoder:
-        """verify: "size" (default: every file present with its recorded size — what the CLI does; a bit flip in a
-        weight file is not caught), "sha256" (hash every file first: minutes for gigabytes on a Jetson; `spec-export
-        info BUNDLE` does it on demand) or "none".
+        """verify: "size" (default: every file present with its recorded size and sampled hash — what the CLI does;
+        a file zeroed or overwritten in part is caught, a flipped bit mostly not), "sha256" (hash every file first:
+        minutes for gigabytes on a Jetson; `spec-export info BUNDLE` does it on demand) or "none".
         backend: auto | ort-cpu | ort-cuda | ort-trt | trt. precision: None (fp32 graphs on ONNX Runtime; the
         built engines on TensorRT) or fp16/bf16 (the bundle's reduced-precision graphs or engines).
         invariant: True (default) runs every target step at width >= 2, so speculative output is bitwise the
@@ -83,12 +85,13 @@ class SpecDecoder:
         check_load_options(bundle, verify, threads, precision)
         bundle_dir = Path(bundle)
         manifest = read_manifest(bundle_dir, verify=verify)
+        files = FileWatch(bundle_dir, manifest.files)  # before anything is read: a change during loading is found
         backend = resolve_backend(backend, manifest)
         target, draft, shared = open_runners(backend, bundle_dir, manifest, threads, precision, cuda_graphs,
                                              target_min_width=plain_width(manifest, invariant))
         try:
             dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer),
-                      invariant)
+                      invariant, files)
         except BaseException:  # what opened is closed: device memory is not left to the garbage collector
             for runner in (draft, target):
                 if runner is not None:
@@ -157,6 +160,7 @@ class SpecDecoder:
         if k == 0:
             d = NoDrafter()
         ids = self.encode_prompt(prompt, chat)
+        self.files.check()
         check_fits(self.manifest, len(ids), params)
         return self._run(ids, params, d, k, reuse_prefix)
 
@@ -184,8 +188,11 @@ class SpecDecoder:
             logits = feed(self.target, tokens[start: req.n], start, self.manifest.prefill_chunk)
             self.rows.wrote(tokens, req.n)
             stats.reused_tokens = start
-            if not np.isfinite(logits).all():  # damaged weights decode NaN logits to token 0: often an EOS, silently
-                raise BundleError(f"the target's logits after the prompt are not finite (NaN or inf): its weights in "
+            # damaged weights decode NaN logits, or all-equal ones (zeroed weights), to token 0: often an EOS, silently
+            bad = ("not finite (NaN or inf)" if not np.isfinite(logits).all()
+                   else "all equal" if logits.min() == logits.max() else None)
+            if bad:
+                raise BundleError(f"the target's logits after the prompt are {bad}: its weights in "
                                   f"{self.bundle_dir} are damaged, or the backend failed; `spec-export info "
                                   f"{self.bundle_dir}` checks every file against its sha256")
             first = choose_next(logits, params, req.rng, position=req.n)

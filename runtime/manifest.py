@@ -178,7 +178,7 @@ class Manifest:
     drafter: str  # one of DRAFTER_KINDS
     drafter_params: dict[str, Any]
     tokenizer: TokenizerInfo
-    files: dict[str, dict[str, Any]]  # name -> {"sha256", "bytes"}
+    files: dict[str, dict[str, Any]]  # name -> {"sha256", "bytes", "sample": {"stride", "sha256"} (optional)}
     kv_layout: str = "B,H_kv,S_max,D"
     kv_mode: str = "portable"
     kv_dtype: str = "float32"
@@ -319,6 +319,12 @@ def _check_files(m: Manifest) -> None:
             raise BundleError(f"files.{name}.sha256 must be 64 lowercase hex digits, got {sha!r}")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise BundleError(f"files.{name}.bytes must be an integer >= 0, got {size!r}")
+        sample = meta.get("sample")
+        if sample is not None and not (isinstance(sample, dict) and _hex64(sample.get("sha256"))
+                                       and isinstance(sample.get("stride"), int)
+                                       and not isinstance(sample.get("stride"), bool) and sample["stride"] > 0):
+            raise BundleError(f"files.{name}.sample must be {{'stride': an integer > 0, 'sha256': 64 lowercase hex "
+                              f"digits}}, got {sample!r}")
     for role, e in m.models.items():
         for key in ("graph", "weights"):
             name = getattr(e, key)
@@ -431,6 +437,69 @@ def width_shapes(dims: ModelDims, w: Width, max_context: int) -> dict[str, tuple
 
 
 # ---- files and hashes ----------------------------------------------------
+SAMPLE_BLOCK = 4096  # bytes of each block the sampled hash reads
+SAMPLE_MIN_BLOCKS = 64  # a file of up to 64 blocks is hashed whole
+SAMPLE_MAX_STRIDE = 1 << 20  # a larger one: a block every MiB at most (1 GiB: 1024 blocks, 4 MiB read)
+
+
+def sample_stride(size: int) -> int:
+    """Bytes between the sampled blocks of a file of ``size`` bytes: every region longer than stride + block holds a
+    whole block, so zeroing or overwriting one is caught without reading the file."""
+    return max(SAMPLE_BLOCK, min(SAMPLE_MAX_STRIDE, size // SAMPLE_MIN_BLOCKS // SAMPLE_BLOCK * SAMPLE_BLOCK))
+
+
+def sampled_sha256(path: Path, stride: int) -> str:
+    """The sha256 of a file's blocks at 0, stride, 2*stride, ... and of its last block, with the file's size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(size.to_bytes(8, "little"))
+        for at in [*range(0, size, stride), max(0, size - SAMPLE_BLOCK)]:
+            f.seek(at)
+            h.update(f.read(SAMPLE_BLOCK))
+    return h.hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A bundle file's manifest entry: its sha256 and size, and the sampled hash ``verify="size"`` checks."""
+    size = path.stat().st_size
+    stride = sample_stride(size)
+    return {"sha256": sha256_file(path), "bytes": size,
+            "sample": {"stride": stride, "sha256": sampled_sha256(path, stride)}}
+
+
+def _hex64(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+
+
+class FileWatch:
+    """The identity of a bundle's files (device, inode, size, modification time) when a decoder read them. A file
+    replaced, rewritten or truncated afterwards is found by :meth:`check` (a few ``stat`` calls) before a request
+    runs: the decoder refuses it with an error that says to load the bundle again, rather than answer from weights
+    that no longer match the files, or, mapped, crash."""
+
+    def __init__(self, bundle_dir: Path, names: Any):
+        self.bundle_dir = Path(bundle_dir)
+        self.stamps = {name: self._stamp(name) for name in names}
+
+    def _stamp(self, name: str) -> tuple[int, ...] | None:
+        try:
+            st = os.stat(self.bundle_dir / name)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def changed(self) -> list[str]:
+        return [name for name, stamp in self.stamps.items() if self._stamp(name) != stamp]
+
+    def check(self) -> None:
+        changed = self.changed()
+        if changed:
+            raise BundleError(f"{', '.join(changed)} in {self.bundle_dir} changed on disk after this decoder loaded "
+                              f"the bundle (replaced, rewritten or removed): load the bundle again (a server: "
+                              f"restart it) to serve what is there now")
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -453,7 +522,9 @@ def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:
 def read_manifest(bundle_dir: str | Path, verify: str = "sha256") -> Manifest:
     """Read and check a bundle's manifest.
 
-    verify: "sha256" (hash every file), "size" (sizes only), or "none".
+    verify: "sha256" (hash every file), "size" (sizes, and each file's sampled hash where the manifest records one:
+    a file zeroed or overwritten over more than about a MiB is caught without reading it; a flipped bit mostly is
+    not), or "none".
     """
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST_NAME
@@ -475,7 +546,8 @@ def read_manifest(bundle_dir: str | Path, verify: str = "sha256") -> Manifest:
 
 
 def verify_files(bundle_dir: Path, manifest: Manifest, verify: str, skip: frozenset[str] = frozenset()) -> None:
-    """Every file the manifest lists (but ``skip``) is present with its size ("size"), and its sha256 ("sha256")."""
+    """Every file the manifest lists (but ``skip``) is present with its size and sampled hash ("size"), or its sha256
+    ("sha256")."""
     if verify == "none":
         return
     for name, meta in manifest.files.items():
@@ -493,4 +565,11 @@ def verify_files(bundle_dir: Path, manifest: Manifest, verify: str, skip: frozen
             raise BundleError(
                 f"{name} in {bundle_dir} fails its sha256 check (manifest {meta['sha256'][:12]}…): "
                 "the bundle is corrupt; re-export it"
+            )
+        sample = meta.get("sample")
+        if verify == "size" and sample is not None and sampled_sha256(f, sample["stride"]) != sample["sha256"]:
+            raise BundleError(
+                f"{name} in {bundle_dir} fails its sampled hash check (blocks every {sample['stride']} bytes): "
+                f"it was overwritten or zeroed in part since export; the bundle is corrupt, re-export it "
+                f"(`spec-export info {bundle_dir}` checks every file's sha256)"
             )

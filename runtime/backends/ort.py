@@ -18,6 +18,7 @@ copied, and a width is usable only where past_len + T <= S_max (:attr:`pads_into
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,20 @@ class _Bound:
     logits_dev: Any  # ... or a device OrtValue (CUDA)
     present: list[Any]  # per layer*2: host arrays (CPU) or device OrtValues (CUDA)
     ids: Any = None  # next_ids [1, L] int64: a host array (CPU) or a device OrtValue (CUDA); None without argmax
+
+
+def open_session(ort: Any, path: Path, so: Any, providers: list) -> Any:
+    """An InferenceSession whose weights were read, not mapped. Left to itself ONNX Runtime maps the external data
+    file ``<graph>.onnx.data`` and reads the weights from the mapping for as long as the session lives: a file
+    truncated under a running process (``cp`` over it) then kills that process with SIGBUS, and one zeroed in place
+    silently changes its answers. Handed the file's contents, it copies what it needs while the session is made,
+    and the file is never touched again (a changed file is found by :class:`..manifest.FileWatch`)."""
+    data = path.with_name(path.name + ".data")
+    if not data.is_file():
+        return ort.InferenceSession(str(path), so, providers=providers)
+    with open(data, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        so.add_external_initializers_from_files_in_memory([data.name], [view], [len(view)])
+        return ort.InferenceSession(str(path), so, providers=providers)
 
 
 def zero_device_cache(cuda: Any, values: list, nbytes: int) -> None:
@@ -180,7 +195,7 @@ class OrtRunner:
         if not path.is_file():
             raise BundleError(f"{role} graph {path} is missing")
         try:
-            self.session = ort.InferenceSession(str(path), so, providers=providers)
+            self.session = open_session(ort, path, so, providers)
         except Exception as e:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...)
             raise BundleError(f"ONNX Runtime cannot load the {role} graph {graph}: {str(e).splitlines()[0][:300]}") \
                 from None

@@ -19,7 +19,7 @@ from specedge.runtime import BundleError, SamplingParams, SpecDecoder
 from specedge.runtime.backends import trt_ep_options
 from specedge.runtime.backends.trt import compat_problems, io_problems
 from specedge.runtime.errors import BackendUnavailableError, UnsupportedModelError
-from specedge.runtime.manifest import EngineSet, io_spec, read_manifest
+from specedge.runtime.manifest import EngineSet, file_entry, io_spec, read_manifest
 
 FP32_OPS = {"Pow", "ReduceMean", "Sqrt", "Div", "Softmax", "Cos", "Sin"}
 
@@ -255,6 +255,10 @@ def test_validate_fails_on_a_corrupted_graph(fp16_bundle, tmp_path):
     data[:] = -data * 3  # a wrong sign and scale in one projection: the kind of bug a converter makes
     data.flush()
     del data
+    # recorded as the exporter wrote it (a converter's bug is in the bundle before its files are hashed)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["files"][meta["location"]] = file_entry(bad / meta["location"])
+    (bad / "manifest.json").write_text(json.dumps(manifest))
     report = tmp_path / "r.json"
     r = CliRunner().invoke(main, ["validate", str(bad), "--tokens", "8", "--report", str(report)])
     assert r.exit_code == 1, r.output

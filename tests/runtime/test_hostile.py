@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from specedge.runtime import SamplingParams, SpecDecoder
 from specedge.runtime.errors import BundleError, OptionError, PromptError, SamplingParamsError, SpecEdgeError
-from specedge.runtime.manifest import read_manifest
+from specedge.runtime.manifest import file_entry, read_manifest
 from specedge.runtime.sampling import choose_next
 
 
@@ -233,11 +233,12 @@ def test_cli_refuses_bad_options_in_one_line(bundles, args, message):
 
 
 def damaged_copy(bundles, tmp_path, name: str, data: bytes) -> Path:
-    """A copy of the lookup bundle with one file replaced by ``data`` and the manifest's size for it updated."""
+    """A copy of the lookup bundle with one file replaced by ``data`` and the manifest's entry for it (size and
+    sampled hash) recorded from it, as an exporter's bug would leave it: the checks past the hashes must catch it."""
     dst = tmp_path / "damaged"
     shutil.copytree(bundles["lookup"], dst)
     (dst / name).write_bytes(data)
-    rewrite(dst, lambda m: {**m, "files": {**m["files"], name: {**m["files"][name], "bytes": len(data)}}})
+    rewrite(dst, lambda m: {**m, "files": {**m["files"], name: file_entry(dst / name)}})
     return dst
 
 

@@ -398,7 +398,8 @@ def test_cuda_graphs_flag_reaches_the_runner(monkeypatch, bundle):
         seen.append(kw.get("cuda_graphs"))
         raise Stop
 
-    monkeypatch.setattr(decoder, "read_manifest", lambda *a, **kw: SimpleNamespace(target=SimpleNamespace(quant=None)))
+    monkeypatch.setattr(decoder, "read_manifest", lambda *a, **kw: SimpleNamespace(target=SimpleNamespace(quant=None),
+                                                                               files={}))
     monkeypatch.setattr(decoder, "resolve_backend", lambda name, m: "trt")
     import specedge.runtime.backends as backends
 
