@@ -104,7 +104,7 @@ def _calls_to_inject(monkeypatch):
 
         monkeypatch.setattr(obj, name, f)
 
-    for obj, name in ((bundle_mod, "write_tokenizer"), (bundle_mod, "_export_model"), (bundle_mod, "sha256_file"),
+    for obj, name in ((bundle_mod, "write_tokenizer"), (bundle_mod, "_export_model"), (bundle_mod, "file_entry"),
                       (bundle_mod, "write_manifest"), (bundle_mod, "install"), (inst.os, "replace"),
                       (inst, "_mark"), (inst, "_unmark"), (inst, "_remove_private"), (inst.shutil, "rmtree")):
         wrap(obj, name)
@@ -138,10 +138,10 @@ def test_interrupt_at_every_step_of_an_overwrite_keeps_a_complete_bundle(tmp_pat
 SLOW_EXPORT = """
 import sys, time
 import specedge.export.bundle as b
-real = b.sha256_file
+real = b.file_entry
 def slow(p, *a, **kw):
     print("hashing", flush=True); time.sleep(30); return real(p, *a, **kw)
-b.sha256_file = slow
+b.file_entry = slow
 b.export_bundle(sys.argv[1], "prompt-lookup", sys.argv[2],
                 b.ExportOptions(k=2, max_context=64, prefill_chunk=8, overwrite=True))
 """
