@@ -68,12 +68,13 @@ def presets() -> None:
 
 
 def _widths_or_none(ctx, param, value):  # noqa: ANN001
-    """A click callback: "2,4,8" -> (2, 4, 8); "none" or "" -> (); not given -> None (the default)."""
+    """A click callback: "2,4,8" -> (2, 4, 8); "none" or "" -> (); not given -> None (the default). An empty item
+    ("3,,5", ",,") is refused."""
     if value is None:
         return None
     if value.strip().lower() in ("", "none"):  # (a preset's list arrives joined: config_option)
         return ()
-    return comma_list(int)(ctx, param, value)
+    return comma_list(int, "a comma-separated list of widths, e.g. 3,5,7, or 'none'")(ctx, param, value)
 
 
 def _profile_option(f):  # noqa: ANN001

@@ -13,7 +13,7 @@ import sys
 import click
 
 from .config import config_option
-from .errors import SpecEdgeError
+from .errors import ContextLengthError, SpecEdgeError
 
 INVARIANT_HELP = ("Never run a width-1 target step (plain rounds run width 2 with a free one-token guess), so "
                   "speculative output is bitwise the plain output in every weight format. --no-invariant allows the "
@@ -109,35 +109,51 @@ def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_
             click.echo(json.dumps(last.stats.as_dict()), err=True)
 
 
-def comma_list(cast):
-    """A click callback parsing "a,b,c" into a tuple of cast values (also used by spec-export)."""
+def comma_list(cast, allowed: str):
+    """A click callback parsing "a,b,c" into a tuple of cast values (also used by spec-export). An empty list, an
+    empty item ("2,,4") or an item that is not a ``cast`` is refused; the message says what ``allowed`` is."""
     def parse(ctx, param, value):
+        if value is None:
+            return None
+        items = [v.strip() for v in str(value).split(",")]
+        if not any(items):
+            raise click.BadParameter(f"{value!r} is empty; give {allowed}")
+        if "" in items:
+            raise click.BadParameter(f"{value!r} has an empty item; give {allowed}")
         try:
-            return tuple(cast(v) for v in value.split(",") if v.strip())
+            return tuple(cast(v) for v in items)
         except ValueError:
-            raise click.BadParameter(f"expected a comma-separated list, got {value!r}") from None
+            raise click.BadParameter(f"{value!r} is not {allowed}") from None
     return parse
 
 
 @main.command()
 @config_option("bench")
 @click.argument("bundle", type=click.Path())
-@click.option("--suite", default="code,edit,chat,summarize,json", show_default=True, callback=comma_list(str),
+@click.option("--suite", default="code,edit,chat,summarize,json", show_default=True,
+              callback=comma_list(str, "a comma-separated list of built-in suites: code, edit, chat, summarize, json"),
               help="Built-in suites: code, edit, chat, summarize, json.")
 @click.option("--prompts", type=click.Path(dir_okay=False), default=None,
               help="JSONL prompt file ({\"text\": ...} or {\"messages\": [...]}, optional \"suite\", \"id\") "
                    "used instead of the suites.")
-@click.option("--k", "ks", default="2,4,6,8", show_default=True, callback=comma_list(int), help="Draft lengths (<= K).")
-@click.option("--drafter", "drafters", default="model,prompt-lookup,none", show_default=True, callback=comma_list(str),
+@click.option("--k", "ks", default="2,4,6,8", show_default=True,
+              callback=comma_list(int, "a comma-separated list of draft lengths 1..K, e.g. 2,4,6,8"),
+              help="Draft lengths (<= K).")
+@click.option("--drafter", "drafters", default="model,prompt-lookup,none", show_default=True,
+              callback=comma_list(str, "a comma-separated list of drafters: model, prompt-lookup, none, auto, hybrid"),
               help="Drafters to compare: model, prompt-lookup, auto, hybrid; plain (none) is always measured as the "
                    "baseline. auto and hybrid run once, at the bundle's K.")
-@click.option("--temperature", "temps", default="0", show_default=True, callback=comma_list(float),
+@click.option("--temperature", "temps", default="0", show_default=True,
+              callback=comma_list(float, "a comma-separated list of temperatures >= 0, e.g. 0,0.7"),
               help="Sampling temperatures (0 = greedy; greedy runs are also checked token-identical to plain).")
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--per-suite", type=int, default=0, help="Only the first N prompts of each suite.")
+@click.option("--per-suite", type=click.IntRange(min=0), default=0,
+              help="Only the first N prompts of each suite (0: all of them).")
 @click.option("--ignore-eos", is_flag=True, help="Always generate --max-new-tokens.")
-@click.option("--out", type=click.Path(file_okay=False), default="bench/latest", show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="bench/latest", show_default=True,
+              help="Folder for the results: new, empty, or a previous bench output. results.json is rewritten "
+                   "after every generation, so an interrupted run keeps what it measured.")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG plots.")
 @click.option("--backend", default="auto", show_default=True, help=BACKEND_HELP)
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None, help=PRECISION_HELP)
@@ -149,32 +165,57 @@ def comma_list(cast):
 def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, per_suite, ignore_eos, out, no_plots,
           backend, precision, threads, invariant, cuda_graphs, verify) -> None:
     """Benchmark speculative vs plain decoding on BUNDLE: every configuration and the plain baseline on the same
-    prompts, interleaved, in one run. Writes OUT/results.json, OUT/report.md and plots; prints the table."""
-    from pathlib import Path
-
+    prompts, interleaved, in one run. Writes OUT/results.json (after every generation), OUT/report.md and plots;
+    prints the table. The prompts (each fits the bundle's context) and OUT are checked before any model loads."""
     from .bench import BenchPlan, load_prompts, run_bench, write_report
+    from .bench.report import check_out_dir, write_results
+    from .bench.runner import check_bundle_prompts
     from .decoder import SpecDecoder
-    from .errors import OptionError
-    from .manifest import MANIFEST_NAME
+
+    saved = []  # generations in OUT/results.json so far
+
+    def save(partial: dict) -> None:
+        write_results(partial, out_dir)
+        saved[:] = [len(partial["runs"])]
 
     try:
         plan = BenchPlan(suites=suite, ks=ks, drafters=drafters, temperatures=temps, repeats=repeats,
                          max_new_tokens=max_new_tokens, per_suite=per_suite, ignore_eos=ignore_eos,
                          prompts=tuple(load_prompts(prompts)) if prompts else ())
-        plan.prompt_list()  # unknown suite names fail here, before loading the models
-        if (Path(out) / MANIFEST_NAME).exists():
-            raise OptionError(f"--out {out} is a bundle; write the benchmark's results to a folder of their own")
+        check_bundle_prompts(bundle, plan)  # suites, roles, context length: with the tokenizer, before the models
+        out_dir = check_out_dir(out)
         os.environ.setdefault("SPECEDGE_COST_CACHE", "off")  # a benchmark times its own steps (auto's cost model)
         click.echo(f"loading {bundle} …", err=True)
         dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify=verify, precision=precision,
                                invariant=invariant, cuda_graphs=cuda_graphs)
-        raw = run_bench(dec, plan)
+        raw = run_bench(dec, plan, on_run=save)
+        files = write_report(raw, out_dir, plots=not no_plots, say=lambda s: click.echo(s, err=True))
     except SpecEdgeError as e:
-        click.echo(f"error: {e}", err=True)
+        kept = f" ({saved[0]} generations measured before it are in {out_dir / 'results.json'})" if saved else ""
+        click.echo(f"error: {e}{kept}", err=True)
         sys.exit(2)
-    files = write_report(raw, out, plots=not no_plots, say=lambda s: click.echo(s, err=True))
+    except KeyboardInterrupt:
+        kept = (f"the {saved[0]} generations measured so far are in {out_dir / 'results.json'} (no report: it needs "
+                f"the whole plan)") if saved else "nothing was measured yet"
+        click.echo(f"\ninterrupted: {kept}", err=True)
+        sys.exit(130)
     click.echo(files["markdown"].read_text())
     click.echo(f"wrote {', '.join(str(p) for p in files.values())}", err=True)
+
+
+def _user_message(line: str) -> dict[str, str]:
+    return {"role": "user", "content": line}
+
+
+def _fits(dec, messages: list[dict[str, str]], params) -> bool:
+    """Whether a request of these messages fits the bundle's context."""
+    from .request import check_fits
+
+    try:
+        check_fits(dec.manifest, len(dec.encode_prompt(messages)), params)
+    except SpecEdgeError:
+        return False
+    return True
 
 
 @main.command()
@@ -216,7 +257,7 @@ def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads,
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
+        history.append(_user_message(line))
         reply, last = [], None
         try:
             for ev in dec.stream(history, params, drafter=drafter):
@@ -224,6 +265,15 @@ def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads,
                 sys.stdout.flush()
                 reply.append(ev.text)
                 last = ev
+        except ContextLengthError as e:
+            history.pop()
+            if len(history) > len(start) and _fits(dec, [*start, _user_message(line)], params):
+                click.echo(f"\nerror: the context is full: the conversation so far and this message do not fit "
+                           f"({e}); /reset starts over with an empty history (/quit leaves)", err=True)
+            else:
+                click.echo(f"\nerror: this message alone does not fit the context ({e}); send a shorter one",
+                           err=True)
+            continue
         except SpecEdgeError as e:
             click.echo(f"\nerror: {e}", err=True)
             history.pop()

@@ -1,13 +1,24 @@
-"""From raw runs to the report: a summary table per configuration (JSON + Markdown) and PNG plots."""
+"""From raw runs to the report: a summary table per configuration (JSON + Markdown) and PNG plots.
+
+The output folder is checked before any work (:func:`check_out_dir`): new, empty, or a previous bench output (its
+``results.json`` has the shape :func:`write_results` writes), and writable. Every file is written to a temporary
+name beside it and renamed into place, so a reader (or an interruption) sees the old file or the new one, whole.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import OptionError
+from ..manifest import MANIFEST_NAME
 from .analysis import best_k, ideal_speedup, paired_speedups, round_cost_in_plain_steps, spread
+
+RESULTS = "results.json"
 
 
 def _width_time(costs: dict, n: int) -> float:
@@ -223,20 +234,89 @@ def write_plots(summary: dict[str, Any], out: Path) -> list[Path]:
 
 def _save(fig: Any, path: Path, plt: Any) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
+    return path
+
+
+def is_bench_output(folder: Path) -> bool:
+    """Whether ``folder`` holds a results.json that a benchmark wrote (complete or not)."""
+    try:
+        r = json.loads((folder / RESULTS).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return (isinstance(r, dict) and isinstance(r.get("meta"), dict) and isinstance(r.get("runs"), list)
+            and isinstance(r.get("step_costs_s"), dict))
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Refuse, before any work, an output folder the benchmark must not write into; create it if new. Allowed: a
+    new or empty folder, or one holding a previous benchmark's results (whose files are replaced)."""
+    out = Path(out_dir)
+    if out.is_symlink():
+        try:
+            out.resolve(strict=True)
+        except (RuntimeError, OSError) as e:  # a loop (RuntimeError up to Python 3.12) or a link to nowhere
+            raise OptionError(f"--out {out} is a symbolic link that loops or points nowhere ({e}); choose "
+                              f"another --out") from None
+    if out.exists():
+        if not out.is_dir():
+            raise OptionError(f"--out {out} exists and is not a folder; choose another --out")
+        if (out / MANIFEST_NAME).exists():
+            raise OptionError(f"--out {out} is a bundle; write the benchmark's results to a folder of their own")
+        try:  # (a results.json temporary left by an interrupted write counts as nothing)
+            empty = not any(p for p in out.iterdir() if not p.name.startswith(f".{RESULTS}.tmp-"))
+        except OSError as e:
+            raise OptionError(f"--out {out}: cannot read the folder ({e.strerror})") from None
+        if not empty and not is_bench_output(out):
+            raise OptionError(f"--out {out} is a folder that is not empty and holds no spec-run bench results "
+                              f"({RESULTS}); choose a new or empty folder, or a previous bench output")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OptionError(f"--out {out}: cannot write there ({e.strerror or e}); choose a folder you can "
+                          f"write to") from None
+    return out
+
+
+def _write_atomic(path: Path, data: str | bytes | Callable[[Path], None]) -> None:
+    """Write ``path`` through a temporary file beside it and a rename; ``data`` may be a function writing a path."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if callable(data):
+            data(tmp)
+        else:
+            with open(tmp, "wb") as f:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise OptionError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def write_results(raw: dict[str, Any], out_dir: str | Path) -> Path:
+    """Write the raw results (complete or so far) as ``OUT/results.json``, atomically."""
+    path = Path(out_dir) / RESULTS
+    _write_atomic(path, json.dumps(raw, indent=1))
     return path
 
 
 def write_report(raw: dict[str, Any], out_dir: str | Path, plots: bool = True,
                  say: Callable[[str], None] = lambda s: None) -> dict[str, Path]:
     """Write results.json (raw runs + summary), report.md and, if matplotlib is installed, the plots."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_out_dir(out_dir)
     summary = summarize(raw)
-    files = {"json": out / "results.json", "markdown": out / "report.md"}
-    files["json"].write_text(json.dumps({**raw, "summary": summary}, indent=1))
-    files["markdown"].write_text(to_markdown(raw, summary))
+    files = {"json": out / RESULTS, "markdown": out / "report.md"}
+    _write_atomic(files["json"], json.dumps({**raw, "summary": summary}, indent=1))
+    _write_atomic(files["markdown"], to_markdown(raw, summary))
     if plots:
         try:
             for p in write_plots(summary, out):

@@ -14,14 +14,18 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from ..cpu import cpu_flags, cpu_name
 from ..decoder import SpecDecoder
-from ..errors import SamplingParamsError
+from ..errors import ContextLengthError, PromptError, SamplingParamsError
+from ..manifest import Manifest
+from ..request import check_fits
 from ..sampling import SamplingParams
+from ..text import TextCodec
 from .suites import BenchPrompt, suite_prompts
 
 DRAFTERS = ("model", "prompt-lookup", "none", "auto", "hybrid")  # auto/hybrid run once, at the bundle's K
@@ -48,6 +52,14 @@ class BenchPlan:
             raise SamplingParamsError("repeats must be >= 1 and max_new_tokens >= 2")
         if any(k < 1 for k in self.ks):
             raise SamplingParamsError(f"k values must be >= 1, got {list(self.ks)}")
+        if self.per_suite < 0:
+            raise SamplingParamsError(f"per_suite must be >= 0 (0: every prompt of each suite), got {self.per_suite}")
+        for name, values in (("suites", self.suites), ("ks", self.ks), ("drafters", self.drafters),
+                             ("temperatures", self.temperatures)):
+            if not values and (name != "suites" or not self.prompts):
+                raise SamplingParamsError(f"{name} is empty: give at least one")
+        for t in self.temperatures:  # refused here, not at the first prompt after the models are loaded and timed
+            SamplingParams(max_new_tokens=self.max_new_tokens, temperature=t)
 
     def prompt_list(self) -> list[BenchPrompt]:
         return list(self.prompts) if self.prompts else suite_prompts(self.suites, self.per_suite)
@@ -128,10 +140,34 @@ def bundle_info(dec: SpecDecoder) -> dict[str, Any]:
             "prefill_chunk": m.prefill_chunk, "kv_mode": m.kv_mode, "drafter": m.drafter, "models": models}
 
 
+def check_prompts(prompts: list[BenchPrompt], manifest: Manifest, codec: TextCodec, max_new_tokens: int) -> None:
+    """Every prompt encodes (roles, chat template, text) and fits the bundle's context with ``max_new_tokens``;
+    the error names the prompt's file and line (or suite)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    for bp in prompts:
+        prompt, chat = bp.as_request()
+        try:
+            check_fits(manifest, len(codec.encode_prompt(prompt, chat)), params)
+        except (PromptError, ContextLengthError) as e:
+            raise type(e)(f"{bp.origin()}: {e}") from None
+
+
+def check_bundle_prompts(bundle: str | Path, plan: BenchPlan) -> None:
+    """:func:`check_prompts` with the bundle's manifest and tokenizer only: no model is loaded."""
+    from ..manifest import read_manifest
+
+    m = read_manifest(bundle, verify="none")
+    check_prompts(plan.prompt_list(), m, TextCodec(Path(bundle), m.tokenizer), plan.max_new_tokens)
+
+
 def run_bench(dec: SpecDecoder, plan: BenchPlan,
-              progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
-    """Run the plan; return the raw results (JSON-able): meta, step costs and one record per generation."""
+              progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+              on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the plan; return the raw results (JSON-able): meta, step costs and one record per generation.
+    ``on_run(raw)`` is called after each generation with the results so far (``"complete": False``), e.g. to save
+    them (:func:`~specedge.runtime.bench.report.write_results`) so that an interruption keeps what was measured."""
     prompts = plan.prompt_list()
+    check_prompts(prompts, dec.manifest, dec.codec, plan.max_new_tokens)  # before any timing
     configs = plan.configs(dec)
     dropped = sorted({k for k in plan.ks if k > dec.manifest.k})
     if len(configs) == 1 and any(d != "none" for d in plan.drafters):
@@ -165,13 +201,15 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
                                  "drafter": drafter, "k": k, **{x: s[x] for x in _STAT_KEYS},
                                  "e2e_tok_s": s["new_tokens"] / (s["ttft_s"] + s["decode_s"]),
                                  "peak_rss_mb": peak_rss_mb(), "token_ids": res.token_ids})
+                    if on_run is not None:
+                        on_run({"meta": meta, "step_costs_s": steps, "runs": runs, "complete": False})
                     eta = (time.perf_counter() - t_start) / i * (total - i)
                     progress(f"[{i}/{total}] {bp.id} t={temp:g} {drafter:13} k={k} "
                              f"{s['decode_tok_s']:6.1f} tok/s acc={s['acceptance_rate']:.2f} "
                              f"new={s['new_tokens']} (eta {eta / 60:.1f} min)")
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
     meta["peak_rss_mb"] = round(peak_rss_mb(), 1)
-    return {"meta": meta, "step_costs_s": steps, "runs": runs}
+    return {"meta": meta, "step_costs_s": steps, "runs": runs, "complete": True}
 
 
 _STAT_KEYS = ("prompt_tokens", "new_tokens", "ttft_s", "decode_s", "decode_tok_s", "rounds", "drafted", "accepted",

@@ -4,9 +4,12 @@ A suite is a few prompts of one kind. They differ in how much of the answer is a
 the context, which is what decides whether prompt lookup pays (code editing: a lot;
 chat: almost nothing) and how predictable the text is for a draft model.
 
-User files are JSONL, one prompt per line: ``{"text": "..."}`` (sent through the chat
-template, like the built-ins, unless ``"raw": true``) or ``{"messages": [{"role": ...,
-"content": ...}, ...]}``; optional ``"suite"`` (default "custom") and ``"id"``.
+User files are JSONL in UTF-8, one prompt per line (lines end at "\n" only; a U+2028 inside a
+string is text): ``{"text": "..."}`` (sent through the chat template, like the built-ins, unless
+``"raw": true``) or ``{"messages": [{"role": ..., "content": ...}, ...]}`` with roles from
+``CHAT_ROLES``; optional ``"suite"`` (default "custom") and ``"id"``. Every line is checked when
+the file is read; :func:`~specedge.runtime.bench.runner.check_prompts` checks that each prompt
+fits a bundle's context before any model is loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PromptError
+from ..text import CHAT_ROLES
 
 EDIT_CODE = '''def add_all(xs):
     tmp = 0
@@ -115,6 +119,11 @@ class BenchPrompt:
     id: str
     prompt: str | tuple[dict[str, Any], ...]  # text (chat-wrapped unless raw) or chat messages
     raw: bool = False  # True: plain text fed without the chat template
+    where: str = ""  # where it was read: "FILE:LINE" for a prompt file's ("" for a built-in)
+
+    def origin(self) -> str:
+        """Where the prompt comes from, as error messages name it."""
+        return self.where or f"suite {self.suite}, prompt {self.id}"
 
     def as_request(self) -> tuple[Any, bool]:
         """(prompt, chat) as SpecDecoder.stream takes them."""
@@ -128,6 +137,8 @@ def suite_prompts(names: list[str] | tuple[str, ...], per_suite: int = 0) -> lis
     unknown = [n for n in names if n not in SUITES]
     if unknown:
         raise PromptError(f"unknown suite(s) {unknown}; built-in suites are {sorted(SUITES)}")
+    if per_suite < 0:
+        raise PromptError(f"per_suite must be >= 0 (0: every prompt of each suite), got {per_suite}")
     return [BenchPrompt(n, f"{n}-{i}", text) for n in names for i, text in enumerate(SUITES[n][: per_suite or None])]
 
 
@@ -136,10 +147,18 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
     out: list[BenchPrompt] = []
     p = Path(path)
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        data = p.read_bytes()
     except OSError as e:
         raise PromptError(f"cannot read prompt file {p}: {e.strerror}") from None
-    for no, line in enumerate(lines, 1):
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        no = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise PromptError(f"{p}:{no}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {col}); save the prompt "
+                          f"file as UTF-8") from None
+    # split on "\n" only: str.splitlines() would also split at U+2028, U+0085, ... inside a JSON string
+    for no, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -152,7 +171,7 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
         if "text" in obj:
             if not isinstance(obj["text"], str) or not obj["text"]:
                 raise PromptError(f"{p}:{no}: 'text' must be a non-empty string")
-            out.append(BenchPrompt(suite, pid, obj["text"], bool(obj.get("raw", False))))
+            out.append(BenchPrompt(suite, pid, obj["text"], bool(obj.get("raw", False)), where=f"{p}:{no}"))
         else:
             msgs = obj["messages"]
             if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m and "content" in m
@@ -161,7 +180,11 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
             bad = [i for i, m in enumerate(msgs) if not isinstance(m["content"], str) or not isinstance(m["role"], str)]
             if bad:  # checked before any model work, not after the first prompts ran
                 raise PromptError(f"{p}:{no}: message {bad[0]}: 'role' and 'content' must be strings")
-            out.append(BenchPrompt(suite, pid, tuple(msgs)))
+            roles = [(i, m["role"]) for i, m in enumerate(msgs) if m["role"] not in CHAT_ROLES]
+            if roles:
+                raise PromptError(f"{p}:{no}: message {roles[0][0]}: role {roles[0][1]!r} is not allowed; roles: "
+                                  f"{', '.join(CHAT_ROLES)}")
+            out.append(BenchPrompt(suite, pid, tuple(msgs), where=f"{p}:{no}"))
     if not out:
         raise PromptError(f"{p}: no prompts found")
     return out
