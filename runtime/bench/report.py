@@ -311,7 +311,8 @@ def write_results(raw: dict[str, Any], out_dir: str | Path) -> Path:
 
 def write_report(raw: dict[str, Any], out_dir: str | Path, plots: bool = True,
                  say: Callable[[str], None] = lambda s: None) -> dict[str, Path]:
-    """Write results.json (raw runs + summary), report.md and, if matplotlib is installed, the plots."""
+    """Write results.json (raw runs + summary), report.md and, if matplotlib is installed, the plots, each
+    atomically, into a folder :func:`check_out_dir` accepts."""
     out = check_out_dir(out_dir)
     summary = summarize(raw)
     files = {"json": out / RESULTS, "markdown": out / "report.md"}
