@@ -1,6 +1,7 @@
 """`spec-run bench`: speculative vs plain decoding on the same prompts, measured in one run.
 
-    from specedge.runtime.bench import BenchPlan, check_bundle_prompts, check_out_dir, run_bench, write_report, write_results
+    from specedge.runtime.bench import (BenchPlan, check_bundle_prompts, check_out_dir, run_bench, write_report,
+                                        write_results)
     plan = BenchPlan(suites=("code", "chat"), ks=(2, 4), drafters=("model", "prompt-lookup"))
     check_bundle_prompts("engines/qwen-coder", plan)   # every prompt fits, before a model loads
     out = check_out_dir("bench/qwen-coder")            # new, empty or a previous bench output; writable
