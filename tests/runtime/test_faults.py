@@ -242,3 +242,47 @@ def test_faults_at_random_points_never_change_a_completed_request(fresh):
         assert faults.hits.get(part, 0) >= 2, faults.hits
     for prompt, params in cases:  # and after it all, the decoder still serves every request exactly
         assert dec.generate(prompt, params).token_ids == want[(prompt, params.temperature)]
+
+
+def test_real_interrupts_from_a_timer_never_change_a_completed_request(fresh):
+    """SIGALRM raising KeyboardInterrupt wherever the interpreter is (Ctrl-C, a timeout), not only at the hooks
+    above: 60 requests on the two prompts, the prefill often and a round seldom under a timer of 0.1-3 ms."""
+    import signal
+
+    dec = fresh
+    want = {p: _reference(dec, p, GREEDY) for p in (LONG, OTHER)}
+    rng = random.Random(3)
+
+    def interrupt(signum, frame):  # noqa: ANN001, ARG001
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    completed = interrupted = 0
+    try:
+        for _ in range(60):
+            prompt = rng.choice((LONG, OTHER))
+            stream = dec.stream(prompt, GREEDY, drafter=rng.choice(["auto", "model", "prompt-lookup", "none"]))
+            got: list[int] = []
+            while True:
+                try:
+                    try:
+                        if rng.random() < (0.3 if not got else 0.05):  # the prefill often, a round seldom
+                            signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-4, 3e-3))
+                        ev = next(stream)
+                    finally:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                except StopIteration:
+                    assert got == want[prompt], "a completed request's tokens differ from plain decoding's"
+                    completed += 1
+                    break
+                except KeyboardInterrupt:  # inside the stream, or just after its step: either way it is dropped
+                    stream.close()
+                    interrupted += 1
+                    break
+                got += ev.token_ids
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert completed >= 5 and interrupted >= 5, (completed, interrupted)
+    for prompt in (LONG, OTHER):
+        assert dec.generate(prompt, GREEDY).token_ids == want[prompt]
