@@ -410,7 +410,8 @@ def test_cuda_graphs_flag_reaches_the_runner(monkeypatch, bundle):
 
 
 @pytest.mark.parametrize("command", [["generate", "B", "hi"], ["bench", "B"], ["chat", "B"]])
-def test_cli_no_cuda_graphs(monkeypatch, command):
+def test_cli_no_cuda_graphs(monkeypatch, bundles, tmp_path, command):
+    """(A real bundle: bench checks its prompts against the bundle's context before loading a model.)"""
     from click.testing import CliRunner
 
     from specedge.runtime.cli import main
@@ -424,7 +425,10 @@ def test_cli_no_cuda_graphs(monkeypatch, command):
 
     monkeypatch.setattr(SpecDecoder, "load", classmethod(load))
     for flag, want in (([], True), (["--no-cuda-graphs"], False), (["--cuda-graphs"], True)):
-        r = CliRunner().invoke(main, [*command, *flag], input="")
+        args = [str(bundles["lookup"]) if a == "B" else a for a in command]
+        if command[0] == "bench":
+            args += ["--out", str(tmp_path / "bench"), "--suite", "chat", "--max-new-tokens", "4"]
+        r = CliRunner().invoke(main, [*args, *flag], input="")
         assert r.exit_code == 2 and "stop here" in r.output, r.output
         assert seen.pop() is want
 
