@@ -45,7 +45,7 @@ class Request:
     text: str = ""
     emitted_chars: int = 0
     finish: str | None = None
-    stop_hold: int = 0  # chars held back while they could start a stop string
+    stop_hold: int = 0  # the most chars held back while they could start a stop string (longest stop - 1)
     pending: list[int] = field(default_factory=list)
 
     @property
@@ -65,6 +65,21 @@ def check_fits(manifest: Manifest, n_prompt: int, params: SamplingParams) -> Non
             f"bundle built for S_max={S}, request needs {need} (prompt {n_prompt} + max_new "
             f"{params.max_new_tokens} + K+1 {K + 1}); shorten the prompt, lower max_new_tokens, "
             f"or re-export with a larger --max-context")
+
+
+def stop_prefix_len(text: str, stops: tuple[str, ...], start: int = 0) -> int:
+    """The length of the longest suffix of ``text[start:]`` that is a proper prefix of a stop string: the text a
+    stream must hold back, since the next tokens could complete a stop string there. Everything before it can
+    never be part of a match (a stop string already complete in ``text`` was found before), so it streams now."""
+    best = 0
+    for s in stops:
+        i = text.find(s[0], max(start, len(text) - len(s) + 1))
+        while 0 <= i and len(text) - i > best:  # left to right: the first that fits is this string's longest
+            if s.startswith(text[i:]):
+                best = len(text) - i
+                break
+            i = text.find(s[0], i + 1)
+    return best
 
 
 def commit(req: Request, eos_ids: tuple[int, ...], new: list[int]) -> StreamEvent:
@@ -102,8 +117,9 @@ def commit(req: Request, eos_ids: tuple[int, ...], new: list[int]) -> StreamEven
     if stop_at is not None:
         req.text = req.text[:stop_at]
         emit_to = stop_at
-    elif p.stop and req.finish is None:
-        emit_to = max(req.emitted_chars, len(req.text) - req.stop_hold)
+    elif p.stop and req.finish is None:  # hold back only what could still begin a stop string
+        start = max(req.emitted_chars, len(req.text) - req.stop_hold)
+        emit_to = len(req.text) - stop_prefix_len(req.text, p.stop, start)
     else:
         emit_to = len(req.text)
     emit_to = max(emit_to, req.emitted_chars)
