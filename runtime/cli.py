@@ -295,7 +295,8 @@ def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads,
 @click.option("--max-queue", type=click.IntRange(1, 1024), default=16, show_default=True,
               help="Requests waiting beyond the running one; more get 503 with Retry-After.")
 @click.option("--api-key", envvar="SPECEDGE_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' (or set SPECEDGE_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on the /v1 routes (or set SPECEDGE_API_KEY): visible ASCII "
+                   "characters, no spaces; an empty key is refused.")
 @click.option("--backend", default="auto", show_default=True, help=BACKEND_HELP)
 @click.option("--threads", type=THREADS, default=None)
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
@@ -305,6 +306,8 @@ def serve(bundle, host, port, max_queue, api_key, backend, threads, log_level, c
     /health, /metrics). Needs the [serve] extra."""
     from .server import serve as run_server
 
+    if api_key is None and "SPECEDGE_API_KEY" in os.environ:  # click reads an empty variable as unset
+        api_key = os.environ["SPECEDGE_API_KEY"]  # refused as empty, not taken as "no key"
     try:
         run_server(bundle, host=host, port=port, max_queue=max_queue, api_key=api_key, backend=backend,
                    threads=threads, log_level=log_level, cuda_graphs=cuda_graphs)

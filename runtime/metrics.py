@@ -19,12 +19,6 @@ class Counter:
             self.value += by
 
 
-class Gauge(Counter):
-    def set(self, v: float) -> None:
-        with self._lock:
-            self.value = float(v)
-
-
 class Histogram:
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets, self.counts = buckets, [0] * (len(buckets) + 1)
@@ -47,19 +41,46 @@ class Histogram:
         return out
 
 
+# Where an admitted request is: each one is in exactly one of these at any moment, so at every scrape
+# requests_total = completed + cancelled + rejected + failed + queued + running.
+STATES = ("queued", "running", "completed", "cancelled", "rejected", "failed")
+
+
 class Metrics:
+    """The server's counters. A request's state moves under one lock (``admit``, ``move``) and ``render`` reads
+    them under it, so the states add up to ``requests`` in every scrape. Tokens count the work done: a cancelled or
+    failed request's prompt and generated tokens too (``observe_partial``); drafts, reuse, rounds and latencies
+    count completed requests (``observe``)."""
+
     def __init__(self) -> None:
-        self.requests, self.rejected, self.cancelled = Counter(), Counter(), Counter()
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.state = dict.fromkeys(STATES, 0)
         self.prompt_tokens, self.completion_tokens, self.reused_tokens = Counter(), Counter(), Counter()
         self.drafted, self.accepted = Counter(), Counter()
-        self.queue_depth = Gauge()
         self.ttft, self.tpot = Histogram(_TTFT_BUCKETS), Histogram(_TPOT_BUCKETS)
         self.rounds: dict[str, Counter] = {}
-        self._lock = threading.Lock()
 
-    def observe(self, stats: Any, latency_s: float) -> None:
-        self.prompt_tokens.inc(stats.prompt_tokens)
-        self.completion_tokens.inc(stats.new_tokens)
+    def admit(self, state: str = "queued") -> None:
+        """A new request, ``queued`` (or ``rejected`` at once: the server was busy)."""
+        with self._lock:
+            self.requests += 1
+            self.state[state] += 1
+
+    def move(self, src: str, dst: str) -> None:
+        with self._lock:
+            assert self.state[src] > 0, (src, dst, self.state)
+            self.state[src] -= 1
+            self.state[dst] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        """``requests`` and the count in each state, read together."""
+        with self._lock:
+            return {"requests": self.requests, **self.state}
+
+    def observe(self, stats: Any) -> None:
+        """A completed request's statistics."""
+        self.observe_partial(stats.prompt_tokens, stats.new_tokens)
         self.reused_tokens.inc(stats.reused_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
@@ -70,22 +91,29 @@ class Metrics:
             for name, n in (stats.strategies or {}).items():
                 self.rounds.setdefault(name, Counter()).inc(n)
 
+    def observe_partial(self, prompt_tokens: int, new_tokens: int) -> None:
+        """The tokens a request processed, whether or not it completed."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(new_tokens)
+
     def render(self) -> str:
         p = "specedge_"
-        lines = [
-            f"# TYPE {p}requests_total counter", f"{p}requests_total {self.requests.value:.0f}",
-            f"# TYPE {p}requests_rejected_total counter", f"{p}requests_rejected_total {self.rejected.value:.0f}",
-            f"# TYPE {p}requests_cancelled_total counter", f"{p}requests_cancelled_total {self.cancelled.value:.0f}",
-            f"# TYPE {p}prompt_tokens_total counter", f"{p}prompt_tokens_total {self.prompt_tokens.value:.0f}",
-            f"# TYPE {p}completion_tokens_total counter",
-            f"{p}completion_tokens_total {self.completion_tokens.value:.0f}",
-            f"# TYPE {p}reused_prompt_tokens_total counter",
-            f"{p}reused_prompt_tokens_total {self.reused_tokens.value:.0f}",
-            f"# TYPE {p}draft_tokens_total counter", f"{p}draft_tokens_total {self.drafted.value:.0f}",
-            f"# TYPE {p}accepted_tokens_total counter", f"{p}accepted_tokens_total {self.accepted.value:.0f}",
-            f"# TYPE {p}queue_depth gauge", f"{p}queue_depth {self.queue_depth.value:.0f}",
-            f"# TYPE {p}rounds_total counter",
-        ]
+        snap = self.snapshot()
+
+        def counter(name: str, v: float) -> list[str]:
+            return [f"# TYPE {p}{name} counter", f"{p}{name} {v:.0f}"]
+
+        lines = [*counter("requests_total", snap["requests"]),
+                 *[line for s in ("completed", "cancelled", "rejected", "failed")
+                   for line in counter(f"requests_{s}_total", snap[s])],
+                 f"# TYPE {p}queue_depth gauge", f"{p}queue_depth {snap['queued']}",
+                 f"# TYPE {p}requests_running gauge", f"{p}requests_running {snap['running']}",
+                 *counter("prompt_tokens_total", self.prompt_tokens.value),
+                 *counter("completion_tokens_total", self.completion_tokens.value),
+                 *counter("reused_prompt_tokens_total", self.reused_tokens.value),
+                 *counter("draft_tokens_total", self.drafted.value),
+                 *counter("accepted_tokens_total", self.accepted.value),
+                 f"# TYPE {p}rounds_total counter"]
         with self._lock:
             lines += [f'{p}rounds_total{{strategy="{k}"}} {v.value:.0f}' for k, v in sorted(self.rounds.items())]
         lines += [f"# TYPE {p}time_to_first_token_seconds histogram",

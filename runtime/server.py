@@ -14,22 +14,83 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming SSE or not
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import json
 import queue
+import reprlib
+import sys
 import threading
 import time
+import unicodedata
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from .decoder import SpecDecoder
-from .errors import ContextLengthError, PromptError, SamplingParamsError, SpecEdgeError
+from .errors import ContextLengthError, OptionError, PromptError, SamplingParamsError, SpecEdgeError
 from .factory import DRAFTER_ALIASES
 from .metrics import Metrics
 from .request import check_fits
 from .sampling import SamplingParams
+from .text import CHAT_ROLES
 
 DRAFTERS = ("auto", "hybrid", "model", "prompt-lookup", "lookup", "none", "off")
+STOP_STRINGS = 4  # OpenAI's limit
+# A stop string's length limit: ample for the markers people stop at (role tags, fences, sentinels). A stream holds
+# back only text that could begin one, so the limit bounds the matching work per token, not the latency.
+STOP_CHARS = 256
+# A body this large has its freed heap handed back to the OS once it is answered: glibc keeps freed pages for reuse,
+# and a 1 MB prompt's parse and tokens take a few hundred MB for a moment (docs/serving.md, Memory).
+TRIM_BODY_BYTES = 256 << 10
+
+_show = reprlib.Repr()  # a field's value in an error message: short, and bounded however deep the JSON nests
+_show.maxstring = _show.maxother = 60
+_show.maxlevel = 3
+
+
+def check_api_key(key: str | None) -> str | None:
+    """``key`` if an HTTP client can send it as ``Authorization: Bearer KEY``: one or more visible ASCII characters
+    (``!`` to ``~``). None serves without a key; an empty or blank key is refused, never read as "no key". The
+    error names the offending character, never the key."""
+    if key is None:
+        return None
+    what = "the API key (--api-key or SPECEDGE_API_KEY)"
+    allowed = "one or more visible ASCII characters (! to ~: no spaces, control or non-ASCII characters)"
+    if not isinstance(key, str):
+        raise OptionError(f"{what} must be a string of {allowed}, got {type(key).__name__}")
+    if not key:
+        raise OptionError(f"{what} is empty; give {allowed}, or leave the option and the variable out to serve "
+                          f"without a key")
+    bad = next((i for i, c in enumerate(key) if not "!" <= c <= "~"), None)
+    if bad is not None:
+        c = key[bad]
+        raise OptionError(f"{what} has U+{ord(c):04X} ({unicodedata.name(c, 'a control character')}) at position "
+                          f"{bad} of its {len(key)} characters, which HTTP clients cannot send in a header as "
+                          f"given; allowed: {allowed}")
+    return key
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # glibc; musl has none
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> None:
+    """Return the heap pages malloc holds free to the OS (glibc's ``malloc_trim(0)``: the free pages of every arena,
+    and the main arena's free top); elsewhere a no-op."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class ApiError(Exception):
@@ -50,10 +111,15 @@ class Job:
     params: SamplingParams
     drafter: str
     k: int | None
+    n_prompt: int
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
-    queued_at: float = field(default_factory=time.perf_counter)
+
+    def post(self, kind: str, item: Any) -> None:
+        """From the worker thread to the request's coroutine: ("event", StreamEvent), ("done", None) or
+        ("error", exception)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, item))
 
 
 def _num(body: dict, name: str, kind: type, default: Any, lo: float, hi: float) -> Any:
@@ -63,7 +129,7 @@ def _num(body: dict, name: str, kind: type, default: Any, lo: float, hi: float) 
     ok = isinstance(v, kind) and not isinstance(v, bool) if kind is int else \
         isinstance(v, (int, float)) and not isinstance(v, bool)
     if not ok or not lo <= v <= hi:
-        raise ApiError(400, f"'{name}' must be a number in [{lo}, {hi}], got {v!r}", param=name)
+        raise ApiError(400, f"'{name}' must be a number in [{lo}, {hi}], got {_show.repr(v)}", param=name)
     return v
 
 
@@ -73,10 +139,7 @@ def parse_request(body: Any, chat: bool, max_context: int, k_max: int) -> tuple[
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        prompt = msgs
+        prompt = chat_messages(body.get("messages"))
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -91,34 +154,84 @@ def parse_request(body: Any, chat: bool, max_context: int, k_max: int) -> tuple[
                    "frequency_penalty": (None, 0), "logit_bias": (None, {})}
     for name, fine in unsupported.items():  # not implemented: said, not silently ignored
         if name in body and body[name] not in fine:
-            raise ApiError(400, f"'{name}' {body[name]!r} is not supported by this server (one choice, plain text, "
-                                f"no logprobs, tools, penalties or logit bias); leave it out", param=name,
+            raise ApiError(400, f"'{name}' {_show.repr(body[name])} is not supported by this server (one choice, "
+                                f"plain text, no logprobs, tools, penalties or logit bias); leave it out", param=name,
                            code="unsupported_parameter")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or
-                             not all(isinstance(s, str) and s for s in stop)):
-        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
+    stop = parse_stop(body.get("stop"))
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63):
-        raise ApiError(400, f"'seed' must be an integer in [0, 2^63), got {seed!r}", param="seed")
+        raise ApiError(400, f"'seed' must be an integer in [0, 2^63), got {_show.repr(seed)}", param="seed")
     spec = body.get("speculation") or {}
     if not isinstance(spec, dict):
         raise ApiError(400, "'speculation' must be an object {drafter, k}", param="speculation")
     drafter = spec.get("drafter", "auto")
-    if drafter not in DRAFTERS:
-        raise ApiError(400, f"'speculation.drafter' must be one of {', '.join(DRAFTERS)}, got {drafter!r}",
+    if not isinstance(drafter, str) or drafter not in DRAFTERS:
+        raise ApiError(400, f"'speculation.drafter' must be one of {', '.join(DRAFTERS)}, got {_show.repr(drafter)}",
                        param="speculation.drafter")
     k = _num(spec, "k", int, None, 0, k_max) if "k" in spec else None
     try:
         params = SamplingParams(max_new_tokens=max_tokens,
                                 temperature=_num(body, "temperature", float, 1.0, 0.0, 2.0),
                                 top_p=_num(body, "top_p", float, 1.0, 1e-9, 1.0),
-                                top_k=_num(body, "top_k", int, 0, 0, 1 << 20), seed=seed, stop=tuple(stop or ()))
+                                top_k=_num(body, "top_k", int, 0, 0, 1 << 20), seed=seed, stop=stop)
     except SamplingParamsError as e:
         raise ApiError(400, str(e)) from None
     return prompt, params, drafter, k
+
+
+def chat_messages(msgs: Any) -> list[dict]:
+    """OpenAI chat messages as the chat template takes them, meaning what they mean to OpenAI: the ``developer``
+    role is ``system`` (its newer name), ``content`` as a list of text parts is their texts joined by newlines, and
+    an assistant's ``content: null`` (or none: a turn that only called tools) is empty. Parts a text model cannot
+    read (images, audio, files) are refused, as is null content in any other role."""
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, f"'messages' must be a non-empty list of {{role, content}} objects, got {_show.repr(msgs)}",
+                       param="messages")
+    roles = ", ".join(["system", "developer (as system)", *CHAT_ROLES[1:]])
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be a {{role, content}} object, got {_show.repr(m)}",
+                           param=f"messages[{i}]")
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}]: role {_show.repr(role)} is not allowed; roles: {roles}",
+                           param=f"messages[{i}].role")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise ApiError(400, f"messages[{i}] ({m['role']}) has no content (missing or null); only an "
+                                    f"assistant message may leave it out", param=f"messages[{i}].content")
+            content = ""
+        elif isinstance(content, list):
+            content = "\n".join(_text_part(p, i, j) for j, p in enumerate(content))
+        out.append({**m, "role": role, "content": content})
+    return out
+
+
+def _text_part(part: Any, i: int, j: int) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    got = f"a part of type {_show.repr(kind)}" if isinstance(kind, str) else _show.repr(part)
+    raise ApiError(400, f"messages[{i}].content[{j}] is {got}; this server serves a text model and reads only text "
+                        f"parts {{\"type\": \"text\", \"text\": ...}}", param=f"messages[{i}].content[{j}]")
+
+
+def parse_stop(stop: Any) -> tuple[str, ...]:
+    """``stop`` as OpenAI takes it, a string or a list of up to 4, each here of 1 to STOP_CHARS characters."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > STOP_STRINGS
+            or not all(isinstance(s, str) and 0 < len(s) <= STOP_CHARS for s in stops)):
+        if isinstance(stops, list) and all(isinstance(s, str) for s in stops):
+            got = f"{len(stops)} string(s) of {', '.join(str(len(s)) for s in stops[:8])} characters"
+        else:
+            got = _show.repr(stop)
+        raise ApiError(400, f"'stop' must be a string or a list of up to {STOP_STRINGS} strings, each of 1 to "
+                            f"{STOP_CHARS} characters; got {got}", param="stop")
+    return tuple(stops)
 
 
 def parse_streaming(body: dict) -> tuple[bool, bool]:
@@ -126,16 +239,16 @@ def parse_streaming(body: dict) -> tuple[bool, bool]:
     before anything is queued."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise ApiError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
+        raise ApiError(400, f"'stream' must be true or false, got {_show.repr(stream)}", param="stream")
     opts = body.get("stream_options")
     if opts is None:
         return bool(stream), False
     if not isinstance(opts, dict):
-        raise ApiError(400, f"'stream_options' must be an object {{include_usage}}, got {opts!r}",
+        raise ApiError(400, f"'stream_options' must be an object {{include_usage}}, got {_show.repr(opts)}",
                        param="stream_options")
     usage = opts.get("include_usage")
     if usage is not None and not isinstance(usage, bool):
-        raise ApiError(400, f"'stream_options.include_usage' must be true or false, got {usage!r}",
+        raise ApiError(400, f"'stream_options.include_usage' must be true or false, got {_show.repr(usage)}",
                        param="stream_options.include_usage")
     return bool(stream), bool(usage)
 
@@ -145,7 +258,7 @@ class Server:
 
     def __init__(self, dec: SpecDecoder, model_name: str, max_queue: int = 16, api_key: str | None = None,
                  max_body: int | None = None):
-        self.dec, self.model, self.api_key = dec, model_name, api_key
+        self.dec, self.model, self.api_key = dec, model_name, check_api_key(api_key)
         # The largest request body read: a prompt that fills the context is a few bytes a token (~4 of English,
         # up to ~12 JSON-escaped), so 64 a token with a 1 MiB floor turns away only what cannot fit, before it is
         # parsed and tokenized (a 24 MB prompt took 2 GB and 20 s of the event loop to be refused).
@@ -162,22 +275,38 @@ class Server:
             job = self.jobs.get()
             if job is None:
                 return
-            self.metrics.queue_depth.set(self.jobs.qsize())
-            post = lambda kind, item: job.loop.call_soon_threadsafe(job.events.put_nowait, (kind, item))  # noqa
-            if job.cancelled.is_set():
-                post("done", None)
-                continue
-            try:
-                stream = self.dec.stream(job.prompt, job.params, drafter=job.drafter, k=job.k)
-                for ev in stream:
-                    if job.cancelled.is_set():  # the client left: stop at this round boundary
-                        stream.close()
-                        self.metrics.cancelled.inc()
-                        break
-                    post("event", ev)
-                post("done", None)
-            except Exception as e:  # noqa: BLE001 - reported to the client, never kills the worker
-                post("error", e)
+            self.metrics.move("queued", "running")
+            outcome, error = self._decode(job)
+            self.metrics.move("running", outcome)  # counted before the client can see the end
+            if error is not None:
+                job.post("error", error)
+            else:
+                job.post("done", None)
+
+    def _decode(self, job: Job) -> tuple[str, Exception | None]:
+        """Run one job, posting its events: (outcome, the error if it failed). A client that left stops it at
+        the next round boundary; the tokens it had cost are counted all the same."""
+        if job.cancelled.is_set():  # the client left while it was queued
+            return "cancelled", None
+        n_new, stats = 0, None
+        try:
+            stream = self.dec.stream(job.prompt, job.params, drafter=job.drafter, k=job.k)
+            for ev in stream:
+                n_new += len(ev.token_ids)
+                if ev.finished:
+                    stats = ev.stats
+                elif job.cancelled.is_set():
+                    stream.close()
+                    break
+                job.post("event", ev)
+        except Exception as e:  # noqa: BLE001 - reported to the client, never kills the worker
+            self.metrics.observe_partial(job.n_prompt if n_new else 0, n_new)
+            return "failed", e
+        if stats is None:
+            self.metrics.observe_partial(job.n_prompt, n_new)
+            return "cancelled", None
+        self.metrics.observe(stats)
+        return "completed", None
 
     def stop(self) -> None:
         self.jobs.put(None)
@@ -201,9 +330,14 @@ class Server:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     def _auth(self, request: Any) -> None:
-        if self.api_key and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        """``Authorization: Bearer KEY`` where a key is set; the scheme's case does not matter (RFC 7235)."""
+        if self.api_key is None:
+            return
+        scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
+        given = credentials.strip().encode("latin-1")  # the header's bytes, as Starlette decoded them
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.api_key.encode("ascii")):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _health(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
@@ -232,44 +366,71 @@ class Server:
         return await self._handle(request, chat=False)
 
     async def _handle(self, request: Any, chat: bool) -> Any:
+        request.state.body_bytes = 0
         try:
-            self._auth(request)
-            try:
-                body = json.loads(await self._read_body(request))
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-            if isinstance(body, dict) and body.get("model") not in (None, self.model):
-                raise ApiError(404, f"model {body.get('model')!r} does not exist; this server serves {self.model!r}",
-                               param="model", code="model_not_found")
-            m = self.dec.manifest
-            prompt, params, drafter, k = parse_request(body, chat, m.max_context, m.k)
-            stream, include_usage = parse_streaming(body)
-            if DRAFTER_ALIASES.get(drafter, drafter) == "model" and self.dec.draft_runner is None:
-                raise ApiError(400, "this bundle has no draft model; use drafter 'auto', 'prompt-lookup' or 'none'",
-                               param="speculation.drafter")
-            try:  # tokenize and check the context here (off the event loop), so the error is the client's and
-                # nothing is queued
-                n_prompt = await asyncio.to_thread(self._prompt_tokens, prompt, params)
-            except ContextLengthError as e:
-                raise ApiError(400, str(e), param="messages" if chat else "prompt",
-                               code="context_length_exceeded") from None
-            except (PromptError, SamplingParamsError) as e:
-                raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
-            job = Job(prompt, chat, params, drafter, k, asyncio.get_running_loop(), asyncio.Queue())
-            try:
-                self.jobs.put_nowait(job)
-            except queue.Full:
-                self.metrics.rejected.inc()
-                raise ApiError(503, f"the server is busy ({self.jobs.maxsize} requests queued); retry shortly",
-                               "server_error", code="overloaded", headers={"Retry-After": "1"}) from None
-            self.metrics.queue_depth.set(self.jobs.qsize())
-            self.metrics.requests.inc()
+            job, stream, include_usage = await self._admit(request, chat)
         except ApiError as e:
-            return self._error(e)
+            refused = self._error(e)
+        else:
+            refused = None
+        # the body, its parse and its tokens are garbage by now (the error's traceback held them until here)
+        if request.state.body_bytes >= TRIM_BODY_BYTES:
+            release_free_heap()
+        if refused is not None:
+            return refused
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if stream:
-            return self._sse(request, job, rid, chat, n_prompt, include_usage)
-        return await self._collect(request, job, rid, chat, n_prompt)
+            return self._sse(job, rid, chat, include_usage)
+        return await self._collect(request, job, rid, chat)
+
+    async def _admit(self, request: Any, chat: bool) -> tuple[Job, bool, bool]:
+        """Check a request and queue its job, or raise ApiError: every error the client's, found before anything
+        is queued."""
+        self._auth(request)
+        raw = await self._read_body(request)
+        request.state.body_bytes = len(raw)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, f"the request body nests arrays or objects deeper than this server parses (about "
+                                f"{sys.getrecursionlimit()} levels); a request is an object a few levels deep"
+                           ) from None
+        del raw
+        if isinstance(body, dict) and body.get("model") not in (None, self.model):
+            raise ApiError(404, f"model {_show.repr(body.get('model'))} does not exist; this server serves "
+                                f"{self.model!r}", param="model", code="model_not_found")
+        m = self.dec.manifest
+        prompt, params, drafter, k = parse_request(body, chat, m.max_context, m.k)
+        stream, include_usage = parse_streaming(body)
+        del body
+        if DRAFTER_ALIASES.get(drafter, drafter) == "model" and self.dec.draft_runner is None:
+            raise ApiError(400, "this bundle has no draft model; use drafter 'auto', 'prompt-lookup' or 'none'",
+                           param="speculation.drafter")
+        if self.jobs.full():  # refused before its prompt is tokenized
+            self.metrics.admit("rejected")
+            raise self._busy()
+        # Tokenized and checked against the context here, so the error is the client's and nothing is queued. On
+        # the event loop's thread: the tokenizer holds the GIL while it encodes, so another thread would stall the
+        # loop all the same, and this thread's heap (spec-run serve's main thread: glibc's main arena) is the one
+        # malloc_trim shrinks to the last page; another thread's arena keeps its free top, tens of MB after a 1 MB
+        # prompt.
+        try:
+            n_prompt = self._prompt_tokens(prompt, params)
+        except ContextLengthError as e:
+            raise ApiError(400, str(e), param="messages" if chat else "prompt",
+                           code="context_length_exceeded") from None
+        except (PromptError, SamplingParamsError) as e:
+            raise ApiError(400, str(e), param="messages" if chat else "prompt") from None
+        job = Job(prompt, chat, params, drafter, k, n_prompt, asyncio.get_running_loop(), asyncio.Queue())
+        self.metrics.admit()
+        self.jobs.put_nowait(job)  # there is room: only this thread puts, and it awaited nothing since the check
+        return job, stream, include_usage
+
+    def _busy(self) -> ApiError:
+        return ApiError(503, f"the server is busy (its queue of {self.jobs.maxsize} requests is full); retry shortly",
+                        "server_error", code="overloaded", headers={"Retry-After": "1"})
 
     async def _read_body(self, request: Any) -> bytes:
         """The request body, refused (413) past ``max_body`` bytes, by its Content-Length or as it arrives."""
@@ -279,13 +440,12 @@ class Server:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:
             raise too_big
-        parts, n = [], 0
+        body = bytearray()
         async for part in request.stream():
-            n += len(part)
-            if n > self.max_body:
+            if len(body) + len(part) > self.max_body:
                 raise too_big
-            parts.append(part)
-        return b"".join(parts)
+            body += part
+        return bytes(body)
 
     def _prompt_tokens(self, prompt: Any, params: SamplingParams) -> int:
         n = len(self.dec.encode_prompt(prompt))
@@ -305,10 +465,6 @@ class Server:
                                  "decode_tok_s": round(stats.decode_tok_s, 2)}
         return usage
 
-    def _finish(self, job: Job, stats: Any) -> None:
-        if stats is not None:
-            self.metrics.observe(stats, time.perf_counter() - job.queued_at)
-
     async def _next(self, job: Job) -> tuple[str, Any]:
         kind, item = await job.events.get()
         if kind == "error":
@@ -318,7 +474,7 @@ class Server:
                            else "server_error")
         return kind, item
 
-    async def _collect(self, request: Any, job: Job, rid: str, chat: bool, n_prompt: int) -> Any:
+    async def _collect(self, request: Any, job: Job, rid: str, chat: bool) -> Any:
         from starlette.responses import JSONResponse
 
         async def watch() -> None:  # the body is read: the next message is the client leaving (or the response sent)
@@ -341,7 +497,6 @@ class Server:
         finally:
             watcher.cancel()
             job.cancelled.set()  # no-op once done; frees the worker if this coroutine was cancelled
-        self._finish(job, stats)
         out = "".join(text)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(reason), "logprobs": None}
         if chat:
@@ -350,9 +505,9 @@ class Server:
             choice["text"] = out
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": self.model, "choices": [choice],
-                             "usage": self._usage(n_prompt, stats)})
+                             "usage": self._usage(job.n_prompt, stats)})
 
-    def _sse(self, request: Any, job: Job, rid: str, chat: bool, n_prompt: int, include_usage: bool) -> Any:
+    def _sse(self, job: Job, rid: str, chat: bool, include_usage: bool) -> Any:
         from starlette.responses import StreamingResponse
 
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -388,9 +543,8 @@ class Server:
                 yield chunk(None, _reason(reason))
                 if include_usage:
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.model,
-                                                 "choices": [], "usage": self._usage(n_prompt, stats)}) + "\n\n"
+                                                 "choices": [], "usage": self._usage(job.n_prompt, stats)}) + "\n\n"
                 yield "data: [DONE]\n\n"
-                self._finish(job, stats)
             finally:
                 job.cancelled.set()  # the client went away (or we are done): the worker stops at the next round
 
@@ -404,16 +558,27 @@ def _reason(reason: str | None) -> str | None:
 
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16, api_key: str | None = None,
           backend: str = "auto", threads: int | None = None, log_level: str = "info", cuda_graphs: bool = True) -> None:
-    """Load the bundle and serve it until interrupted."""
+    """Load the bundle and serve it until interrupted. The log says at start whether an API key is required (never
+    the key)."""
     try:
         import uvicorn
     except ImportError:
         raise SpecEdgeError("spec-run serve needs the [serve] extra: pip install 'specedge[serve]'") from None
+    import logging
     from pathlib import Path
 
+    api_key = check_api_key(api_key)  # before the bundle loads: a bad key fails in a moment
     dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", cuda_graphs=cuda_graphs)
     srv = Server(dec, Path(bundle).resolve().name, max_queue=max_queue, api_key=api_key)
+    config = uvicorn.Config(srv.app, host=host, port=port, log_level=log_level)  # sets up uvicorn's loggers
+    log = logging.getLogger("uvicorn.error")
+    if api_key is not None:
+        log.info("specedge: serving %s; the /v1 routes require an API key (Authorization: Bearer ...)", srv.model)
+    else:
+        log.log(logging.INFO if host in ("127.0.0.1", "localhost", "::1") else logging.WARNING,
+                "specedge: serving %s with no API key: every client that reaches %s:%d is served (--api-key or "
+                "SPECEDGE_API_KEY requires one)", srv.model, host, port)
     try:
-        uvicorn.run(srv.app, host=host, port=port, log_level=log_level)
+        uvicorn.Server(config).run()
     finally:
         srv.stop()
