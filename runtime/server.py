@@ -342,6 +342,10 @@ class Server:
     async def _health(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
+        changed = self.dec.files.changed()  # a few stat calls: what every request checks first
+        if changed:  # every request would be refused: tell the orchestrator to restart the server
+            return JSONResponse({"status": "bundle changed on disk", "changed": changed, "model": self.model,
+                                 "queue": self.jobs.qsize()}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.model, "queue": self.jobs.qsize()})
 
     async def _metrics(self, request: Any) -> Any:

@@ -126,3 +126,28 @@ def test_a_weights_file_truncated_under_a_running_decoder_does_not_crash_it(bund
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
     assert "refused:" in run.stdout and "changed on disk" in run.stdout and "alive" in run.stdout
+
+
+def test_a_server_whose_bundle_changed_says_so_on_health_and_to_every_request(bundle):
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+    from tests.runtime.test_server import Running
+
+    srv = Running(bundle)
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert srv.post("/v1/chat/completions", body)[0] == 200
+        os.utime(bundle / DATA, ns=(0, 0))
+        status, reply, _ = srv.post("/v1/chat/completions", body)
+        assert status == 500 and "changed on disk" in reply["error"]["message"], reply
+        import urllib.error
+        import urllib.request
+
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(srv.url + "/health", timeout=30)
+        assert e.value.code == 503
+        health = json.loads(e.value.read())
+        assert health["status"] == "bundle changed on disk" and health["changed"] == [DATA]
+    finally:
+        srv.close()
