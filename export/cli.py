@@ -249,7 +249,8 @@ def _refuse_unused(names: tuple[str, ...], unused: bool, why: str) -> None:
 
 @main.command()
 @click.argument("bundle", type=click.Path())
-@click.option("--verify/--no-verify", default=True, show_default=True, help="Check every file's sha256.")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Check every file's sha256 (--no-verify: sizes and sampled blocks).")
 def info(bundle: str, verify: bool) -> None:
     """Print what is in a bundle: models, widths, sizes, hashes."""
     from specedge.runtime.manifest import EngineSet, read_manifest

@@ -161,7 +161,8 @@ def comma_list(cast, allowed: str):
 @click.option("--invariant/--no-invariant", default=True, show_default=True, help=INVARIANT_HELP)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True, help=CUDA_GRAPHS_HELP)
 @click.option("--verify", type=click.Choice(["sha256", "size"]), default="sha256", show_default=True,
-              help="Check every bundle file's sha256 before benchmarking (size: sizes only, faster on big bundles).")
+              help="Check every bundle file's sha256 before benchmarking (size: sizes and sampled blocks, faster on "
+                   "big bundles).")
 def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, per_suite, ignore_eos, out, no_plots,
           backend, precision, threads, invariant, cuda_graphs, verify) -> None:
     """Benchmark speculative vs plain decoding on BUNDLE: every configuration and the plain baseline on the same

@@ -229,6 +229,28 @@ PLANTS = {
     "re-timed traces keep their old step times": (
         "tools/dev/lookup_replay.py", '"steps": {str(T): s for T, s in timed["target"].items()',
         '"steps": run["steps"] or {str(T): s for T, s in timed["target"].items()', ["tests/test_lookup_replay.py"]),
+    "the target's rows counted before an interrupted prefill wrote them": (
+        "runtime/decoder.py", "            self.rows.writing(tokens, start)\n",
+        "            self.rows.wrote(tokens, req.n)\n", ["tests/runtime/test_faults.py"]),
+    "a resync leaves the rows it rewrites counted": (
+        "runtime/decoder.py", "        self.rows.writing(req.tokens, start)\n", "", ["tests/runtime/test_faults.py"]),
+    "the draft cache keeps counting the rows a catch-up rewrites": (
+        "runtime/drafters.py", "        self.cache.rows_for = tokens[: self.rows]\n", "",
+        ["tests/runtime/test_faults.py"]),
+    "close does not wait for the step in progress": (
+        "runtime/decoder.py", "        with self._lock:  # a step in progress on another thread finishes first",
+        "        if True:", ["tests/runtime/test_faults.py"]),
+    "the sampled hash is not checked": (
+        "runtime/manifest.py", 'if verify == "size" and sample is not None and', "if False and",
+        ["tests/runtime/test_damaged_weights.py"]),
+    "ONNX Runtime maps the weights file": (
+        "runtime/backends/ort.py", "    if not data.is_file():\n        return ort.InferenceSession",
+        "    if True:\n        return ort.InferenceSession", ["tests/runtime/test_damaged_weights.py"]),
+    "a decoder serves requests after its files changed": (
+        "runtime/decoder.py", "        self.files.check()\n", "", ["tests/runtime/test_damaged_weights.py"]),
+    "all-equal logits are taken for an answer": (
+        "runtime/decoder.py", 'else "all equal" if logits.min() == logits.max() else None)', "else None)",
+        ["tests/runtime/test_damaged_weights.py"]),
     "lookup bound assumes every drafted token passes": (
         "tools/dev/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),
@@ -238,7 +260,8 @@ PLANTS = {
 # plants whose tests take seconds, not minutes: what CI runs (--fast)
 FAST = ("sample from p instead of the residual at a rejection", "every draft position tested against row 0",
         "bonus token drawn from the wrong row", "process_logits ignores top-p", "process_logits ignores top-k",
-        "process_logits ignores the temperature", "the keyed sampler ignores the seed")
+        "process_logits ignores the temperature", "the keyed sampler ignores the seed",
+        "the target's rows counted before an interrupted prefill wrote them", "the sampled hash is not checked")
 
 
 def stale(root: Path) -> list[str]:
