@@ -302,7 +302,10 @@ def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads,
 @click.option("--threads", type=THREADS, default=None)
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True, help=CUDA_GRAPHS_HELP)
-def serve(bundle, host, port, max_queue, api_key, backend, threads, log_level, cuda_graphs) -> None:
+@click.option("--drafter", type=click.Choice(["auto", "hybrid", "model", "lookup", "prompt-lookup", "off", "none"]),
+              default="auto", show_default=True,
+              help="The drafter of a request that names none in its 'speculation' field (see spec-run generate).")
+def serve(bundle, host, port, max_queue, api_key, backend, threads, log_level, cuda_graphs, drafter) -> None:
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics). Needs the [serve] extra."""
     from .server import serve as run_server
@@ -311,7 +314,7 @@ def serve(bundle, host, port, max_queue, api_key, backend, threads, log_level, c
         api_key = os.environ["SPECEDGE_API_KEY"]  # refused as empty, not taken as "no key"
     try:
         run_server(bundle, host=host, port=port, max_queue=max_queue, api_key=api_key, backend=backend,
-                   threads=threads, log_level=log_level, cuda_graphs=cuda_graphs)
+                   threads=threads, log_level=log_level, cuda_graphs=cuda_graphs, drafter=drafter)
     except SpecEdgeError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

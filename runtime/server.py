@@ -133,9 +133,10 @@ def _num(body: dict, name: str, kind: type, default: Any, lo: float, hi: float) 
     return v
 
 
-def parse_request(body: Any, chat: bool, max_context: int, k_max: int) -> tuple[Any, SamplingParams, str, int | None]:
+def parse_request(body: Any, chat: bool, max_context: int, k_max: int, drafter: str = "auto"
+                  ) -> tuple[Any, SamplingParams, str, int | None]:
     """OpenAI request fields -> (prompt, SamplingParams, drafter, k). Unknown fields are ignored, invalid ones
-    raise ApiError(400) naming the field and what is allowed."""
+    raise ApiError(400) naming the field and what is allowed. ``drafter``: for a request that names none."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if chat:
@@ -164,7 +165,7 @@ def parse_request(body: Any, chat: bool, max_context: int, k_max: int) -> tuple[
     spec = body.get("speculation") or {}
     if not isinstance(spec, dict):
         raise ApiError(400, "'speculation' must be an object {drafter, k}", param="speculation")
-    drafter = spec.get("drafter", "auto")
+    drafter = spec.get("drafter", drafter)
     if not isinstance(drafter, str) or drafter not in DRAFTERS:
         raise ApiError(400, f"'speculation.drafter' must be one of {', '.join(DRAFTERS)}, got {_show.repr(drafter)}",
                        param="speculation.drafter")
@@ -257,8 +258,13 @@ class Server:
     """The decoder, its worker thread, the bounded queue and the metrics; ``app`` is the ASGI application."""
 
     def __init__(self, dec: SpecDecoder, model_name: str, max_queue: int = 16, api_key: str | None = None,
-                 max_body: int | None = None):
+                 max_body: int | None = None, drafter: str = "auto"):
         self.dec, self.model, self.api_key = dec, model_name, check_api_key(api_key)
+        if drafter not in DRAFTERS:
+            raise OptionError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        if DRAFTER_ALIASES.get(drafter, drafter) == "model" and dec.draft_runner is None:
+            raise OptionError(f"drafter {drafter!r}: this bundle has no draft model; use auto, prompt-lookup or none")
+        self.drafter = drafter  # for requests that name none (speculation.drafter)
         # The largest request body read: a prompt that fills the context is a few bytes a token (~4 of English,
         # up to ~12 JSON-escaped), so 64 a token with a 1 MiB floor turns away only what cannot fit, before it is
         # parsed and tokenized (a 24 MB prompt took 2 GB and 20 s of the event loop to be refused).
@@ -406,7 +412,7 @@ class Server:
             raise ApiError(404, f"model {_show.repr(body.get('model'))} does not exist; this server serves "
                                 f"{self.model!r}", param="model", code="model_not_found")
         m = self.dec.manifest
-        prompt, params, drafter, k = parse_request(body, chat, m.max_context, m.k)
+        prompt, params, drafter, k = parse_request(body, chat, m.max_context, m.k, self.drafter)
         stream, include_usage = parse_streaming(body)
         del body
         if DRAFTER_ALIASES.get(drafter, drafter) == "model" and self.dec.draft_runner is None:
@@ -561,7 +567,8 @@ def _reason(reason: str | None) -> str | None:
 
 
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16, api_key: str | None = None,
-          backend: str = "auto", threads: int | None = None, log_level: str = "info", cuda_graphs: bool = True) -> None:
+          backend: str = "auto", threads: int | None = None, log_level: str = "info", cuda_graphs: bool = True,
+          drafter: str = "auto") -> None:
     """Load the bundle and serve it until interrupted. The log says at start whether an API key is required (never
     the key)."""
     try:
@@ -573,7 +580,7 @@ def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int
 
     api_key = check_api_key(api_key)  # before the bundle loads: a bad key fails in a moment
     dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", cuda_graphs=cuda_graphs)
-    srv = Server(dec, Path(bundle).resolve().name, max_queue=max_queue, api_key=api_key)
+    srv = Server(dec, Path(bundle).resolve().name, max_queue=max_queue, api_key=api_key, drafter=drafter)
     config = uvicorn.Config(srv.app, host=host, port=port, log_level=log_level)  # sets up uvicorn's loggers
     log = logging.getLogger("uvicorn.error")
     if api_key is not None:

@@ -17,7 +17,7 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from specedge.runtime import SamplingParams, SpecDecoder  # noqa: E402
+from specedge.runtime import OptionError, SamplingParams, SpecDecoder  # noqa: E402
 from specedge.runtime.server import Server  # noqa: E402
 
 GREEDY = dict(temperature=0, max_tokens=24)
@@ -273,3 +273,36 @@ def test_a_body_over_the_limit_is_413_by_its_length_or_as_it_arrives(bundles):
         assert ok[0] == 200
     finally:
         s.close()
+
+
+def test_serve_takes_every_presets_run_table_and_its_drafter(monkeypatch):
+    """`spec-run serve --config PRESET` reads the [run] table generate and chat read, drafter included: the drafter of
+    requests that name none."""
+    from click.testing import CliRunner
+
+    import specedge.runtime.server as server_module
+    from specedge.runtime.cli import main
+    from specedge.runtime.config import list_presets, load_config
+
+    seen = []
+    monkeypatch.setattr(server_module, "serve", lambda bundle, **kw: seen.append(kw))
+    for preset in list_presets():
+        r = CliRunner().invoke(main, ["serve", "B", "--config", preset])
+        assert r.exit_code == 0, (preset, r.output)
+        assert seen.pop()["drafter"] == load_config(preset)["run"].get("drafter", "auto")
+    r = CliRunner().invoke(main, ["serve", "B", "--config", "cpu", "--drafter", "none"])
+    assert r.exit_code == 0 and seen.pop()["drafter"] == "none"
+
+
+def test_a_servers_drafter_is_the_default_of_requests_that_name_none(bundles):
+    s = Running(bundles["lookup"], drafter="none")
+    try:
+        body = {"model": "tiny", "prompt": "def fib(n):", "max_tokens": 6}
+        status, reply, _ = s.post("/v1/completions", body)
+        assert status == 200 and reply["usage"]["specedge"]["strategies"] == {"none": 5}, reply
+        status, reply, _ = s.post("/v1/completions", {**body, "speculation": {"drafter": "prompt-lookup"}})
+        assert status == 200 and "none" not in reply["usage"]["specedge"]["strategies"], reply
+    finally:
+        s.close()
+    with pytest.raises(OptionError, match="no draft model"):
+        Server(SpecDecoder.load(bundles["lookup"]), "tiny", drafter="model")
