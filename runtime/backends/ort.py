@@ -60,7 +60,9 @@ def open_session(ort: Any, path: Path, so: Any, providers: list) -> Any:
     silently changes its answers. Handed the file's contents, it copies what it needs while the session is made,
     and the file is never touched again (a changed file is found by :class:`..manifest.FileWatch`)."""
     data = path.with_name(path.name + ".data")
-    if not data.is_file():
+    names = {p if isinstance(p, str) else p[0] for p in providers}
+    # ONNX Runtime's TensorRT execution provider parses the model from its file itself (ort-trt): left as it was
+    if not data.is_file() or "TensorrtExecutionProvider" in names:
         return ort.InferenceSession(str(path), so, providers=providers)
     with open(data, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
         so.add_external_initializers_from_files_in_memory([data.name], [view], [len(view)])

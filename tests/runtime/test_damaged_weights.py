@@ -151,3 +151,29 @@ def test_a_server_whose_bundle_changed_says_so_on_health_and_to_every_request(bu
         assert health["status"] == "bundle changed on disk" and health["changed"] == [DATA]
     finally:
         srv.close()
+
+
+def test_the_tensorrt_execution_provider_keeps_reading_the_model_from_its_file(bundle):
+    """ONNX Runtime's TensorRT execution provider parses the model file itself, so it is not handed the weights;
+    the CPU and CUDA providers are."""
+    from specedge.runtime.backends.ort import open_session
+
+    class FakeOptions:
+        def __init__(self):
+            self.given = []
+
+        def add_external_initializers_from_files_in_memory(self, names, buffers, lengths):
+            self.given.append((list(names), list(lengths)))
+
+    class FakeOrt:
+        @staticmethod
+        def InferenceSession(path, so, providers):  # noqa: N802
+            return path
+
+    size = (bundle / DATA).stat().st_size
+    for providers, handed in ((["CPUExecutionProvider"], True),
+                              ([("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"], True),
+                              ([("TensorrtExecutionProvider", {}), "CPUExecutionProvider"], False)):
+        so = FakeOptions()
+        assert open_session(FakeOrt, bundle / "target.onnx", so, providers) == str(bundle / "target.onnx")
+        assert so.given == ([([DATA], [size])] if handed else []), providers

@@ -244,8 +244,8 @@ PLANTS = {
         "runtime/manifest.py", 'if verify == "size" and sample is not None and', "if False and",
         ["tests/runtime/test_damaged_weights.py"]),
     "ONNX Runtime maps the weights file": (
-        "runtime/backends/ort.py", "    if not data.is_file():\n        return ort.InferenceSession",
-        "    if True:\n        return ort.InferenceSession", ["tests/runtime/test_damaged_weights.py"]),
+        "runtime/backends/ort.py", 'if not data.is_file() or "TensorrtExecutionProvider" in names:', "if True:",
+        ["tests/runtime/test_damaged_weights.py"]),
     "a decoder serves requests after its files changed": (
         "runtime/decoder.py", "        self.files.check()\n", "", ["tests/runtime/test_damaged_weights.py"]),
     "all-equal logits are taken for an answer": (
