@@ -113,3 +113,10 @@ def test_spec_run_bench_cli(bundles, tmp_path):
     assert (out / "results.json").is_file() and "| mine | prompt-lookup | 2 |" in r.output
     r = CliRunner().invoke(run_cli, ["bench", str(bundles["lookup"]), "--suite", "poetry"])
     assert r.exit_code == 2 and "unknown suite" in r.output
+
+
+def test_bench_passes_the_cuda_graphs_flag_to_the_decoder(monkeypatch, bundles, tmp_path):
+    from tests.runtime.test_trt_contexts import check_cuda_graphs_flag
+
+    check_cuda_graphs_flag(monkeypatch, ["bench", str(bundles["lookup"]), "--out", str(tmp_path / "bench"),
+                                         "--suite", "chat", "--max-new-tokens", "4"])

@@ -409,9 +409,8 @@ def test_cuda_graphs_flag_reaches_the_runner(monkeypatch, bundle):
     assert seen[-1] is False
 
 
-@pytest.mark.parametrize("command", [["generate", "B", "hi"], ["bench", "B"], ["chat", "B"]])
-def test_cli_no_cuda_graphs(monkeypatch, bundles, tmp_path, command):
-    """(A real bundle: bench checks its prompts against the bundle's context before loading a model.)"""
+def check_cuda_graphs_flag(monkeypatch, args: list[str]) -> None:
+    """--cuda-graphs/--no-cuda-graphs of a spec-run command reaches SpecDecoder.load."""
     from click.testing import CliRunner
 
     from specedge.runtime.cli import main
@@ -425,12 +424,15 @@ def test_cli_no_cuda_graphs(monkeypatch, bundles, tmp_path, command):
 
     monkeypatch.setattr(SpecDecoder, "load", classmethod(load))
     for flag, want in (([], True), (["--no-cuda-graphs"], False), (["--cuda-graphs"], True)):
-        args = [str(bundles["lookup"]) if a == "B" else a for a in command]
-        if command[0] == "bench":
-            args += ["--out", str(tmp_path / "bench"), "--suite", "chat", "--max-new-tokens", "4"]
         r = CliRunner().invoke(main, [*args, *flag], input="")
         assert r.exit_code == 2 and "stop here" in r.output, r.output
         assert seen.pop() is want
+
+
+@pytest.mark.parametrize("command", [["generate", "B", "hi"], ["chat", "B"]])
+def test_cli_no_cuda_graphs(monkeypatch, command):
+    """(bench checks its prompts against a real bundle before loading: tests/runtime/test_bench.py.)"""
+    check_cuda_graphs_flag(monkeypatch, command)
 
 
 def test_cuda_graph_binding(monkeypatch):
