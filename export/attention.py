@@ -16,6 +16,8 @@ return the attention output [B, T, Hq D]; both write ``present.{i}.key|value``.
   In the specedge weight form the same contract is served by specedge's own op,
   ``ai.specedge.SekAttention`` (runtime/csrc/sek_attn.c), whose rows are the same at width 1
   as inside a wider step — GroupQueryAttention computes a lone row by other kernels.
+* ``rows`` (the specedge form): ``ai.specedge.SekRowAttention`` over a pool of KV slots, each row of a step naming its
+  slot and position (``row_slot``, ``row_pos`` instead of ``past_len``): rows of several sequences in one step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ from specedge.runtime.manifest import (
     KV_MODES,  # noqa: F401  (re-exported: the modes defined here)
     SEK_DOMAIN,
 )
+
+
+def rope_tables(w, inv_freq: np.ndarray, max_positions: int) -> tuple[str, str]:
+    """The cos and sin tables [positions, D/2] the in-place attentions rotate by (rotate-half)."""
+    freqs = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))  # [S_max, D/2]
+    return (w.add("rope.cos_cache", np.cos(freqs).astype(np.float32)),
+            w.add("rope.sin_cache", np.sin(freqs).astype(np.float32)))
 
 
 class PortableAttention:
@@ -97,9 +106,7 @@ class InplaceGqaAttention:
         total = g.op("Add", "past_len", T)  # [B] past_len + T
         self.seqlens_k = g.op("Cast", g.op("Sub", total, g.const(1)), to=TensorProto.INT32)  # [B]
         self.total_len = g.op("Cast", g.op("ReduceMax", total, keepdims=0), to=TensorProto.INT32)  # scalar
-        freqs = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))  # [S_max, D/2]
-        self.cos = w.add("rope.cos_cache", np.cos(freqs).astype(np.float32))
-        self.sin = w.add("rope.sin_cache", np.sin(freqs).astype(np.float32))
+        self.cos, self.sin = rope_tables(w, inv_freq, max_positions)
 
     def __call__(self, i: int, qkv: str) -> str:
         g = self.g
@@ -130,3 +137,27 @@ class SekInplaceAttention(InplaceGqaAttention):
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"SekAttention_{g._n}",
             domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=float(1.0 / np.sqrt(self.D))))
         return out  # [B, T, Hq D]
+
+
+class SekRowAttention:
+    """Row-addressed steps through ``ai.specedge.SekRowAttention``: each of a step's T rows names its sequence's KV
+    slot (``row_slot``, -1 for padding) and its position (``row_pos``), so the rows of several sequences share one
+    step; a row attends over its slot's rows up to its position, the step's earlier rows of that slot included. Every
+    other operator of the graph works row by row, so a row's logits are the same bits whatever else the step holds."""
+
+    def __init__(self, g, w, cfg, inv_freq: np.ndarray, max_positions: int):
+        d = cfg.dims
+        self.g, self.D, self.Hq, self.Hkv = g, d.head_dim, d.n_heads, d.n_kv_heads
+        self.cos, self.sin = rope_tables(w, inv_freq, max_positions)
+
+    def __call__(self, i: int, qkv: str) -> str:
+        g = self.g
+        g._n += 1
+        out = f"sek_row_attn_{g._n}"
+        g.nodes.append(helper.make_node(
+            "SekRowAttention",
+            [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "row_slot", "row_pos", self.cos,
+             self.sin],
+            [out, f"present.{i}.key", f"present.{i}.value"], name=f"SekRowAttention_{g._n}",
+            domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=float(1.0 / np.sqrt(self.D))))
+        return out  # [1, T, Hq D]

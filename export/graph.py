@@ -33,13 +33,14 @@ from specedge.runtime.manifest import (
     INTGEMM_FORMAT,
     ONNX_OPSET,
     QDQ_FORMAT,
+    ROWS_KV_MODE,
     SEK_ATTENTION,
     SEK_DOMAIN,
     SEK_FORMAT,
     io_spec,
 )
 
-from .attention import KV_MODES, InplaceGqaAttention, PortableAttention, SekInplaceAttention
+from .attention import KV_MODES, InplaceGqaAttention, PortableAttention, SekInplaceAttention, SekRowAttention
 from .families import ModelConfig
 from .loaders import WeightSource
 from .quant import (
@@ -446,6 +447,11 @@ def build_model_graph(
         attention = PortableAttention(g, w, cfg, inv_freq)
     elif kv_mode == "ort-inplace":  # the specedge form brings its own attention: rows invariant at width 1 too
         attention = (SekInplaceAttention if fmt.specedge else InplaceGqaAttention)(g, w, cfg, inv_freq, max_positions)
+    elif kv_mode == ROWS_KV_MODE:
+        if not fmt.specedge:
+            raise UnsupportedModelError("row-addressed steps need specedge's attention: the specedge weight form "
+                                        "(--quant-form specedge)")
+        attention = SekRowAttention(g, w, cfg, inv_freq, max_positions)
     else:
         raise UnsupportedModelError(f"kv mode {kv_mode!r}: choose one of {', '.join(KV_MODES)}")
 

@@ -5,8 +5,8 @@ batch-invariant by construction (exact integer block sums, then the same fp32 op
 every row, whatever the step's width) and whose cost grows slowly with the width: each 64-byte chunk of weights
 is unpacked once and used for up to 10 rows. ``csrc/sek_ort.c`` exposes it to ONNX Runtime as the custom ops
 ``ai.specedge::SekMatMul`` (fp32 block scales) and ``SekMatMulSB`` (GGUF K-quants' two-level scales), with
-``SekAttention`` from ``csrc/sek_attn.c``, through the C API's stable ABI, so no ONNX Runtime header or SDK is
-needed.
+``SekAttention`` and ``SekRowAttention`` (row-addressed steps: each row names its KV slot and position) from
+``csrc/sek_attn.c``, through the C API's stable ABI, so no ONNX Runtime header or SDK is needed.
 
 Nothing is compiled at ``pip install``: the first ONNX Runtime session that needs the op runs the C compiler
 (``cc``, or ``$CC``) once, with ``-O3 -march=native`` (``-mcpu=native`` on Arm: the kernels are tuned to this CPU:

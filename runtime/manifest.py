@@ -50,6 +50,9 @@ ROLE_VERIFY = "verify"  # T = K+1, logits at every position
 ROLE_DECODE = "decode"  # T = 1
 DRAFTER_KINDS = ("model", "prompt-lookup", "none")
 KV_MODES = ("portable", "ort-inplace")  # see specedge.export.attention
+# Row-addressed steps (the specedge form): a step's rows each name a KV slot of a pool and a position, so rows of
+# several sequences share one step. The graphs are built and tested; bundles and runners do not take them yet.
+ROWS_KV_MODE = "rows"
 
 
 @dataclass(frozen=True)
@@ -398,25 +401,30 @@ def io_spec(dims: ModelDims, kv_mode: str = "portable", kv_dtype: str = "float32
 
     portable: ``present`` holds the T new rows, copied into the cache by the runtime.
     ort-inplace: ``present`` is the cache itself (bound to the same buffer as ``past``).
+    rows (:data:`ROWS_KV_MODE`): as ort-inplace over a pool of N slots [N, H_kv, S_max, D]; ``past_len`` is replaced
+    by ``row_slot`` [T] and ``row_pos`` [T], each row's KV slot (-1: padding) and position (B = 1: the rows are T).
     kv_dtype: the cache's element type (float32; float16 / bfloat16 in reduced-precision graphs).
     Logits are float32 in every graph. argmax (``Manifest.device_argmax``): also ``next_ids`` [B, L] int64, the
     first index of each logits row's maximum (ONNX ArgMax, select_last_index 0: numpy's argmax).
     logits_width: the logits' last dimension (``ModelEntry.logits_width``; default the vocabulary V).
     """
+    slots = "N" if kv_mode == ROWS_KV_MODE else "B"  # rows: the cache is a pool of N slots, one per sequence
     kv_in = [
-        TensorSpec(f"past_key_values.{i}.{kind}", kv_dtype, ("B", dims.n_kv_heads, "S_max", dims.head_dim))
+        TensorSpec(f"past_key_values.{i}.{kind}", kv_dtype, (slots, dims.n_kv_heads, "S_max", dims.head_dim))
         for i in range(dims.n_layers)
         for kind in ("key", "value")
     ]
     kv_out = [
         TensorSpec(f"present.{i}.{kind}", kv_dtype,
-                   ("B", dims.n_kv_heads, "T" if kv_mode == "portable" else "S_max", dims.head_dim))
+                   (slots, dims.n_kv_heads, "T" if kv_mode == "portable" else "S_max", dims.head_dim))
         for i in range(dims.n_layers)
         for kind in ("key", "value")
     ]
+    where = ([TensorSpec("row_slot", "int64", ("T",)), TensorSpec("row_pos", "int64", ("T",))]
+             if kv_mode == ROWS_KV_MODE else [TensorSpec("past_len", "int64", ("B",))])
     inputs = [
         TensorSpec("input_ids", "int64", ("B", "T")),
-        TensorSpec("past_len", "int64", ("B",)),
+        *where,
         TensorSpec("logits_at", "int64", ("B", "L")),
         *kv_in,
     ]

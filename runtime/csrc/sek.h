@@ -50,6 +50,19 @@ typedef struct {
     float scale;
     int64_t hs, rs; /* query heads and rows per item (sek_attn_plan) */
 } sek_attn_args;
+/* A row-addressed step (sek_attn.c, SekRowAttention): row r is query row_pos[r] of the sequence in KV slot
+ * row_slot[r] (-1: padding, which reads and writes nothing; its output is zeros). The caller has checked that real
+ * rows name slots 0 .. n_slots-1 and positions below s_max and the rotary tables' length, no two the same. */
+typedef struct {
+    const float *qkv;                  /* [R][(hq + 2 hkv) d] */
+    float *k_cache, *v_cache;          /* [n_slots][hkv][s_max][d] */
+    const int64_t *row_slot, *row_pos; /* [R] */
+    const float *cos, *sin;            /* [positions][d/2] */
+    float *out;                        /* [R][hq d] */
+    int64_t r, n_slots, hq, hkv, d, s_max;
+    float scale;
+    int64_t hs; /* query heads per item (sek_row_attn_plan) */
+} sek_row_attn_args;
 /* out[r][i] = silu(y[r][i]) * y[r][f + i] for m rows of 2f values (sek_act.c) */
 void sek_swiglu(const float *y, int64_t m, int64_t f, float *out);
 void sek_attn_store(const sek_attn_args *a);
@@ -58,4 +71,9 @@ void sek_attn_store(const sek_attn_args *a);
 int64_t sek_attn_plan(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs, int64_t *rs);
 /* One item of the plan: rs rows x hs heads. */
 void sek_attn_row(const sek_attn_args *a, int64_t item);
+/* Row-addressed steps: the rows' k and v into their slots (once, before the items); how R rows split into items (one
+ * row x hs query heads of one KV group each; returns their number); one item. */
+void sek_row_attn_store(const sek_row_attn_args *a);
+int64_t sek_row_attn_plan(int64_t r, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs);
+void sek_row_attn_item(const sek_row_attn_args *a, int64_t item);
 #endif

@@ -18,7 +18,11 @@
  * (pv_chunk2): each score and each sum keeps the bits it has alone. A 64-row step at 1,024 positions still runs at
  * about a third of the fp32 FMA rate (one thread: 5.5 ms a layer, 208 M multiply-adds).
  *
- * Used through sek_ort.c (ai.specedge::SekAttention).
+ * A row-addressed step (sek_row_attn_*) carries rows of several sequences, each naming its sequence's KV slot and its
+ * position: the same per-query arithmetic over that slot's cache, in items that each hold queries of one row, so a
+ * row's bits are those of its query in a step of its sequence alone.
+ *
+ * Used through sek_ort.c (ai.specedge::SekAttention, ai.specedge::SekRowAttention).
  */
 #include <math.h>
 #include <stdint.h>
@@ -435,15 +439,37 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, int64
         }
 }
 
-int64_t sek_attn_plan(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs, int64_t *rs) {
+/* The nq queries q [nq][d] of an item (rotated; all of one KV group, whose cache rows kc, vc [s_max][d] they read),
+ * query p over cache rows 0 .. n[p]-1 (nmax the largest): the online softmax chunk after chunk -> each query's sum
+ * of exps l[p] and its unnormalized value sum acc [nq][d]. */
+static void attend(const float *q, const float *kc, const float *vc, const int64_t *n, int64_t nmax, int64_t d,
+                   float scale, int64_t nq, float *m, float *l, float *acc) {
+    int64_t cn[SEK_Q_MAX];
+    for (int64_t p = 0; p < nq; p++) {
+        m[p] = -INFINITY;
+        l[p] = 0.f;
+    }
+    memset(acc, 0, (size_t)(nq * d) * sizeof(float));
+    for (int64_t c0 = 0; c0 < nmax; c0 += SEK_CHUNK) {
+        for (int64_t p = 0; p < nq; p++) cn[p] = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
+        attend_chunk(q, kc, vc, c0, cn, d, scale, nq, m, l, acc);
+    }
+}
+
+/* The most heads of a KV group an item of one row's queries can hold while a step of t rows keeps min_items items
+ * (1 if it cannot). */
+static int64_t heads_per_item(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min_items) {
     const int64_t group = hq / hkv;
-    *hs = *rs = 1;
-    for (int64_t h = group; h >= 1; h--) /* the most heads of a group an item can hold while there are enough items */
-        if (group % h == 0 && h <= SEK_Q_MAX && h * d <= SEK_Q_MAX * 128 &&
-            (h == 1 || t * hkv * (group / h) >= min_items)) {
-            *hs = h;
-            break;
-        }
+    for (int64_t h = group; h > 1; h--)
+        if (group % h == 0 && h <= SEK_Q_MAX && h * d <= SEK_Q_MAX * 128 && t * hkv * (group / h) >= min_items)
+            return h;
+    return 1;
+}
+
+int64_t sek_attn_plan(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs, int64_t *rs) {
+    *hs = heads_per_item(t, hq, hkv, d, min_items);
+    *rs = 1;
+    const int64_t group = hq / hkv;
     const int64_t blocks = hkv * (group / *hs);
     for (int64_t r = t; r > 1; r--) /* then the most rows */
         if (r * *hs <= SEK_Q_MAX && r * *hs * d <= SEK_Q_MAX * 128 && blocks * ((t + r - 1) / r) >= min_items) {
@@ -462,25 +488,70 @@ void sek_attn_row(const sek_attn_args *a, int64_t item) {
     const int64_t h0 = hb * hs, g = h0 / (a->hq / a->hkv), t0 = rb * a->rs;
     const int64_t rows = a->t - t0 < a->rs ? a->t - t0 : a->rs, nq = rows * hs;
     float q[SEK_Q_MAX * 128], acc[SEK_Q_MAX * 128], m[SEK_Q_MAX], l[SEK_Q_MAX];
-    int64_t n[SEK_Q_MAX], cn[SEK_Q_MAX], nmax = 0;
+    int64_t n[SEK_Q_MAX], nmax = 0;
     for (int64_t p = 0; p < nq; p++) { /* query p: row t0 + p / hs, head h0 + p % hs */
         const int64_t t = t0 + p / hs, h = h0 + p % hs, pos = a->past_len + t;
         memcpy(q + p * d, a->qkv + t * (a->hq + 2 * a->hkv) * d + h * d, (size_t)d * sizeof(float));
         rope(q + p * d, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
-        m[p] = -INFINITY;
-        l[p] = 0.f;
         n[p] = pos + 1;
         nmax = n[p] > nmax ? n[p] : nmax;
     }
-    memset(acc, 0, (size_t)(nq * d) * sizeof(float));
-    const float *kc = a->k_cache + g * a->s_max * d, *vc = a->v_cache + g * a->s_max * d;
-    for (int64_t c0 = 0; c0 < nmax; c0 += SEK_CHUNK) {
-        for (int64_t p = 0; p < nq; p++) cn[p] = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
-        attend_chunk(q, kc, vc, c0, cn, d, a->scale, nq, m, l, acc);
-    }
+    attend(q, a->k_cache + g * a->s_max * d, a->v_cache + g * a->s_max * d, n, nmax, d, a->scale, nq, m, l, acc);
     for (int64_t p = 0; p < nq; p++) {
         float *o = a->out + (t0 + p / hs) * a->hq * d + (h0 + p % hs) * d;
         const float inv = 1.f / l[p];
         for (int64_t k = 0; k < d; k++) o[k] = acc[p * d + k] * inv;
+    }
+}
+
+/* ---- row-addressed steps (ai.specedge::SekRowAttention): each row names its sequence's KV slot and position ---- */
+
+/* Writes each real row's k (rotated by its position) and v into its slot's cache at its position. Call once per step
+ * before the items: a row reads the rows of its slot that the step writes, whatever their order in the step. */
+void sek_row_attn_store(const sek_row_attn_args *a) {
+    const int64_t w = (a->hq + 2 * a->hkv) * a->d;
+    for (int64_t r = 0; r < a->r; r++) {
+        const int64_t slot = a->row_slot[r], pos = a->row_pos[r];
+        if (slot < 0) continue; /* padding */
+        const float *row = a->qkv + r * w;
+        for (int64_t h = 0; h < a->hkv; h++) {
+            const int64_t at = ((slot * a->hkv + h) * a->s_max + pos) * a->d;
+            memcpy(a->k_cache + at, row + (a->hq + h) * a->d, (size_t)a->d * sizeof(float));
+            rope(a->k_cache + at, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);
+            memcpy(a->v_cache + at, row + (a->hq + a->hkv + h) * a->d, (size_t)a->d * sizeof(float));
+        }
+    }
+}
+
+int64_t sek_row_attn_plan(int64_t r, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs) {
+    *hs = heads_per_item(r, hq, hkv, d, min_items);
+    return r * (hq / *hs);
+}
+
+/* An item of sek_row_attn_plan's: row item / (hq / hs) x query heads hb*hs .. (hb+1)*hs-1, hb = item % (hq / hs),
+ * all of one KV group of the row's slot. Each query runs attend's arithmetic over its slot's rows 0 .. pos, the same
+ * as sek_attn_row's for that query in a step of that slot alone (a B = 1 cache holding the same rows, past_len + t =
+ * pos): an item holds queries of one row, so what else the step carries never reaches it. A padding row's output is
+ * zeros. */
+void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
+    const int64_t hs = a->hs, d = a->d, r = item / (a->hq / hs), h0 = item % (a->hq / hs) * hs;
+    const int64_t slot = a->row_slot[r], pos = a->row_pos[r];
+    float *o = a->out + r * a->hq * d + h0 * d; /* [hs][d]: the item's heads are adjacent in the row */
+    if (slot < 0) {
+        memset(o, 0, (size_t)(hs * d) * sizeof(float));
+        return;
+    }
+    float q[SEK_Q_MAX * 128], acc[SEK_Q_MAX * 128], m[SEK_Q_MAX], l[SEK_Q_MAX];
+    int64_t n[SEK_Q_MAX];
+    for (int64_t p = 0; p < hs; p++) { /* query p: head h0 + p */
+        memcpy(q + p * d, a->qkv + r * (a->hq + 2 * a->hkv) * d + (h0 + p) * d, (size_t)d * sizeof(float));
+        rope(q + p * d, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
+        n[p] = pos + 1;
+    }
+    const int64_t g = h0 / (a->hq / a->hkv), at = (slot * a->hkv + g) * a->s_max * d;
+    attend(q, a->k_cache + at, a->v_cache + at, n, pos + 1, d, a->scale, hs, m, l, acc);
+    for (int64_t p = 0; p < hs; p++) {
+        const float inv = 1.f / l[p];
+        for (int64_t k = 0; k < d; k++) o[p * d + k] = acc[p * d + k] * inv;
     }
 }

@@ -27,6 +27,10 @@
  * from API version 17, ONNX Runtime 1.17, to the newest). The header itself is not needed to build this file,
  * so a plain `cc` builds it on any machine that has the onnxruntime wheel (runtime/kernels.py).
  *
+ *   SekAttention and SekRowAttention (sek_attn.c): attention with RoPE over an fp32 KV cache updated in place, for a
+ *   step of one sequence's rows and for a step of rows that each name their sequence's KV slot; their contracts are
+ *   above each op's glue below.
+ *
  * Environment: SPECEDGE_SEK_ISA=scalar|avx2|avxvnni|vnni512|neon forces one code path (tests compare them bitwise).
  */
 #include <stdarg.h>
@@ -116,7 +120,7 @@ enum { ACT_NONE = 0, ACT_SWIGLU = 1 };
 static const SekCustomOp sek_matmul_sb_op;
 
 __attribute__((format(printf, 3, 4))) static OrtStatus *fail(OrtApiTable api, int code, const char *fmt, ...) {
-    char msg[320];
+    char msg[512];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
@@ -439,10 +443,12 @@ typedef struct {
     float scale;
 } SekAttnKernel;
 
+static const SekCustomOp sek_row_attention_op;
+
 static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
-    (void)op;
+    const char *name = op == (const void *)&sek_row_attention_op ? "SekRowAttention" : "SekAttention";
     SekAttnKernel *k = calloc(1, sizeof *k);
-    if (!k) return CreateStatus(api)(ORT_FAIL, "SekAttention: out of memory");
+    if (!k) return fail(api, ORT_FAIL, "%s: out of memory", name);
     k->api = api;
     OrtStatus *st = NULL;
     if ((st = KernelInfoGetAttribute_int64(api)(info, "num_heads", &k->hq)) ||
@@ -452,8 +458,8 @@ static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelIn
         return st;
     }
     if (k->hq <= 0 || k->hkv <= 0 || k->hq % k->hkv) {
-        OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "SekAttention: num_heads %lld must be a multiple of "
-                            "kv_num_heads %lld", (long long)(k->hq), (long long)(k->hkv));
+        OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "%s: num_heads %lld must be a multiple of kv_num_heads %lld",
+                            name, (long long)(k->hq), (long long)(k->hkv));
         free(k);
         return e;
     }
@@ -532,6 +538,130 @@ static const SekCustomOp sek_attention_op = {
     .KernelComputeV2 = attn_compute,
 };
 
+/* ---------------------------------------------------------------- SekRowAttention
+ *   out [1, R, hq d], present_key, present_value [N, hkv, S, d] =
+ *       SekRowAttention(qkv [1, R, (hq + 2 hkv) d], past_key, past_value [N, hkv, S, d], row_slot int64 [R],
+ *                       row_pos int64 [R], cos, sin [positions, d/2])        attributes: num_heads, kv_num_heads, scale
+ * A step of R rows from up to N sequences, each in its own KV slot: row r is the token at position row_pos[r] of the
+ * sequence in slot row_slot[r]. Every real row's k and v are written into its slot at its position, then each row's
+ * query attends over its slot's rows 0 .. row_pos[r] (so a slot's rows at consecutive positions form a causal chain,
+ * as SekAttention's T rows do). A row of slot -1 is padding: it writes nothing, its position is not read, its output
+ * is zeros. Each real row's output has the bits SekAttention gives that query in a step of its slot alone (sek_attn.c),
+ * whatever else the step holds and in whatever order. Real rows name slots 0 .. N-1 and positions below S and the
+ * rotary tables' length, no two the same (slot, position). present is the cache itself when bound to the past's
+ * buffer; otherwise the past is copied into it first. */
+
+typedef struct {
+    int64_t key, row; /* key: slot S + pos */
+} RowKey;
+
+static int row_key_order(const void *x, const void *y) {
+    const RowKey *a = (const RowKey *)x, *b = (const RowKey *)y;
+    return a->key != b->key ? (a->key < b->key ? -1 : 1) : (a->row < b->row ? -1 : a->row > b->row);
+}
+
+/* Every real row's slot and position in range, and no (slot, position) written twice. */
+static OrtStatus *check_rows(OrtApiTable api, const int64_t *slot, const int64_t *pos, int64_t R, int64_t N, int64_t S,
+                             int64_t positions) {
+    const int64_t limit = S < positions ? S : positions;
+    int64_t real = 0;
+    for (int64_t r = 0; r < R; r++) {
+        if (slot[r] < -1 || slot[r] >= N)
+            return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: row %lld names KV slot %lld; the caches hold %lld "
+                        "slots (0..%lld), and -1 marks padding", (long long)r, (long long)slot[r], (long long)N,
+                        (long long)(N - 1));
+        if (slot[r] < 0) continue;
+        if (pos[r] < 0 || pos[r] >= limit)
+            return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: row %lld (slot %lld) is at position %lld; positions "
+                        "are 0..%lld (the caches hold %lld rows, the rotary tables %lld)", (long long)r,
+                        (long long)slot[r], (long long)pos[r], (long long)(limit - 1), (long long)S,
+                        (long long)positions);
+        real++;
+    }
+    static _Thread_local void *keys = NULL;
+    static _Thread_local size_t keys_size = 0;
+    if (real < 2) return NULL;
+    if (!grow(&keys, &keys_size, (size_t)real * sizeof(RowKey)))
+        return fail(api, ORT_FAIL, "SekRowAttention: out of memory");
+    RowKey *k = (RowKey *)keys;
+    int64_t n = 0;
+    for (int64_t r = 0; r < R; r++)
+        if (slot[r] >= 0) k[n++] = (RowKey){slot[r] * S + pos[r], r};
+    qsort(k, (size_t)n, sizeof *k, row_key_order);
+    for (int64_t i = 1; i < n; i++)
+        if (k[i].key == k[i - 1].key)
+            return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: rows %lld and %lld both write slot %lld at position "
+                        "%lld; a step writes each (slot, position) once", (long long)k[i - 1].row, (long long)k[i].row,
+                        (long long)slot[k[i].row], (long long)pos[k[i].row]);
+    return NULL;
+}
+
+static void row_attn_item(void *p, size_t i) { sek_row_attn_item((const sek_row_attn_args *)p, (int64_t)i); }
+
+static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
+    const SekAttnKernel *k = (const SekAttnKernel *)kernel;
+    OrtApiTable api = k->api;
+    static const int types[7] = {T_FLOAT, T_FLOAT, T_FLOAT, T_INT64, T_INT64, T_FLOAT, T_FLOAT};
+    Input in[7];
+    TRY(read_inputs(api, ctx, "SekRowAttention", 7, types, in));
+    if (in[0].nd != 3 || in[0].dims[0] != 1 || in[1].nd != 4 || in[2].nd != 4 || in[3].nd != 1 || in[4].nd != 1 ||
+        in[5].nd != 2 || in[6].nd != 2)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: expects qkv [1, R, W], caches [N, kv_heads, S, d], "
+                    "row_slot and row_pos [R], cos/sin [positions, d/2]; got ranks %lld, %lld, %lld, %lld, %lld, %lld, "
+                    "%lld", (long long)in[0].nd, (long long)in[1].nd, (long long)in[2].nd, (long long)in[3].nd,
+                    (long long)in[4].nd, (long long)in[5].nd, (long long)in[6].nd);
+    const int64_t R = in[0].dims[1], N = in[1].dims[0], S = in[1].dims[2], d = in[1].dims[3];
+    const int64_t positions = in[5].dims[0];
+    if (in[1].dims[1] != k->hkv || d <= 0 || d % 2 || d > 512 || in[0].dims[2] != (k->hq + 2 * k->hkv) * d ||
+        memcmp(in[2].dims, in[1].dims, 4 * sizeof(int64_t)) || in[5].dims[1] != d / 2 ||
+        memcmp(in[6].dims, in[5].dims, 2 * sizeof(int64_t)))
+        return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: qkv width %lld, caches [%lld, %lld, %lld, %lld], "
+                    "rotary tables [%lld, %lld]: with num_heads %lld and kv_num_heads %lld the caches are [N, %lld, S, "
+                    "d] alike, d even and at most 512, the width (%lld + 2 x %lld) d, the tables [positions, d/2]",
+                    (long long)in[0].dims[2], (long long)N, (long long)in[1].dims[1], (long long)S, (long long)d,
+                    (long long)positions, (long long)in[5].dims[1], (long long)k->hq, (long long)k->hkv,
+                    (long long)k->hkv, (long long)k->hq, (long long)k->hkv);
+    if (in[3].dims[0] != R || in[4].dims[0] != R)
+        return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: row_slot holds %lld values and row_pos %lld; qkv has "
+                    "%lld rows, one of each per row", (long long)in[3].dims[0], (long long)in[4].dims[0], (long long)R);
+    const int64_t *slot = (const int64_t *)in[3].data, *pos = (const int64_t *)in[4].data;
+    TRY(check_rows(api, slot, pos, R, N, S, positions));
+    const int64_t odims[3] = {1, R, k->hq * d};
+    OrtValue *out[3];
+    TRY(KernelContext_GetOutput(api)(ctx, 0, odims, 3, &out[0]));
+    TRY(KernelContext_GetOutput(api)(ctx, 1, in[1].dims, 4, &out[1]));
+    TRY(KernelContext_GetOutput(api)(ctx, 2, in[2].dims, 4, &out[2]));
+    void *o[3];
+    for (int i = 0; i < 3; i++) {
+        if (!out[i]) return CreateStatus(api)(ORT_RUNTIME_EXCEPTION, "SekRowAttention: no output tensor");
+        TRY(GetTensorMutableData(api)(out[i], &o[i]));
+    }
+    for (int i = 1; i < 3; i++) /* not bound in place: start from a copy of the past */
+        if (o[i] != in[i].data && in[i].count) memcpy(o[i], in[i].data, (size_t)in[i].count * sizeof(float));
+    if (R == 0) return NULL;
+    sek_row_attn_args a = {(const float *)in[0].data, (float *)o[1], (float *)o[2], slot, pos,
+                           (const float *)in[5].data, (const float *)in[6].data, (float *)o[0], R, N, k->hq, k->hkv,
+                           d, S, k->scale, 1};
+    const int64_t items = sek_row_attn_plan(R, k->hq, k->hkv, d, online_cpus(), &a.hs);
+    sek_row_attn_store(&a);
+    return KernelContext_ParallelFor(api)(ctx, row_attn_item, (size_t)items, 0, &a);
+}
+
+static const char *row_attn_name(const void *op) { (void)op; return "SekRowAttention"; }
+static int row_attn_in_type(const void *op, size_t i) { (void)op; return i == 3 || i == 4 ? T_INT64 : T_FLOAT; }
+static size_t row_attn_in_count(const void *op) { (void)op; return 7; }
+
+static const SekCustomOp sek_row_attention_op = {
+    SEK_OP_COMMON,
+    .GetInputCharacteristic = required,
+    .GetName = row_attn_name,
+    .GetInputType = row_attn_in_type,
+    .GetInputTypeCount = row_attn_in_count,
+    .GetOutputTypeCount = attn_out_count,
+    .CreateKernelV2 = attn_create,
+    .KernelComputeV2 = row_attn_compute,
+};
+
 /* Called by ONNX Runtime (SessionOptions.register_custom_ops_library). The op and its domain live as long as
  * the process: ONNX Runtime keeps the pointers. */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
@@ -545,6 +675,7 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     OrtStatus *st = CustomOpDomain_Add(api)(domain, &sek_matmul_op);
     if (!st) st = CustomOpDomain_Add(api)(domain, &sek_matmul_sb_op);
     if (!st) st = CustomOpDomain_Add(api)(domain, &sek_attention_op);
+    if (!st) st = CustomOpDomain_Add(api)(domain, &sek_row_attention_op);
     if (!st) st = AddCustomOpDomain(api)(options, domain);
     if (st) ReleaseCustomOpDomain(api)(domain); /* on success the options use it: it lives as long as the process */
     return st;

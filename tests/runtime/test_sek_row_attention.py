@@ -1,0 +1,238 @@
+"""ai.specedge::SekRowAttention: a step of rows that each name their sequence's KV slot and position.
+
+Each real row's output, and every cache row it writes, has the bits SekAttention gives that row in a step of its
+slot alone (a [1, H_kv, S_max, D] cache holding the same rows), whatever else the step carries and in whatever order.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from specedge.runtime.errors import BackendUnavailableError
+from specedge.runtime.kernels import library_path
+from tests.runtime.test_sek_kernel import _attention_model, _session
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the kernels are built with a POSIX C compiler")
+
+PAD = -1  # row_slot of a padding row
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    try:
+        library_path()
+    except BackendUnavailableError as e:
+        pytest.skip(f"specedge's kernels cannot be built here: {e}")
+
+
+def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None) -> bytes:
+    """One SekRowAttention node; qkv's width (H_q + 2 H_kv) D unless `width` names another (a symbol: any)."""
+    F, I64 = TensorProto.FLOAT, TensorProto.INT64
+    node = helper.make_node("SekRowAttention", ["qkv", "pk", "pv", "row_slot", "row_pos", "cos", "sin"],
+                            ["out", "presk", "presv"], domain="ai.specedge", num_heads=hq, kv_num_heads=hkv,
+                            scale=float(1 / np.sqrt(d)))
+    vi = helper.make_tensor_value_info
+    inputs = [vi("qkv", F, [1, "R", width or (hq + 2 * hkv) * d]), vi("pk", F, ["N", hkv, "S", d]),
+              vi("pv", F, ["N", hkv, "S", d]), vi("row_slot", I64, ["R"]), vi("row_pos", I64, ["R"]),
+              vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
+    g = helper.make_graph([node], "g", inputs, [vi(n, F, None) for n in ("out", "presk", "presv")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.specedge", 1)]
+                             ).SerializeToString()
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).view(np.uint32)  # bitwise comparison, NaN rows included
+
+
+def _rope_tables(S: int, d: int):
+    ang = np.arange(S)[:, None] / (10000 ** (np.arange(d // 2) / (d // 2)))
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)  # [S, D/2] each
+
+
+def _caches(rng, N: int, hkv: int, S: int, d: int, filled: list[int]):
+    """k and v caches [N, H_kv, S, D]: slot n holds filled[n] random rows, NaN after them (rows no query may read)."""
+    caches = [np.full((N, hkv, S, d), np.nan, np.float32) for _ in range(2)]
+    for c in caches:
+        for n, f in enumerate(filled):
+            c[n, :, :f] = rng.standard_normal((hkv, f, d))
+    return caches
+
+
+class Step:
+    """A step's rows: (slot, pos) per row, and qkv [1, R, (H_q + 2 H_kv) D] for them."""
+
+    def __init__(self, rows: list[tuple[int, int]], qkv: np.ndarray):
+        self.rows, self.qkv = rows, qkv
+
+    @property
+    def slot(self) -> np.ndarray:
+        return np.array([s for s, _ in self.rows], np.int64)  # [R]
+
+    @property
+    def pos(self) -> np.ndarray:
+        return np.array([p for _, p in self.rows], np.int64)  # [R]
+
+    def shuffled(self, rng) -> Step:
+        order = rng.permutation(len(self.rows))
+        return Step([self.rows[i] for i in order], self.qkv[:, order])
+
+
+def _step(rng, rows: list[tuple[int, int]], hq: int, hkv: int, d: int) -> Step:
+    return Step(rows, (2.0 * rng.standard_normal((1, len(rows), (hq + 2 * hkv) * d))).astype(np.float32))
+
+
+def _run_rows(sess, step: Step, caches, cos, sin):
+    return sess.run(None, {"qkv": step.qkv, "pk": caches[0], "pv": caches[1], "row_slot": step.slot,
+                           "row_pos": step.pos, "cos": cos, "sin": sin})
+
+
+def _run_alone(sess, step: Step, slot: int, caches, cos, sin):
+    """SekAttention on `slot` alone: a [1, H_kv, S, D] copy of its caches, its rows in position order (consecutive),
+    past_len = the first position -> (out [1, T, H_q D], present_key, present_value, the rows' indices in step)."""
+    idx = sorted((i for i, (s, _) in enumerate(step.rows) if s == slot), key=lambda i: step.rows[i][1])
+    pos = [step.rows[i][1] for i in idx]
+    assert pos == list(range(pos[0], pos[0] + len(pos))), pos
+    out, pk, pv = sess.run(None, {"qkv": step.qkv[:, idx], "pk": caches[0][slot:slot + 1].copy(),
+                                  "pv": caches[1][slot:slot + 1].copy(), "cos": cos, "sin": sin,
+                                  "past_len": np.array([pos[0]], np.int64)})
+    return out, pk, pv, idx
+
+
+HEADS = [(4, 2, 64), (8, 1, 64), (4, 2, 128), (8, 1, 128), (12, 2, 128)]  # (H_q, H_kv, D)
+
+
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+def test_every_row_has_the_bits_of_its_slot_run_alone(hq, hkv, d):
+    """Rows of three slots and padding, in three orders: each row's output and each slot's cache equal
+    SekAttention's on that slot alone, bitwise (slot 2's rows read three 64-position chunks)."""
+    N, S = 3, 160
+    rng = np.random.default_rng(hq * 1000 + hkv * 10 + d)
+    caches = _caches(rng, N, hkv, S, d, [5, 0, 130])
+    before = [c.copy() for c in caches]
+    cos, sin = _rope_tables(S, d)
+    rows = [(0, 5), (0, 6), (0, 7), (2, 130), (2, 131), (1, 0), (PAD, 0), (PAD, 3), (PAD, 0)]
+    step = _step(rng, rows, hq, hkv, d)
+    sek, row_op = _session(_attention_model("SekAttention", hq, hkv, d)), _session(_row_model(hq, hkv, d))
+    alone = {s: _run_alone(sek, step, s, caches, cos, sin) for s in range(N)}
+    for order in (step, step.shuffled(np.random.default_rng(1)), step.shuffled(np.random.default_rng(2))):
+        out, pk, pv = _run_rows(row_op, order, caches, cos, sin)
+        assert out.shape == (1, len(rows), hq * d) and pk.shape == pv.shape == caches[0].shape
+        for s, (ref, rk, rv, idx) in alone.items():
+            assert np.isfinite(ref).all()  # no query read a NaN row
+            assert np.array_equal(_bits(pk[s:s + 1]), _bits(rk)) and np.array_equal(_bits(pv[s:s + 1]), _bits(rv)), s
+            for t, i in enumerate(idx):
+                r = order.rows.index(step.rows[i])  # where that row sits in this order
+                assert np.array_equal(_bits(out[0, r]), _bits(ref[0, t])), (s, step.rows[i])
+        for r, (s, _) in enumerate(order.rows):
+            if s == PAD:
+                assert not out[0, r].any()
+    for c, b in zip(caches, before):  # present is not bound to the past here: the past stays as it was
+        assert np.array_equal(_bits(c), _bits(b))
+
+
+def test_a_slots_rows_in_one_step_equal_them_in_two_steps():
+    """The chain: a slot's rows at positions 70..74 in one step, or 70, 71 then 72..74 (other slots' rows and
+    padding around them), give the same outputs and caches, bitwise."""
+    hq, hkv, d, N, S = 8, 2, 64, 2, 128
+    rng = np.random.default_rng(3)
+    caches = _caches(rng, N, hkv, S, d, [70, 20])
+    cos, sin = _rope_tables(S, d)
+    sess = _session(_row_model(hq, hkv, d))
+    whole = _step(rng, [(0, 70), (0, 71), (0, 72), (0, 73), (0, 74)], hq, hkv, d)
+    out, pk, pv = _run_rows(sess, whole, caches, cos, sin)
+    other = _step(rng, [(1, 20), (PAD, 0)], hq, hkv, d)
+    first = Step(whole.rows[:2] + other.rows, np.concatenate([whole.qkv[:, :2], other.qkv], axis=1))
+    o1, k1, v1 = _run_rows(sess, first, caches, cos, sin)
+    second = Step([(PAD, 5)] + whole.rows[2:], np.concatenate([other.qkv[:, 1:], whole.qkv[:, 2:]], axis=1))
+    o2, k2, v2 = _run_rows(sess, second, [k1, v1], cos, sin)
+    assert np.array_equal(_bits(o1[0, :2]), _bits(out[0, :2]))
+    assert np.array_equal(_bits(o2[0, 1:]), _bits(out[0, 2:]))
+    assert np.array_equal(_bits(k2[0]), _bits(pk[0])) and np.array_equal(_bits(v2[0]), _bits(pv[0]))
+    assert np.array_equal(_bits(k2[1, :, :21]), _bits(k1[1, :, :21]))  # slot 1's row 20 from the first step, kept
+
+
+def test_padding_rows_give_zeros_and_write_nothing():
+    hq, hkv, d, N, S = 4, 2, 64, 2, 96
+    rng = np.random.default_rng(6)
+    caches = _caches(rng, N, hkv, S, d, [10, 30])
+    cos, sin = _rope_tables(S, d)
+    sess = _session(_row_model(hq, hkv, d))
+    pad = _step(rng, [(PAD, 0), (PAD, -7), (PAD, 10 ** 12)], hq, hkv, d)  # a padding row's position is not read
+    out, pk, pv = _run_rows(sess, pad, caches, cos, sin)
+    assert out.shape == (1, 3, hq * d) and not out.any()
+    assert np.array_equal(_bits(pk), _bits(caches[0])) and np.array_equal(_bits(pv), _bits(caches[1]))
+    mixed = _step(rng, [(PAD, 4), (1, 30), (PAD, 30)], hq, hkv, d)
+    out, pk, pv = _run_rows(sess, mixed, caches, cos, sin)
+    assert not out[0, 0].any() and not out[0, 2].any() and np.isfinite(out[0, 1]).all() and out[0, 1].any()
+    assert np.array_equal(_bits(pk[0]), _bits(caches[0][0]))
+    assert np.array_equal(_bits(np.delete(pk[1], 30, axis=1)), _bits(np.delete(caches[0][1], 30, axis=1)))
+    empty = _run_rows(sess, _step(rng, [], hq, hkv, d), caches, cos, sin)
+    assert empty[0].shape == (1, 0, hq * d) and np.array_equal(_bits(empty[1]), _bits(caches[0]))
+
+
+def test_the_cache_bound_as_present_is_written_in_place():
+    """present bound to the past's buffers (as the runtime binds them): the step writes the caches themselves, with
+    the bits of a step whose present is a copy."""
+    hq, hkv, d, N, S = 4, 1, 64, 2, 64
+    rng = np.random.default_rng(9)
+    caches = _caches(rng, N, hkv, S, d, [3, 8])
+    cos, sin = _rope_tables(S, d)
+    sess = _session(_row_model(hq, hkv, d))
+    step = _step(rng, [(1, 8), (0, 3), (PAD, 0), (1, 9)], hq, hkv, d)
+    ref, rk, rv = _run_rows(sess, step, caches, cos, sin)
+    kv = [c.copy() for c in caches]
+    io = sess.io_binding()
+    values = [ort.OrtValue.ortvalue_from_numpy(c) for c in kv]
+    out = np.zeros((1, 4, hq * d), np.float32)
+    for name, arr in (("qkv", step.qkv), ("row_slot", step.slot), ("row_pos", step.pos), ("cos", cos), ("sin", sin)):
+        io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+    io.bind_ortvalue_input("pk", values[0])
+    io.bind_ortvalue_input("pv", values[1])
+    io.bind_ortvalue_output("out", ort.OrtValue.ortvalue_from_numpy(out))
+    io.bind_ortvalue_output("presk", values[0])
+    io.bind_ortvalue_output("presv", values[1])
+    sess.run_with_iobinding(io)
+    assert np.array_equal(_bits(out), _bits(ref))
+    assert np.array_equal(_bits(kv[0]), _bits(rk)) and np.array_equal(_bits(kv[1]), _bits(rv))
+
+
+def test_bad_rows_are_refused_with_what_was_given_and_what_is_allowed():
+    hq, hkv, d, N, S = 4, 2, 64, 3, 96
+    rng = np.random.default_rng(10)
+    caches = _caches(rng, N, hkv, S, d, [10, 10, 10])
+    cos, sin = _rope_tables(S, d)
+    sess = _session(_row_model(hq, hkv, d))
+
+    def run(rows, tables=(cos, sin)):
+        return _run_rows(sess, _step(rng, rows, hq, hkv, d), caches, *tables)
+
+    with pytest.raises(Exception, match=r"row 1 names KV slot 3; the caches hold 3 slots \(0\.\.2\), and -1 marks"):
+        run([(0, 10), (3, 0)])
+    with pytest.raises(Exception, match=r"row 0 names KV slot -2"):
+        run([(-2, 10)])
+    with pytest.raises(Exception, match=r"row 1 \(slot 2\) is at position 96; positions are 0\.\.95 \(the caches "
+                                        r"hold 96 rows, the rotary tables 96\)"):
+        run([(0, 10), (2, 96)])
+    with pytest.raises(Exception, match=r"row 0 \(slot 0\) is at position -1"):
+        run([(0, -1)])
+    with pytest.raises(Exception, match=r"position 50; positions are 0\.\.39 \(the caches hold 96 rows, the rotary "
+                                        r"tables 40\)"):
+        run([(1, 50)], (cos[:40], sin[:40]))
+    with pytest.raises(Exception, match=r"rows 0 and 2 both write slot 1 at position 12"):
+        run([(1, 12), (0, 12), (1, 12), (PAD, 12), (PAD, 12)])
+    with pytest.raises(Exception, match=r"row_slot holds 2 values and row_pos 2; qkv has 3 rows"):
+        sess.run(None, {"qkv": _step(rng, [(0, 10)] * 3, hq, hkv, d).qkv, "pk": caches[0], "pv": caches[1],
+                        "row_slot": np.array([0, 0], np.int64), "row_pos": np.array([10, 11], np.int64),
+                        "cos": cos, "sin": sin})
+    any_width = _session(_row_model(hq, hkv, d, width="W"))
+    with pytest.raises(Exception, match=r"qkv width 500, caches \[3, 2, 96, 64\]"):  # (4 + 2 x 2) x 64 is 512
+        any_width.run(None, {"qkv": np.zeros((1, 1, 500), np.float32), "pk": caches[0], "pv": caches[1],
+                             "row_slot": np.zeros(1, np.int64), "row_pos": np.zeros(1, np.int64), "cos": cos,
+                             "sin": sin})
+    with pytest.raises(Exception, match=r"num_heads 6 must be a multiple of kv_num_heads 4"):
+        _session(_row_model(6, 4, d))
