@@ -127,37 +127,28 @@ class SekInplaceAttention(InplaceGqaAttention):
     tables) through specedge's own attention op: every row's arithmetic is the same whatever the step's width,
     width 1 included (runtime/csrc/sek_attn.c), so with specedge's matmul the whole step is batch-invariant."""
 
+    op, where, prefix = "SekAttention", ("past_len",), "sek_attn"  # the op, what places the rows, output names
+
     def __call__(self, i: int, qkv: str) -> str:
         g = self.g
         g._n += 1
-        out = f"sek_attn_{g._n}"
+        out = f"{self.prefix}_{g._n}"
         g.nodes.append(helper.make_node(
-            "SekAttention",
-            [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "past_len", self.cos, self.sin],
-            [out, f"present.{i}.key", f"present.{i}.value"], name=f"SekAttention_{g._n}",
+            self.op, [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *self.where, self.cos, self.sin],
+            [out, f"present.{i}.key", f"present.{i}.value"], name=f"{self.op}_{g._n}",
             domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=float(1.0 / np.sqrt(self.D))))
         return out  # [B, T, Hq D]
 
 
-class SekRowAttention:
+class SekRowAttention(SekInplaceAttention):
     """Row-addressed steps through ``ai.specedge.SekRowAttention``: each of a step's T rows names its sequence's KV
     slot (``row_slot``, -1 for padding) and its position (``row_pos``), so the rows of several sequences share one
     step; a row attends over its slot's rows up to its position, the step's earlier rows of that slot included. Every
     other operator of the graph works row by row, so a row's logits are the same bits whatever else the step holds."""
 
-    def __init__(self, g, w, cfg, inv_freq: np.ndarray, max_positions: int):
+    op, where, prefix = "SekRowAttention", ("row_slot", "row_pos"), "sek_row_attn"
+
+    def __init__(self, g, w, cfg, inv_freq: np.ndarray, max_positions: int):  # no past_len: only the rotary tables
         d = cfg.dims
         self.g, self.D, self.Hq, self.Hkv = g, d.head_dim, d.n_heads, d.n_kv_heads
         self.cos, self.sin = rope_tables(w, inv_freq, max_positions)
-
-    def __call__(self, i: int, qkv: str) -> str:
-        g = self.g
-        g._n += 1
-        out = f"sek_row_attn_{g._n}"
-        g.nodes.append(helper.make_node(
-            "SekRowAttention",
-            [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "row_slot", "row_pos", self.cos,
-             self.sin],
-            [out, f"present.{i}.key", f"present.{i}.value"], name=f"SekRowAttention_{g._n}",
-            domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=float(1.0 / np.sqrt(self.D))))
-        return out  # [1, T, Hq D]

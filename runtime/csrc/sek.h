@@ -61,7 +61,8 @@ typedef struct {
     float *out;                        /* [R][hq d] */
     int64_t r, n_slots, hq, hkv, d, s_max;
     float scale;
-    int64_t hs; /* query heads per item (sek_row_attn_plan) */
+    int64_t hs;          /* query heads per item (sek_row_attn_plan) */
+    const int64_t *chunk; /* [chunks + 1]: the first row of each chunk of rows an item takes (sek_row_attn_plan) */
 } sek_row_attn_args;
 /* out[r][i] = silu(y[r][i]) * y[r][f + i] for m rows of 2f values (sek_act.c) */
 void sek_swiglu(const float *y, int64_t m, int64_t f, float *out);
@@ -71,9 +72,11 @@ void sek_attn_store(const sek_attn_args *a);
 int64_t sek_attn_plan(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs, int64_t *rs);
 /* One item of the plan: rs rows x hs heads. */
 void sek_attn_row(const sek_attn_args *a, int64_t item);
-/* Row-addressed steps: the rows' k and v into their slots (once, before the items); how R rows split into items (one
- * row x hs query heads of one KV group each; returns their number); one item. */
+/* Row-addressed steps: the rows' k and v into their slots (once, before the items); how R rows split into items
+ * (chunks of adjacent rows of one slot x hs query heads of one KV group each: chunk [R + 1] receives the chunks' first
+ * rows; returns the number of items); one item. */
 void sek_row_attn_store(const sek_row_attn_args *a);
-int64_t sek_row_attn_plan(int64_t r, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs);
+int64_t sek_row_attn_plan(const int64_t *row_slot, int64_t r, int64_t hq, int64_t hkv, int64_t d, int64_t min_items,
+                          int64_t *hs, int64_t *chunk);
 void sek_row_attn_item(const sek_row_attn_args *a, int64_t item);
 #endif

@@ -523,35 +523,60 @@ void sek_row_attn_store(const sek_row_attn_args *a) {
     }
 }
 
-int64_t sek_row_attn_plan(int64_t r, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs) {
-    *hs = heads_per_item(r, hq, hkv, d, min_items);
-    return r * (hq / *hs);
+/* Runs of rows: rows next to each other in the step with the same slot (a sequence's draft, say) join one run, cut
+ * into chunks of at most rs rows; padding rows are chunks of one. chunk[c] .. chunk[c+1]-1 are chunk c's rows. */
+static int64_t row_chunks(const int64_t *slot, int64_t r, int64_t rs, int64_t *chunk) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < r; c++) {
+        if (chunk) chunk[c] = i;
+        int64_t j = i + 1;
+        while (j < r && j - i < rs && slot[i] >= 0 && slot[j] == slot[i]) j++;
+        i = j;
+    }
+    if (chunk) chunk[c] = r;
+    return c;
 }
 
-/* An item of sek_row_attn_plan's: row item / (hq / hs) x query heads hb*hs .. (hb+1)*hs-1, hb = item % (hq / hs),
- * all of one KV group of the row's slot. Each query runs attend's arithmetic over its slot's rows 0 .. pos, the same
- * as sek_attn_row's for that query in a step of that slot alone (a B = 1 cache holding the same rows, past_len + t =
- * pos): an item holds queries of one row, so what else the step carries never reaches it. A padding row's output is
- * zeros. */
+int64_t sek_row_attn_plan(const int64_t *row_slot, int64_t r, int64_t hq, int64_t hkv, int64_t d, int64_t min_items,
+                          int64_t *hs, int64_t *chunk) {
+    *hs = heads_per_item(r, hq, hkv, d, min_items);
+    const int64_t blocks = hq / *hs;
+    int64_t rs = 1;
+    for (int64_t n = r; n > 1; n--) /* the most rows of one slot an item can hold while the step keeps enough items */
+        if (n * *hs <= SEK_Q_MAX && n * *hs * d <= SEK_Q_MAX * 128 &&
+            blocks * row_chunks(row_slot, r, n, NULL) >= min_items) {
+            rs = n;
+            break;
+        }
+    return blocks * row_chunks(row_slot, r, rs, chunk);
+}
+
+/* An item of sek_row_attn_plan's: the rows of chunk item / (hq / hs) (one slot's, or one padding row) x query heads
+ * hb*hs .. (hb+1)*hs-1, hb = item % (hq / hs), all of one KV group of the slot. Each query runs attend's arithmetic
+ * over its slot's rows 0 .. its position, the same as sek_attn_row's for that query in a step of that slot alone (a
+ * B = 1 cache holding the same rows, past_len + t = pos): what else the step or the item holds never changes a
+ * query's bits. A padding row's output is zeros. */
 void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
-    const int64_t hs = a->hs, d = a->d, r = item / (a->hq / hs), h0 = item % (a->hq / hs) * hs;
-    const int64_t slot = a->row_slot[r], pos = a->row_pos[r];
-    float *o = a->out + r * a->hq * d + h0 * d; /* [hs][d]: the item's heads are adjacent in the row */
+    const int64_t hs = a->hs, d = a->d, c = item / (a->hq / hs), h0 = item % (a->hq / hs) * hs;
+    const int64_t r0 = a->chunk[c], rows = a->chunk[c + 1] - r0, slot = a->row_slot[r0], nq = rows * hs;
     if (slot < 0) {
-        memset(o, 0, (size_t)(hs * d) * sizeof(float));
+        memset(a->out + r0 * a->hq * d + h0 * d, 0, (size_t)(hs * d) * sizeof(float));
         return;
     }
     float q[SEK_Q_MAX * 128], acc[SEK_Q_MAX * 128], m[SEK_Q_MAX], l[SEK_Q_MAX];
-    int64_t n[SEK_Q_MAX];
-    for (int64_t p = 0; p < hs; p++) { /* query p: head h0 + p */
-        memcpy(q + p * d, a->qkv + r * (a->hq + 2 * a->hkv) * d + (h0 + p) * d, (size_t)d * sizeof(float));
+    int64_t n[SEK_Q_MAX], nmax = 0;
+    for (int64_t p = 0; p < nq; p++) { /* query p: row r0 + p / hs, head h0 + p % hs */
+        const int64_t r = r0 + p / hs, pos = a->row_pos[r];
+        memcpy(q + p * d, a->qkv + r * (a->hq + 2 * a->hkv) * d + (h0 + p % hs) * d, (size_t)d * sizeof(float));
         rope(q + p * d, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
         n[p] = pos + 1;
+        nmax = n[p] > nmax ? n[p] : nmax;
     }
     const int64_t g = h0 / (a->hq / a->hkv), at = (slot * a->hkv + g) * a->s_max * d;
-    attend(q, a->k_cache + at, a->v_cache + at, n, pos + 1, d, a->scale, hs, m, l, acc);
-    for (int64_t p = 0; p < hs; p++) {
+    attend(q, a->k_cache + at, a->v_cache + at, n, nmax, d, a->scale, nq, m, l, acc);
+    for (int64_t p = 0; p < nq; p++) {
+        float *o = a->out + (r0 + p / hs) * a->hq * d + (h0 + p % hs) * d;
         const float inv = 1.f / l[p];
-        for (int64_t k = 0; k < d; k++) o[p * d + k] = acc[p * d + k] * inv;
+        for (int64_t k = 0; k < d; k++) o[k] = acc[p * d + k] * inv;
     }
 }

@@ -479,6 +479,24 @@ static int64_t online_cpus(void) {
     return n;
 }
 
+/* The attention ops' outputs: out [1, rows, width] and the two caches shaped as the pasts (in[1], in[2]), which
+ * start as copies of the pasts unless they are bound to the same buffers (in place, as the runtime binds them). */
+static OrtStatus *attn_outputs(OrtApiTable api, OrtKernelContext *ctx, const char *op, int64_t rows, int64_t width,
+                               const Input *in, void **o) {
+    const int64_t odims[3] = {1, rows, width};
+    OrtValue *out[3];
+    TRY(KernelContext_GetOutput(api)(ctx, 0, odims, 3, &out[0]));
+    TRY(KernelContext_GetOutput(api)(ctx, 1, in[1].dims, 4, &out[1]));
+    TRY(KernelContext_GetOutput(api)(ctx, 2, in[2].dims, 4, &out[2]));
+    for (int i = 0; i < 3; i++) {
+        if (!out[i]) return fail(api, ORT_RUNTIME_EXCEPTION, "%s: no output tensor", op);
+        TRY(GetTensorMutableData(api)(out[i], &o[i]));
+    }
+    for (int i = 1; i < 3; i++) /* not bound in place: start from a copy of the past */
+        if (o[i] != in[i].data && in[i].count) memcpy(o[i], in[i].data, (size_t)in[i].count * sizeof(float));
+    return NULL;
+}
+
 static void attn_item(void *p, size_t i) { sek_attn_row((const sek_attn_args *)p, (int64_t)i); }
 
 static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
@@ -502,18 +520,8 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     if (past_len < 0 || T > S || T > positions || past_len > S - T || past_len > positions - T) /* no overflow */
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: positions up to %lld do not fit the cache (%lld rows)",
                     (long long)(past_len + T), (long long)(S < positions ? S : positions));
-    const int64_t odims[3] = {1, T, k->hq * d};
-    OrtValue *out[3];
-    TRY(KernelContext_GetOutput(api)(ctx, 0, odims, 3, &out[0]));
-    TRY(KernelContext_GetOutput(api)(ctx, 1, in[1].dims, 4, &out[1]));
-    TRY(KernelContext_GetOutput(api)(ctx, 2, in[2].dims, 4, &out[2]));
     void *o[3];
-    for (int i = 0; i < 3; i++) {
-        if (!out[i]) return CreateStatus(api)(ORT_RUNTIME_EXCEPTION, "SekAttention: no output tensor");
-        TRY(GetTensorMutableData(api)(out[i], &o[i]));
-    }
-    for (int i = 1; i < 3; i++) /* not bound in place: start from a copy of the past */
-        if (o[i] != in[i].data) memcpy(o[i], in[i].data, (size_t)in[i].count * sizeof(float));
+    TRY(attn_outputs(api, ctx, "SekAttention", T, k->hq * d, in, o));
     sek_attn_args a = {(const float *)in[0].data, (float *)o[1], (float *)o[2], (const float *)in[4].data,
                        (const float *)in[5].data, (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1};
     if (T == 0) return NULL;
@@ -626,25 +634,19 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
                     "%lld rows, one of each per row", (long long)in[3].dims[0], (long long)in[4].dims[0], (long long)R);
     const int64_t *slot = (const int64_t *)in[3].data, *pos = (const int64_t *)in[4].data;
     TRY(check_rows(api, slot, pos, R, N, S, positions));
-    const int64_t odims[3] = {1, R, k->hq * d};
-    OrtValue *out[3];
-    TRY(KernelContext_GetOutput(api)(ctx, 0, odims, 3, &out[0]));
-    TRY(KernelContext_GetOutput(api)(ctx, 1, in[1].dims, 4, &out[1]));
-    TRY(KernelContext_GetOutput(api)(ctx, 2, in[2].dims, 4, &out[2]));
     void *o[3];
-    for (int i = 0; i < 3; i++) {
-        if (!out[i]) return CreateStatus(api)(ORT_RUNTIME_EXCEPTION, "SekRowAttention: no output tensor");
-        TRY(GetTensorMutableData(api)(out[i], &o[i]));
-    }
-    for (int i = 1; i < 3; i++) /* not bound in place: start from a copy of the past */
-        if (o[i] != in[i].data && in[i].count) memcpy(o[i], in[i].data, (size_t)in[i].count * sizeof(float));
+    TRY(attn_outputs(api, ctx, "SekRowAttention", R, k->hq * d, in, o));
     if (R == 0) return NULL;
+    int64_t *chunk = malloc((size_t)(R + 1) * sizeof(int64_t));
+    if (!chunk) return CreateStatus(api)(ORT_FAIL, "SekRowAttention: out of memory");
     sek_row_attn_args a = {(const float *)in[0].data, (float *)o[1], (float *)o[2], slot, pos,
                            (const float *)in[5].data, (const float *)in[6].data, (float *)o[0], R, N, k->hq, k->hkv,
-                           d, S, k->scale, 1};
-    const int64_t items = sek_row_attn_plan(R, k->hq, k->hkv, d, online_cpus(), &a.hs);
+                           d, S, k->scale, 1, chunk};
+    const int64_t items = sek_row_attn_plan(slot, R, k->hq, k->hkv, d, online_cpus(), &a.hs, chunk);
     sek_row_attn_store(&a);
-    return KernelContext_ParallelFor(api)(ctx, row_attn_item, (size_t)items, 0, &a);
+    OrtStatus *st = KernelContext_ParallelFor(api)(ctx, row_attn_item, (size_t)items, 0, &a);
+    free(chunk);
+    return st;
 }
 
 static const char *row_attn_name(const void *op) { (void)op; return "SekRowAttention"; }

@@ -145,11 +145,16 @@ PLANTS = {
         "runtime/csrc/sek_gemm.c", "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;",
         "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RMAX + 1;", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
-        "runtime/csrc/sek_attn.c", "        n[p] = pos + 1;\n        nmax", "        n[p] = pos;\n        nmax",
+        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    attend(",
+        "n[p] = pos;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    attend(",
         ["tests/runtime/test_sek_kernel.py"]),
     "row-addressed attention: a row attends one position short": (
-        "runtime/csrc/sek_attn.c", "        n[p] = pos + 1;\n    }\n    const int64_t g",
-        "        n[p] = pos;\n    }\n    const int64_t g", ["tests/runtime/test_sek_row_attention.py"]),
+        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const",
+        "n[p] = pos;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const",
+        ["tests/runtime/test_sek_row_attention.py"]),
+    "row-addressed attention groups rows of different slots into one item": (
+        "runtime/csrc/sek_attn.c", "slot[i] >= 0 && slot[j] == slot[i]) j++;", "slot[i] >= 0 && slot[j] >= 0) j++;",
+        ["tests/runtime/test_sek_row_attention.py"]),
     "row-addressed attention reads slot 0 whatever the row names": (
         "runtime/csrc/sek_attn.c", "at = (slot * a->hkv + g) * a->s_max * d;", "at = g * a->s_max * d;",
         ["tests/runtime/test_sek_row_attention.py", "tests/export/test_rows_graph.py"]),
