@@ -170,6 +170,10 @@ def test_the_tensorrt_execution_provider_keeps_reading_the_model_from_its_file(b
         def InferenceSession(path, so, providers):  # noqa: N802
             return path
 
+    empty = bundle / "empty.onnx"
+    (bundle / "empty.onnx.data").write_bytes(b"")  # nothing to hand over (and nothing an mmap could map)
+    so = FakeOptions()
+    assert open_session(FakeOrt, empty, so, ["CPUExecutionProvider"]) == str(empty) and so.given == []
     size = (bundle / DATA).stat().st_size
     for providers, handed in ((["CPUExecutionProvider"], True),
                               ([("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"], True),
