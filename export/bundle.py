@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specedge.runtime.bundle_files import file_entry
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
     DEFAULT_NGRAM_MAX,
@@ -28,7 +29,6 @@ from specedge.runtime.manifest import (
     HeadRows,
     Manifest,
     ModelEntry,
-    file_entry,
     model_widths,
     write_manifest,
 )

@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from specedge.runtime.backends.trt import import_tensorrt
+from specedge.runtime.bundle_files import file_entry, verify_files
 from specedge.runtime.errors import BundleError
 from specedge.runtime.manifest import (
     EngineSet,
     Manifest,
-    file_entry,
     read_manifest,
-    verify_files,
     width_shapes,
     write_manifest,
 )

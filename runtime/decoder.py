@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from .backends import GraphRunner, close_shared, open_runners, resolve_backend
+from .bundle_files import FileWatch
 from .cache_rows import CacheRows
 from .drafters import DraftCache, Drafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import BundleError, OptionError
 from .factory import check_load_options, draft_length, make_drafter, plain_width, warn_about_form, width1_exact
-from .manifest import DEFAULT_NGRAM_MAX, FileWatch, Manifest, read_manifest
+from .manifest import DEFAULT_NGRAM_MAX, Manifest, read_manifest
 from .policy import CostModel
 from .request import GenerationResult, Request, StreamEvent, check_fits, commit
 from .sampling import SamplingParams, accept_argmax, choose_next, top1_probability, verify_round

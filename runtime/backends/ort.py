@@ -58,7 +58,7 @@ def open_session(ort: Any, path: Path, so: Any, providers: list) -> Any:
     file ``<graph>.onnx.data`` and reads the weights from the mapping for as long as the session lives: a file
     truncated under a running process (``cp`` over it) then kills that process with SIGBUS, and one zeroed in place
     silently changes its answers. Handed the file's contents, it copies what it needs while the session is made,
-    and the file is never touched again (a changed file is found by :class:`..manifest.FileWatch`)."""
+    and the file is never touched again (a changed file is found by :class:`..bundle_files.FileWatch`)."""
     data = path.with_name(path.name + ".data")
     names = {p if isinstance(p, str) else p[0] for p in providers}
     # ONNX Runtime's TensorRT execution provider parses the model from its file itself (ort-trt): left as it was

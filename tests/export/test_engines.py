@@ -18,8 +18,9 @@ from specedge.export.validate import ValidateOptions, validate
 from specedge.runtime import BundleError, SamplingParams, SpecDecoder
 from specedge.runtime.backends import trt_ep_options
 from specedge.runtime.backends.trt import compat_problems, io_problems
+from specedge.runtime.bundle_files import file_entry
 from specedge.runtime.errors import BackendUnavailableError, UnsupportedModelError
-from specedge.runtime.manifest import EngineSet, file_entry, io_spec, read_manifest
+from specedge.runtime.manifest import EngineSet, io_spec, read_manifest
 
 FP32_OPS = {"Pow", "ReduceMean", "Sqrt", "Div", "Softmax", "Cos", "Sin"}
 

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from specedge.runtime import BundleError, SamplingParams, SpecDecoder
-from specedge.runtime.manifest import SAMPLE_BLOCK, sample_stride
+from specedge.runtime.bundle_files import SAMPLE_BLOCK, sample_stride
 
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 DATA = "target.onnx.data"

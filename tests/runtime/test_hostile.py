@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specedge.runtime import SamplingParams, SpecDecoder
+from specedge.runtime.bundle_files import file_entry
 from specedge.runtime.errors import BundleError, OptionError, PromptError, SamplingParamsError, SpecEdgeError
-from specedge.runtime.manifest import file_entry, read_manifest
+from specedge.runtime.manifest import read_manifest
 from specedge.runtime.sampling import choose_next
 
 

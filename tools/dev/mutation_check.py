@@ -252,7 +252,7 @@ PLANTS = {
         "runtime/decoder.py", "        with self._lock:  # a step in progress on another thread finishes first",
         "        if True:", ["tests/runtime/test_faults.py"]),
     "the sampled hash is not checked": (
-        "runtime/manifest.py", 'if verify == "size" and sample is not None and', "if False and",
+        "runtime/bundle_files.py", 'if verify == "size" and sample is not None and', "if False and",
         ["tests/runtime/test_damaged_weights.py"]),
     "ONNX Runtime maps the weights file": (
         "runtime/backends/ort.py", 'if not data.is_file() or not data.stat().st_size or "TensorrtExecutionProvider"',
