@@ -21,11 +21,13 @@ from typing import Any
 from specedge.runtime.bundle_files import file_entry
 from specedge.runtime.errors import BundleError, UnsupportedModelError
 from specedge.runtime.manifest import (
+    BATCH_WIDTHS,
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
     KV_MODES,
     MAX_CONTEXT,
     ONNX_OPSET,
+    ROWS_KV_MODE,
     HeadRows,
     Manifest,
     ModelEntry,
@@ -56,7 +58,9 @@ class ExportOptions:
     draft_catchup_widths: tuple[int, ...] | None = None
     weights: WeightFormat = WeightFormat()  # target
     draft_weights: WeightFormat | None = None  # None: same as the target
-    kv_mode: str = "portable"  # portable (every backend) | ort-inplace (ONNX Runtime GroupQueryAttention)
+    # portable (every backend) | ort-inplace (ONNX Runtime GroupQueryAttention; specedge's attention in its form)
+    # | rows (the specedge form: row-addressed steps over a pool of KV slots, for batches of requests)
+    kv_mode: str = "portable"
     device_argmax: bool = False  # graphs also output next_ids = ArgMax(logits) (see Manifest.device_argmax)
     draft_vocab: int = 0  # > 0: the draft's lm_head keeps token ids < draft_vocab + the special tokens (HeadRows)
     overwrite: bool = False
@@ -79,6 +83,11 @@ class ExportOptions:
                 f"verify width K+1 {self.k + 1}: it must be at least {self.prefill_chunk + self.k + 1}")
         if self.kv_mode not in KV_MODES:
             raise BundleError(f"--kv-mode {self.kv_mode!r}: choose one of {', '.join(KV_MODES)}")
+        if self.kv_mode == ROWS_KV_MODE and not all(f.specedge for f in (self.weights, self.draft_weights or
+                                                                           self.weights)):
+            raise BundleError("--kv-mode rows (row-addressed steps, for batches of requests) runs specedge's "
+                              "attention, which only the specedge form has (--weights int8/int4 --quant-form "
+                              "specedge, for a CPU): choose --kv-mode ort-inplace for this form")
         if self.weights.even_widths and self.prefill_chunk % 2:
             raise BundleError(f"--prefill-chunk {self.prefill_chunk}: an int8/int4 MatMulNBits target needs an even "
                               f"prefill chunk (ONNX Runtime's kernel takes rows in pairs; see manifest.model_widths; "
@@ -250,7 +259,9 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
         family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,
         precision=fmt.name, widths=model_widths(role, opts.k, opts.prefill_chunk, opts.verify_widths,
                                                 even=role == "target" and fmt.even_widths,
-                                                catchup=opts.draft_catchup_widths),
+                                                catchup=opts.draft_catchup_widths,
+                                                batch=tuple(t for t in BATCH_WIDTHS if t <= opts.max_context)
+                                                if opts.kv_mode == ROWS_KV_MODE else ()),
         source=src.describe(), quant=quant, head=head,
     )
 

@@ -155,9 +155,11 @@ def _profile_option(f):  # noqa: ANN001
               metavar="ALPHA",
               help="--weights int8 --quant-form intgemm: SmoothQuant's alpha (0: off; 0.5 is the usual choice), "
                    "measured on a built-in calibration text and folded into the weights.")
-@click.option("--kv-mode", type=click.Choice(["ort-inplace", "portable"]), default="ort-inplace",
-              help="ort-inplace: ONNX Runtime GroupQueryAttention writing the cache in place (CPU; bitwise exact). "
-                   "portable: plain ONNX attention (TensorRT; refused on a CPU profile). Default: the profile's.")
+@click.option("--kv-mode", type=click.Choice(["auto", "rows", "ort-inplace", "portable"]), default="auto",
+              help="rows: row-addressed steps over a pool of KV slots, so requests decode together "
+                   "(spec-run serve --max-batch; the specedge form only). ort-inplace: attention writing the cache "
+                   "in place (CPU; bitwise exact). portable: plain ONNX attention (TensorRT; refused on a CPU "
+                   "profile). auto: rows in the specedge form, else ort-inplace; the profile's where it names one.")
 @click.option("--draft-vocab", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Draft model only: its lm_head keeps token ids 0..N-1 and the special tokens above them, so each "
                    "draft step reads a fraction of the head. The output is unchanged (the target verifies every "
@@ -471,17 +473,20 @@ def _quant_layout(q: dict, form: str) -> str:
 
 
 def _plan_of(what: str, board: str | None, backend: str | None, precision: str | None, head: str | None,
-             weights: str | None = None) -> Plan:
+             weights: str | None = None, max_batch: int = 1) -> Plan:
     """The memory plan of a bundle directory or of a preset (its models' dims from their GGUF headers)."""
     from specedge.runtime.config import list_presets, load_config
-    from specedge.runtime.manifest import model_widths, read_manifest
+    from specedge.runtime.manifest import ROWS_KV_MODE, model_widths, read_manifest
     from specedge.runtime.memplan import plan_for_manifest, plan_models
 
     if Path(what).is_dir():
         m = read_manifest(Path(what), verify="none")
         backend = backend or ("trt" if m.engines and any(k.startswith("trt") for k in m.engines) else "ort-cpu")
+        if max_batch > 1 and m.kv_mode != ROWS_KV_MODE:
+            raise SpecEdgeError(f"--max-batch {max_batch}: {what} has kv_mode {m.kv_mode}, whose graphs take one "
+                                "sequence a step; decoding requests together needs kv_mode rows (the specedge form)")
         return plan_for_manifest(m, backend, precision or ("fp16" if backend != "ort-cpu" else "fp32"),
-                                 head or "fp32", _board(board), what=f"{what}, {backend}")
+                                 head or "fp32", _board(board), what=f"{what}, {backend}", max_batch=max_batch)
     if what not in list_presets():
         raise SpecEdgeError(f"{what!r} is neither a bundle directory nor a preset ({', '.join(list_presets())})")
     cfg = load_config(what)
@@ -513,7 +518,7 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
              f"{weights or ex.get('weights', 'fp32')}"
              f" export, {backend} {precision} (head {head}), S_max {ex.get('max_context', 2048)}")
     return plan_models(models, max_context=int(ex.get("max_context", 2048)), backend=backend, precision=precision,
-                       head=head, what=label, board=_board(board or what))
+                       head=head, what=label, board=_board(board or what), max_batch=max_batch)
 
 
 @main.command()
@@ -528,9 +533,12 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
 @click.option("--weights", type=click.Choice(["fp32", "int8", "int4"]), default=None,
               help="A preset's export weights instead of its own (int4 stays INT4 weight-only in GPU engines; fp32 "
                    "becomes the engine precision).")
+@click.option("--max-batch", type=click.IntRange(1, 48), default=1, show_default=True,
+              help="Requests decoded together (spec-run serve --max-batch): the target's KV cache holds that many "
+                   "sequences.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(what: str, board: str | None, backend: str | None, precision: str | None, head: str | None,
-         weights: str | None, as_json: bool) -> None:
+         weights: str | None, max_batch: int, as_json: bool) -> None:
     """Memory plan of WHAT (a bundle directory or a preset name): weights per model, KV at S_max, scratch, the
     CUDA/TensorRT context, against a board's memory. Exit status 1 when it does not fit."""
     import json
@@ -538,7 +546,7 @@ def plan(what: str, board: str | None, backend: str | None, precision: str | Non
     from specedge.runtime.memplan import format_plan
 
     try:
-        p = _plan_of(what, board, backend, precision, head, weights)
+        p = _plan_of(what, board, backend, precision, head, weights, max_batch)
     except SpecEdgeError as e:
         _fail(e)
     click.echo(json.dumps(p.to_json(), indent=2) if as_json else format_plan(p))

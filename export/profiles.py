@@ -114,6 +114,8 @@ def settle(values: dict[str, Any], given: set[str], profile: Profile, target: st
         out["weights"] = "fp32"
     if out.get("quant_form") == "auto":
         out["quant_form"] = auto_form(out["weights"], profile, say)
+    if out.get("kv_mode") == "auto":  # row-addressed steps where the form's attention has them (batches of requests)
+        out["kv_mode"] = "rows" if out.get("quant_form") == "specedge" else "ort-inplace"
     if profile.device == "cpu" and out["kv_mode"] == "portable":
         raise OptionError(
             f"--kv-mode portable is not bitwise exact on a CPU (--for {profile.name}): its attention sums a "

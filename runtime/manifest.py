@@ -49,10 +49,13 @@ ROLE_PREFILL = "prefill"  # T = P, logits only at the last real position
 ROLE_VERIFY = "verify"  # T = K+1, logits at every position
 ROLE_DECODE = "decode"  # T = 1
 DRAFTER_KINDS = ("model", "prompt-lookup", "none")
-KV_MODES = ("portable", "ort-inplace")  # see specedge.export.attention
 # Row-addressed steps (the specedge form): a step's rows each name a KV slot of a pool and a position, so rows of
-# several sequences share one step. The graphs are built and tested; bundles and runners do not take them yet.
+# several sequences share one step (SpecDecoder.load(max_batch=N): N slots). The specedge form's default.
 ROWS_KV_MODE = "rows"
+KV_MODES = ("portable", "ort-inplace", ROWS_KV_MODE)  # see specedge.export.attention
+# The row budgets of a row-addressed target besides its verify widths: a round of several requests packs every
+# request's last token and draft into one step of the smallest of these that holds them (logits at every row).
+BATCH_WIDTHS = (8, 12, 16, 24, 32, 48)
 
 
 @dataclass(frozen=True)
@@ -353,7 +356,8 @@ DRAFT_CATCHUP_WIDTHS = (2, 4, 8, 16)  # a draft's narrow prefill widths (model_w
 
 
 def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int, ...] = (),
-                 even: bool = False, catchup: tuple[int, ...] | None = None) -> tuple[Width, ...]:
+                 even: bool = False, catchup: tuple[int, ...] | None = None,
+                 batch: tuple[int, ...] = ()) -> tuple[Width, ...]:
     """The fixed widths each model is run at.
 
     target: prefill (P), verify (K+1 and 2) and decode (1). Verify width 2 is what plain decoding runs
@@ -373,6 +377,8 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
     and an odd last row alone through its M=1 kernel, whose rounding differs (measured on x86 with blocks >= 64
     at 4 bits, >= 128 at 8 bits; tests/export/test_quantized_bundle.py): with even widths no real row is ever
     that odd one, so a row's result is the same whatever the width. The prefill chunk must then be even too.
+    batch (target of a row-addressed bundle: :data:`BATCH_WIDTHS`): more widths with logits at every row, the row
+    budgets rounds of several requests run at (a width equal to the prefill chunk is left to the prefill).
     """
     if even and prefill_chunk % 2:
         raise ValueError(f"the prefill chunk of an int8/int4 target must be even (its rows go through the kernel in "
@@ -387,6 +393,8 @@ def model_widths(role: str, k: int, prefill_chunk: int, extra_verify: tuple[int,
                 raise ValueError(f"verify widths must be in 2..K+1={k + 1}, got {t}")
             t += t % 2 if even else 0
             widths.add(Width(ROLE_VERIFY, t, t))
+        widths |= {Width(ROLE_VERIFY, t + t % 2 if even else t, t + t % 2 if even else t) for t in batch
+                   if t > k + 1 and t != prefill_chunk}
     # A width may coincide with another (e.g. P == K+1): keep the one that gives most logits.
     by_t: dict[int, Width] = {}
     for w in widths:

@@ -151,10 +151,11 @@ class Plan:
 
 
 def plan_models(models: list[tuple[str, ModelDims, str, int, int]], *, max_context: int, backend: str,
-                precision: str, head: str, what: str, board: Board | None = None) -> Plan:
+                precision: str, head: str, what: str, board: Board | None = None, max_batch: int = 1) -> Plan:
     """models: (role, dims, exported weight format, t_max, l_max). backend: trt | ort-cuda | ort-trt | ort-cpu.
     precision: the engine precision on a GPU (fp16/bf16; fp32 = the exported graphs as they are). head: fp32 |
-    low (the lm_head in the engine precision)."""
+    low (the lm_head in the engine precision). max_batch: sequences the target's KV cache holds (requests decoded
+    together: one cache each)."""
     gpu = backend != "ort-cpu"
     out = []
     for role, d, fmt, t_max, l_max in models:
@@ -167,9 +168,13 @@ def plan_models(models: list[tuple[str, ModelDims, str, int, int]], *, max_conte
             head_fmt = "int8" if fmt in ("int8", "int4") else fmt
             emb, scale, act, kvb = ("fp16" if fmt in ("int8", "int4") else "fp32"), 4.0, 4, 4
         kv, new = kv_bytes(d, max_context, kvb, t_max)
+        if role == "target":
+            kv *= max_batch
         out.append(ModelPlan(role, weight_bytes(d, linear, head_fmt, emb, scale), kv, new,
                              scratch_bytes(d, max_context, t_max, l_max, act)))
     notes = ["scratch and process are estimates; `spec-export build` reports TensorRT's real scratch per engine"]
+    if max_batch > 1:
+        notes.append(f"the target's KV holds {max_batch} sequences (max_batch {max_batch}: requests decoded together)")
     if gpu and board is not None and board.unified:
         notes.append("unified memory: engine files are memory-mapped while loading (page cache, reclaimable); a "
                      "TensorRT build needs about twice the weights plus its workspace on top of the OS")
@@ -177,7 +182,7 @@ def plan_models(models: list[tuple[str, ModelDims, str, int, int]], *, max_conte
 
 
 def plan_for_manifest(m: Manifest, backend: str, precision: str = "fp32", head: str = "fp32",
-                      board: Board | None = None, what: str | None = None) -> Plan:
+                      board: Board | None = None, what: str | None = None, max_batch: int = 1) -> Plan:
     models = []
     for role, e in (("target", m.target), ("draft", m.draft)):
         if e is None:
@@ -186,7 +191,7 @@ def plan_for_manifest(m: Manifest, backend: str, precision: str = "fp32", head: 
     label = what or (f"{m.target.source.get('name', 'target') if isinstance(m.target.source, dict) else 'target'}"
                      f"{' + draft' if m.draft else ''}, {backend} {precision} (head {head}), S_max {m.max_context}")
     return plan_models(models, max_context=m.max_context, backend=backend, precision=precision, head=head,
-                       what=label, board=board)
+                       what=label, board=board, max_batch=max_batch)
 
 
 def this_machine() -> Board | None:

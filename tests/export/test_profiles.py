@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from specedge.export.cli import main as export_cli
 from specedge.export.profiles import default_verify_widths, kernels_buildable, load_profile, settle
 from specedge.runtime.errors import OptionError
+from specedge.runtime.manifest import BATCH_WIDTHS
 
 from .test_gguf import write_tiny_gguf
 
@@ -47,12 +48,13 @@ def test_a_gguf_with_no_form_flags_is_the_fast_exact_cpu_form(tiny_gguf, tmp_pat
     r, m = _export(["--target", str(tiny_gguf)], tmp_path)
     assert r.exit_code == 0, r.output
     t = m["target"]
-    assert (t["precision"], m["kv_mode"], m["k"]) == ("int4", "ort-inplace", 8)
+    assert (t["precision"], m["kv_mode"], m["k"]) == ("int4", "rows", 8)  # row-addressed: requests batch
     assert t["quant"]["format"].startswith("SekMatMul") and t["quant"]["lm_head"] == "gguf"
     assert t["quant"]["requantized"] == 0  # every matrix is the file's own blocks, the head included
     verify = sorted(w["T"] for w in t["widths"] if w["role"] == "verify")
-    assert verify == [2, 3, 5, 7, 9]  # odd widths: the specedge form has no even-width rule
-    assert "form (--for cpu): int4 specedge, lm_head gguf, kv ort-inplace, K=8" in r.output
+    assert verify[:5] == [2, 3, 5, 7, 9]  # odd widths: the specedge form has no even-width rule
+    assert set(verify[5:]) <= set(BATCH_WIDTHS)  # and the row budgets of rounds of several requests
+    assert "form (--for cpu): int4 specedge, lm_head gguf, kv rows, K=8" in r.output
 
 
 def test_without_a_compiler_the_default_is_matmulnbits_and_says_how_to_get_the_fast_form(tiny_gguf, tmp_path,
