@@ -294,7 +294,11 @@ def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads,
               help="Interface to listen on. Keep 127.0.0.1 unless a firewall and --api-key protect the port.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--max-queue", type=click.IntRange(1, 1024), default=16, show_default=True,
-              help="Requests waiting beyond the running one; more get 503 with Retry-After.")
+              help="Requests waiting beyond the running ones; more get 503 with Retry-After.")
+@click.option("--max-batch", type=click.IntRange(1, 48), default=None,
+              help="Requests decoded together, their rounds in shared steps (each one's text what it is alone). "
+                   "Default: 4 for a bundle in the specedge form on the CPU (kv_mode rows), else 1; more than 1 "
+                   "needs such a bundle. Each costs a KV cache (spec-export plan --max-batch).")
 @click.option("--api-key", envvar="SPECEDGE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on the /v1 routes (or set SPECEDGE_API_KEY): visible ASCII "
                    "characters, no spaces; an empty key is refused.")
@@ -305,7 +309,8 @@ def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads,
 @click.option("--drafter", type=click.Choice(["auto", "hybrid", "model", "lookup", "prompt-lookup", "off", "none"]),
               default="auto", show_default=True,
               help="The drafter of a request that names none in its 'speculation' field (see spec-run generate).")
-def serve(bundle, host, port, max_queue, api_key, backend, threads, log_level, cuda_graphs, drafter) -> None:
+def serve(bundle, host, port, max_queue, max_batch, api_key, backend, threads, log_level, cuda_graphs,
+          drafter) -> None:
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics). Needs the [serve] extra."""
     from .server import serve as run_server
@@ -314,7 +319,8 @@ def serve(bundle, host, port, max_queue, api_key, backend, threads, log_level, c
         api_key = os.environ["SPECEDGE_API_KEY"]  # refused as empty, not taken as "no key"
     try:
         run_server(bundle, host=host, port=port, max_queue=max_queue, api_key=api_key, backend=backend,
-                   threads=threads, log_level=log_level, cuda_graphs=cuda_graphs, drafter=drafter)
+                   threads=threads, log_level=log_level, cuda_graphs=cuda_graphs, drafter=drafter,
+                   max_batch=max_batch)
     except SpecEdgeError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

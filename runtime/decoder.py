@@ -5,6 +5,9 @@ collects them. A round is four short functions over one small :class:`Request`.
 
 Invariant between rounds: the target cache holds rows for ``tokens[:n-1]`` — every
 committed token except the last, which is fed first in the next verify call.
+
+A decoder loaded with ``max_batch`` N > 1 (a row-addressed bundle) decodes up to N requests together:
+:mod:`.batch` packs their rows into shared steps, each request's rows in its own slot of the cache.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .backends import GraphRunner, close_shared, open_runners, resolve_backend
+from .backends import GraphRunner, SlotView, close_shared, open_runners, resolve_backend
+from .batch import Batch, Slot
 from .bundle_files import FileWatch
 from .cache_rows import CacheRows
 from .drafters import DraftCache, Drafter, NoDrafter, PromptLookupDrafter, Proposal, feed
@@ -41,8 +45,10 @@ class SpecDecoder:
 
     Thread safety: one prefill or round runs at a time per decoder (a lock held for one step of work, never
     across a yield), so streams from several threads, or several streams interleaved in one thread, are all
-    served; a paused or abandoned stream blocks nobody. A stream resumed after another request ran re-prefills
-    its committed tokens (``Stats.resyncs``). Use one decoder per thread for parallel throughput.
+    served; a paused or abandoned stream blocks nobody. With ``max_batch`` 1 a stream resumed after another
+    request ran re-prefills its committed tokens (``Stats.resyncs``); with ``max_batch`` N > 1 up to N streams
+    decode together, each round advancing all of them in shared steps (:mod:`.batch`), each request's text
+    bitwise what it is alone.
     """
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, backend: str, target: GraphRunner,
@@ -63,7 +69,10 @@ class SpecDecoder:
         # the free guess takes any match, down to one token: it rides in a width-2 step that runs anyway
         self._guesser = PromptLookupDrafter(p.get("ngram_max", DEFAULT_NGRAM_MAX), 1)
         self._lock = threading.Lock()  # held for one prefill or round at a time (never across a yield)
-        self.rows = CacheRows()  # what the target cache's rows hold (a prefix of one request's tokens)
+        # the target cache's slots (one per sequence it holds: max_batch) and what each one's rows hold
+        n_slots = getattr(target, "slots", 1)
+        self.slots = [Slot(i, SlotView(target, i) if n_slots > 1 else target, CacheRows()) for i in range(n_slots)]
+        self.batch = Batch(self) if n_slots > 1 else None
         self._costs: CostModel | None = None  # measured on the first auto/hybrid request, refreshed every round
         self._shared: dict = {}  # what the runners share (TensorRT: CUDA stream and scratch memory)
         self.precision = "fp32"  # of the graphs/engines run (set by load)
@@ -72,7 +81,7 @@ class SpecDecoder:
     @classmethod
     def load(cls, bundle: str | Path, backend: str = "auto", verify: str = "size",
              threads: int | None = None, precision: str | None = None, invariant: bool = True,
-             cuda_graphs: bool = True) -> SpecDecoder:
+             cuda_graphs: bool = True, max_batch: int = 1) -> SpecDecoder:
         """verify: "size" (default: every file present with its recorded size and sampled hash — what the CLI does;
         a file zeroed or overwritten in part is caught, a flipped bit mostly not), "sha256" (hash every file first:
         minutes for gigabytes on a Jetson; `spec-export info BUNDLE` does it on demand) or "none".
@@ -82,14 +91,18 @@ class SpecDecoder:
         plain output in every weight format; False lets plain rounds run a narrower width-1 step whose rows
         differ from verify rows by kernel rounding (int8/int4: up to ~0.6 in a logit).
         cuda_graphs: TensorRT only - True (default) captures each width's engine run into a CUDA graph at its first
-        step and replays it after (less launch overhead per step); False always runs execute_async_v3."""
-        check_load_options(bundle, verify, threads, precision)
+        step and replays it after (less launch overhead per step); False always runs execute_async_v3.
+        max_batch: requests decoded together (1: one at a time). N > 1 allocates the target's KV cache for N
+        sequences and packs their rounds into shared steps: a row-addressed bundle (kv_mode rows: the specedge
+        form's) on ort-cpu; other bundles and backends refuse it, saying what is missing."""
+        check_load_options(bundle, verify, threads, precision, max_batch)
         bundle_dir = Path(bundle)
         manifest = read_manifest(bundle_dir, verify=verify)
         files = FileWatch(bundle_dir, manifest.files)  # before anything is read: a change during loading is found
         backend = resolve_backend(backend, manifest)
         target, draft, shared = open_runners(backend, bundle_dir, manifest, threads, precision, cuda_graphs,
-                                             target_min_width=plain_width(manifest, invariant))
+                                             target_min_width=plain_width(manifest, invariant),
+                                             target_slots=max_batch)
         try:
             dec = cls(bundle_dir, manifest, backend, target, draft, TextCodec(bundle_dir, manifest.tokenizer),
                       invariant, files)
@@ -163,41 +176,43 @@ class SpecDecoder:
         ids = self.encode_prompt(prompt, chat)
         self.files.check()
         check_fits(self.manifest, len(ids), params)
-        return self._run(ids, params, d, k, reuse_prefix)
+        req = self._request(ids, params, d, k)
+        if self.batch is not None:
+            if d.name in ("auto", "hybrid", "prompt-lookup"):
+                self.cost_model()  # what a batched round weighs its rows with (timed once, outside the lock)
+            return self.batch.run(req, d, k, reuse_prefix)
+        return self._run(req, d, k, reuse_prefix)
 
     # ------------------------------------------------------------------- loop
-    def _run(self, ids: list[int], params: SamplingParams, drafter: Drafter, k: int,
-             reuse_prefix: bool = True) -> Iterator[StreamEvent]:
+    def _request(self, ids: list[int], params: SamplingParams, drafter: Drafter, k: int) -> Request:
+        """A new request's state: its prompt, sampling state (a keyed sampler without a seed draws one) and stats."""
         if not params.greedy and params.sampler == "keyed" and params.seed is None:
             params = dataclasses.replace(params, seed=int(np.random.SeedSequence().entropy % (1 << 63)))
         drafter.reset()
         stats = Stats(drafter=drafter.name, k=k if drafter.name != "none" else 0, prompt_tokens=len(ids))
         tokens = np.zeros(self.manifest.max_context, dtype=np.int64)
         tokens[: len(ids)] = ids
-        req = Request(tokens, len(ids), len(ids), params, np.random.default_rng(params.seed), stats,
+        return Request(tokens, len(ids), len(ids), params, np.random.default_rng(params.seed), stats,
                        IncrementalDetokenizer(self.codec), stop_hold=max((len(s) for s in params.stop), default=1) - 1)
+
+    def _run(self, req: Request, drafter: Drafter, k: int, reuse_prefix: bool = True) -> Iterator[StreamEvent]:
+        stats = req.stats
+        slot = self.slots[req.slot]
+        tokens = req.tokens
         # The lock is held for one step of work at a time, never across a yield: a paused, abandoned or
         # interleaved stream blocks nobody. Whoever runs next writes the caches; a stream that finds other rows
-        # there on resuming re-prefills its committed tokens first (see _resync). self.rows is narrowed before a
+        # there on resuming re-prefills its committed tokens first (see _resync). slot.rows is narrowed before a
         # write and widened after it: an exception anywhere leaves it claiming only rows written for its tokens.
         with self._lock:
             t_start = time.perf_counter()
-            start = self.rows.agree(tokens[: req.n]) if reuse_prefix else 0
+            start = slot.rows.agree(tokens[: req.n]) if reuse_prefix else 0
             if not reuse_prefix and self.draft_cache is not None:  # nor the draft's rows: the drafter starts cold
                 self.draft_cache.forget()
-            self.rows.writing(tokens, start)
-            logits = feed(self.target, tokens[start: req.n], start, self.manifest.prefill_chunk)
-            self.rows.wrote(tokens, req.n)
+            slot.rows.writing(tokens, start)
+            logits = feed(slot.runner, tokens[start: req.n], start, self.manifest.prefill_chunk)
+            slot.rows.wrote(tokens, req.n)
             stats.reused_tokens = start
-            # damaged weights decode NaN logits, or all-equal ones (zeroed weights), to token 0: often an EOS, silently
-            bad = ("not finite (NaN or inf)" if not np.isfinite(logits).all()
-                   else "all equal" if logits.min() == logits.max() else None)
-            if bad:
-                raise BundleError(f"the target's logits after the prompt are {bad}: its weights in "
-                                  f"{self.bundle_dir} are damaged, or the backend failed; `spec-export info "
-                                  f"{self.bundle_dir}` checks every file against its sha256")
-            first = choose_next(logits, params, req.rng, position=req.n)
-            ev = commit(req, self.manifest.tokenizer.eos_ids, [first])
+            ev = self._first_token(req, logits)
             stats.ttft_s = time.perf_counter() - t_start
         t_first = time.perf_counter()
         yield ev
@@ -205,7 +220,7 @@ class SpecDecoder:
             with self._lock:
                 if self.target is None:
                     raise OptionError("this decoder was closed while the stream was paused; load the bundle again")
-                if not self.rows.holds(req.tokens, req.n - 1):
+                if not slot.rows.holds(req.tokens, req.n - 1):
                     self._resync(req, drafter)
                 ev = self._round(req, drafter, k)
             stats.decode_s = time.perf_counter() - t_first
@@ -213,19 +228,33 @@ class SpecDecoder:
                 stats.strategies = drafter.strategy_rounds() or {drafter.name: stats.rounds}
             yield ev
 
+    def _first_token(self, req: Request, logits: np.ndarray) -> StreamEvent:
+        """The token the prompt's last logits give, committed: the request's first event."""
+        # damaged weights decode NaN logits, or all-equal ones (zeroed weights), to token 0: often an EOS, silently
+        bad = ("not finite (NaN or inf)" if not np.isfinite(logits).all()
+               else "all equal" if logits.min() == logits.max() else None)
+        if bad:
+            raise BundleError(f"the target's logits after the prompt are {bad}: its weights in "
+                              f"{self.bundle_dir} are damaged, or the backend failed; `spec-export info "
+                              f"{self.bundle_dir}` checks every file against its sha256")
+        first = choose_next(logits, req.params, req.rng, position=req.n)
+        return commit(req, self.manifest.tokenizer.eos_ids, [first])
+
     def _resync(self, req: Request, drafter: Drafter) -> None:
         """Another request used the caches since this one's last round: rebuild the target's rows for
         tokens[:n-1] (the invariant between rounds) from where they still agree, and make a model drafter
         catch up from scratch."""
-        start = self.rows.agree(req.tokens[: req.n])
-        self.rows.writing(req.tokens, start)
+        slot = self.slots[req.slot]
+        start = slot.rows.agree(req.tokens[: req.n])
+        slot.rows.writing(req.tokens, start)
         if start < req.n - 1:
-            feed(self.target, req.tokens[start: req.n - 1], start, self.manifest.prefill_chunk)
-        self.rows.wrote(req.tokens, req.n - 1)  # a model drafter re-adopts the draft cache itself (ModelDrafter._adopt)
+            feed(slot.runner, req.tokens[start: req.n - 1], start, self.manifest.prefill_chunk)
+        slot.rows.wrote(req.tokens, req.n - 1)  # a model drafter re-adopts the draft cache itself (ModelDrafter._adopt)
         req.stats.resyncs += 1
 
     def _round(self, req: Request, drafter: Drafter, k: int) -> StreamEvent:
         st = req.stats
+        slot = self.slots[req.slot]
         remaining = req.params.max_new_tokens - req.generated
         t0 = time.perf_counter()
         prop = drafter.propose(req.tokens[: req.n], min(k, remaining - 1), req.params, req.rng)
@@ -236,9 +265,9 @@ class SpecDecoder:
         verify_in = np.concatenate([req.tokens[req.n - 1: req.n], prop.tokens])  # [last committed, d_1..d_n]
         # greedy on a graph with next_ids: only the n+1 argmax ids leave the device (same rows, same argmax)
         ids_only = req.params.greedy and self.target.has_argmax
-        self.rows.writing(req.tokens, req.n - 1)
-        out = (self.target.step(verify_in, req.n - 1, all_logits=True, ids_only=True) if ids_only  # [n+1]
-               else self.target.step(verify_in, req.n - 1, all_logits=True))  # [n+1, V]
+        slot.rows.writing(req.tokens, req.n - 1)
+        out = (slot.runner.step(verify_in, req.n - 1, all_logits=True, ids_only=True) if ids_only  # [n+1]
+               else slot.runner.step(verify_in, req.n - 1, all_logits=True))  # [n+1, V]
         t2 = time.perf_counter()
         if self._costs is not None:
             self._costs.observe_target(len(verify_in), t2 - t1)
@@ -250,7 +279,7 @@ class SpecDecoder:
         if not ids_only and drafter.wants_confidence():  # auto's prior (greedy on next_ids graphs: no logits)
             drafter.observe_confidence(top1_probability(out[: m + 1]))  # the rows whose tokens this round commits
         ev = commit(req, self.manifest.tokenizer.eos_ids, [*prop.tokens[:m].tolist(), nxt])
-        self.rows.wrote(req.tokens, req.n - 1)  # the verify step wrote from n-1 on: rows before it never changed
+        slot.rows.wrote(req.tokens, req.n - 1)  # the verify step wrote from n-1 on: rows before it never changed
         # accepted: the draft tokens the request kept (an eos or a stop string may end it inside the round)
         st.record_round(0 if guess else len(prop.tokens), 0 if guess else min(m, len(ev.token_ids)),
                         guessed=m if guess else None)
@@ -278,7 +307,7 @@ class SpecDecoder:
             raise OptionError(f"time_steps: stat must be 'min' or 'median', got {stat!r}")
         out: dict[str, dict[int, float]] = {}
         with self._lock:
-            self.rows.forget()  # dummy rows below: a paused stream must re-prefill
+            self.slots[0].rows.forget()  # dummy rows below (in slot 0): a paused stream there must re-prefill
             if self.draft_cache is not None:
                 self.draft_cache.forget()
             for role, runner in (("target", self.target), ("draft", self.draft_runner)):

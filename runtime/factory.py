@@ -97,8 +97,14 @@ def warn_about_form(bundle_dir: Path, manifest: Manifest, backend: str, invarian
                       stacklevel=4)
 
 
-def check_load_options(bundle: object, verify: str, threads: object, precision: object) -> None:
+MAX_BATCH = 48  # requests a decoder decodes together at most (each takes a row of the widest batch width)
+
+
+def check_load_options(bundle: object, verify: str, threads: object, precision: object, max_batch: object = 1) -> None:
     """SpecDecoder.load's arguments, checked before anything is read."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
+        raise OptionError(f"max_batch must be an int in 1..{MAX_BATCH} (requests decoded together), got "
+                          f"{max_batch!r}")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or not 1 <= threads <= 256):
         raise OptionError(f"threads must be an int in 1..256 (or None: physical cores), got {threads!r}")

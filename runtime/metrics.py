@@ -60,6 +60,7 @@ class Metrics:
         self.drafted, self.accepted = Counter(), Counter()
         self.ttft, self.tpot = Histogram(_TTFT_BUCKETS), Histogram(_TPOT_BUCKETS)
         self.rounds: dict[str, Counter] = {}
+        self.batch: Any = None  # the decoder's Batch (max_batch > 1): rounds per number of requests decoding
 
     def admit(self, state: str = "queued") -> None:
         """A new request, ``queued`` (or ``rejected`` at once: the server was busy)."""
@@ -116,6 +117,10 @@ class Metrics:
                  f"# TYPE {p}rounds_total counter"]
         with self._lock:
             lines += [f'{p}rounds_total{{strategy="{k}"}} {v.value:.0f}' for k, v in sorted(self.rounds.items())]
+        if self.batch is not None:  # read without the decoder's lock: a dict copied whole
+            sizes = dict(self.batch.sizes)
+            lines += [f"# TYPE {p}batch_rounds_total counter",
+                      *[f'{p}batch_rounds_total{{requests="{n}"}} {v}' for n, v in sorted(sizes.items())]]
         lines += [f"# TYPE {p}time_to_first_token_seconds histogram",
                   *self.ttft.lines(f"{p}time_to_first_token_seconds"),
                   f"# TYPE {p}time_per_output_token_seconds histogram",

@@ -47,6 +47,7 @@ class Request:
     finish: str | None = None
     stop_hold: int = 0  # the most chars held back while they could start a stop string (longest stop - 1)
     pending: list[int] = field(default_factory=list)
+    slot: int = 0  # the target cache's slot its rows are in (SpecDecoder.slots)
 
     @property
     def generated(self) -> int:

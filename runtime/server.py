@@ -1,8 +1,9 @@
 """`spec-run serve`: an OpenAI-compatible HTTP server over one SpecDecoder.
 
 Starlette + uvicorn (the ``[serve]`` extra): pure Python, ~2 MB installed, no pydantic/compiled deps beyond what
-uvicorn needs — on a Jetson the model, not the server, should own the memory. One decoding worker thread runs
-requests in arrival order (batch 1) from a bounded queue; a full queue answers 503 with Retry-After. Events cross
+uvicorn needs — on a Jetson the model, not the server, should own the memory. One decoding worker thread per
+request the decoder decodes together (``max_batch``: its streams join one batch, :mod:`.batch`) takes requests in
+arrival order from a bounded queue; a full queue answers 503 with Retry-After. Events cross
 from the worker to the request's coroutine through ``loop.call_soon_threadsafe``; a client that disconnects sets
 its job's cancel flag and the worker closes the stream at the next round. The decoder reuses the cached prefix of
 the previous request, so a chat turn pays only for its new tokens (``usage.specedge.reused_tokens``).
@@ -80,7 +81,8 @@ class Job:
 
 
 class Server:
-    """The decoder, its worker thread, the bounded queue and the metrics; ``app`` is the ASGI application."""
+    """The decoder, its worker threads (one per request it decodes together), the bounded queue and the metrics;
+    ``app`` is the ASGI application."""
 
     def __init__(self, dec: SpecDecoder, model_name: str, max_queue: int = 16, api_key: str | None = None,
                  max_body: int | None = None, drafter: str = "auto"):
@@ -96,8 +98,11 @@ class Server:
         self.max_body = max_body or max(1 << 20, 64 * dec.manifest.max_context)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.metrics = Metrics()
-        self._worker = threading.Thread(target=self._work, name="specedge-decoder", daemon=True)
-        self._worker.start()
+        self.metrics.batch = dec.batch  # rounds per batch size, on /metrics
+        self._workers = [threading.Thread(target=self._work, name=f"specedge-decoder-{i}", daemon=True)
+                         for i in range(len(dec.slots))]
+        for w in self._workers:
+            w.start()
         self.app = self._make_app()
 
     # ------------------------------------------------------------------ worker
@@ -140,7 +145,8 @@ class Server:
         return "completed", None
 
     def stop(self) -> None:
-        self.jobs.put(None)
+        for _ in self._workers:
+            self.jobs.put(None)
 
     # -------------------------------------------------------------------- http
     def _make_app(self) -> Any:
@@ -387,15 +393,33 @@ class Server:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+DEFAULT_MAX_BATCH = 4  # spec-run serve's requests decoded together, where the bundle and backend can
+
+
+def default_max_batch(bundle: str, backend: str) -> int:
+    """:data:`DEFAULT_MAX_BATCH` for a row-addressed bundle (kv_mode rows) on the CPU, else 1 (its graphs take one
+    sequence a step). An unreadable bundle gives 1: loading it says what is wrong."""
+    from pathlib import Path
+
+    from .manifest import ROWS_KV_MODE, read_manifest
+
+    try:
+        m = read_manifest(Path(bundle), verify="none")
+    except SpecEdgeError:
+        return 1
+    return DEFAULT_MAX_BATCH if m.kv_mode == ROWS_KV_MODE and backend in ("auto", "ort-cpu") else 1
+
+
 def _reason(reason: str | None) -> str | None:
     return {"eos": "stop", "stop": "stop", "length": "length"}.get(reason or "", reason)
 
 
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16, api_key: str | None = None,
           backend: str = "auto", threads: int | None = None, log_level: str = "info", cuda_graphs: bool = True,
-          drafter: str = "auto") -> None:
+          drafter: str = "auto", max_batch: int | None = None) -> None:
     """Load the bundle and serve it until interrupted. The log says at start whether an API key is required (never
-    the key)."""
+    the key). max_batch: requests decoded together (None: :data:`DEFAULT_MAX_BATCH` for a row-addressed bundle on
+    the CPU, else 1)."""
     try:
         import uvicorn
     except ImportError:
@@ -404,7 +428,10 @@ def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int
     from pathlib import Path
 
     api_key = check_api_key(api_key)  # before the bundle loads: a bad key fails in a moment
-    dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", cuda_graphs=cuda_graphs)
+    if max_batch is None:
+        max_batch = default_max_batch(bundle, backend)
+    dec = SpecDecoder.load(bundle, backend=backend, threads=threads, verify="size", cuda_graphs=cuda_graphs,
+                           max_batch=max_batch)
     srv = Server(dec, Path(bundle).resolve().name, max_queue=max_queue, api_key=api_key, drafter=drafter)
     config = uvicorn.Config(srv.app, host=host, port=port, log_level=log_level)  # sets up uvicorn's loggers
     log = logging.getLogger("uvicorn.error")
@@ -414,6 +441,7 @@ def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int
         log.log(logging.INFO if host in ("127.0.0.1", "localhost", "::1") else logging.WARNING,
                 "specedge: serving %s with no API key: every client that reaches %s:%d is served (--api-key or "
                 "SPECEDGE_API_KEY requires one)", srv.model, host, port)
+    log.info("specedge: %d request%s decoded together (--max-batch)", max_batch, "s" if max_batch > 1 else "")
     try:
         uvicorn.Server(config).run()
     finally:

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import BackendUnavailableError
-from ..manifest import Manifest, ModelEntry, width_shapes
+from ..manifest import ROWS_KV_MODE, Manifest, ModelEntry, width_shapes
 from .requirements import MIN_TENSORRT, tensorrt_version_problem  # noqa: F401 (re-exported: doctor, export)
 
 BACKENDS = ("auto", "ort-cpu", "ort-cuda", "ort-trt", "trt")
@@ -46,6 +46,20 @@ class GraphRunner(Protocol):
         """
 
     def close(self) -> None: ...
+
+
+class SlotView:
+    """One sequence's view of a row-addressed runner (kv_mode rows): a :class:`GraphRunner` whose steps run in
+    slot ``slot`` of its cache pool, for the code that decodes one request at a time."""
+
+    def __init__(self, runner: GraphRunner, slot: int):
+        self.runner, self.slot = runner, slot
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - entry, min_width, widths... are the runner's
+        return getattr(self.runner, name)
+
+    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool, ids_only: bool = False) -> np.ndarray:
+        return self.runner.step(tokens, past_len, all_logits, ids_only, slot=self.slot)  # type: ignore[call-arg]
 
 
 def tensorrt_installed() -> bool:
@@ -93,13 +107,20 @@ def resolve_backend(name: str, manifest: Manifest) -> str:
 
 def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, threads: int | None = None,
                 precision: str | None = None, shared: dict | None = None, cuda_graphs: bool = True,
-                accuracy_level: int | None = None, min_width: int = 1) -> GraphRunner:
+                accuracy_level: int | None = None, min_width: int = 1, slots: int = 1) -> GraphRunner:
     """One model's runner. precision: None/"fp32" runs the fp32 graph on ONNX Runtime; "fp16" runs the bundle's
     fp16 ONNX graphs (``spec-export build --backend onnx``); TensorRT runs the built engines (None: the only
     precision built). shared: per-decoder state the runners of one bundle share (TensorRT: stream, scratch).
     cuda_graphs: TensorRT replays each width's step as a CUDA graph (False: plain execute); other backends
     ignore it. accuracy_level: ONNX Runtime, --quant-form qdq graphs: the fused MatMulNBits' compute precision
-    instead of the bundle's (validate: 0)."""
+    instead of the bundle's (validate: 0). slots: sequences the KV cache holds (row-addressed bundles only)."""
+    if slots > 1 and (backend != "ort-cpu" or manifest.kv_mode != ROWS_KV_MODE):
+        raise BackendUnavailableError(
+            f"max_batch {slots}: decoding several requests together needs row-addressed steps (each row names its "
+            f"sequence's KV slot and position), which specedge's CPU attention has (a bundle in the specedge form, "
+            f"kv_mode rows, on ort-cpu); this bundle has kv_mode {manifest.kv_mode} on {backend}, whose graphs take "
+            "one sequence per step. Use max_batch 1 here, or export in the specedge form for a CPU "
+            "(spec-export export --for cpu, --kv-mode rows)")
     if backend == "trt":
         from .trt import TrtRunner
 
@@ -114,20 +135,21 @@ def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, t
                      ("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
     return OrtRunner(bundle_dir, manifest, role, device="cpu" if backend == "ort-cpu" else "cuda",
                      threads=threads, engines=engines, providers=providers, accuracy_level=accuracy_level,
-                     min_width=min_width)
+                     min_width=min_width, slots=slots)
 
 
 def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: int | None = None,
-                 precision: str | None = None, cuda_graphs: bool = True, target_min_width: int = 1
-                 ) -> tuple[GraphRunner, GraphRunner | None, dict]:
-    """A bundle's target runner (its steps at least ``target_min_width`` wide), its draft runner (None without a draft
+                 precision: str | None = None, cuda_graphs: bool = True, target_min_width: int = 1,
+                 target_slots: int = 1) -> tuple[GraphRunner, GraphRunner | None, dict]:
+    """A bundle's target runner (its steps at least ``target_min_width`` wide, its cache ``target_slots`` sequences),
+    its draft runner (None without a draft
     model) and what they share (close it with :func:`close_shared` after both runners). A failure frees whatever had
     opened."""
     shared: dict = {}
     target = draft = None
     try:
         target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
-                             cuda_graphs=cuda_graphs, min_width=target_min_width)
+                             cuda_graphs=cuda_graphs, min_width=target_min_width, slots=target_slots)
         draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared,
                              cuda_graphs=cuda_graphs) if manifest.draft else None)
     except BaseException:  # device memory is not left to the garbage collector

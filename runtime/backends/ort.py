@@ -14,6 +14,11 @@ the cache at past_len (a numpy slice on CPU; one strided cudaMemcpy2D per tensor
 In the ``ort-inplace`` KV mode the ``present.{i}.*`` outputs are bound to the cache tensors
 themselves: GroupQueryAttention writes all T rows (padding included) at past_len, so nothing is
 copied, and a width is usable only where past_len + T <= S_max (:attr:`pads_into_cache`).
+
+In the ``rows`` KV mode (row-addressed steps) the cache is a pool of ``slots`` sequences,
+[n_layers, 2, slots, H_kv, S_max, D], bound in place as in ort-inplace; ``past_len`` is replaced by
+``row_slot`` [T] and ``row_pos`` [T]: each row's slot and position (-1: a padding row, never written).
+``step`` runs one sequence's tokens in one slot; ``step_rows`` runs rows of several.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..manifest import (
     GRAPH_POSITIONS_KEY,
     INTGEMM_FORMAT,
     QDQ_FORMAT,
+    ROWS_KV_MODE,
     SEK_FORMAT,
     EngineSet,
     Manifest,
@@ -45,12 +51,13 @@ class _Bound:
     width: Width
     binding: Any  # onnxruntime.IOBinding
     input_ids: np.ndarray  # [1, T] int64, host
-    past_len: np.ndarray  # [1] int64, host
+    past_len: np.ndarray  # [1] int64, host (rows mode: row_slot [T])
     logits_at: np.ndarray  # [1, L] int64, host
     logits: np.ndarray | None  # [1, L, V] float32 host (CPU) ...
     logits_dev: Any  # ... or a device OrtValue (CUDA)
     present: list[Any]  # per layer*2: host arrays (CPU) or device OrtValues (CUDA)
     ids: Any = None  # next_ids [1, L] int64: a host array (CPU) or a device OrtValue (CUDA); None without argmax
+    row_pos: np.ndarray | None = None  # rows mode: [T] int64, host
 
 
 def open_session(ort: Any, path: Path, so: Any, providers: list) -> Any:
@@ -140,11 +147,12 @@ class OrtRunner:
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, role: str, device: str = "cpu",
                  threads: int | None = None, engines: EngineSet | None = None, providers: list | None = None,
-                 accuracy_level: int | None = None, min_width: int = 1):
+                 accuracy_level: int | None = None, min_width: int = 1, slots: int = 1):
         """engines: a reduced-precision ("onnx") engine set to run instead of the fp32 graph.
         providers: ONNX Runtime execution providers (default: CUDA for device "cuda", else CPU).
         accuracy_level: for --quant-form qdq graphs, the fused MatMulNBits' compute precision instead of the
-        bundle's (validate runs 0, fp32 compute: what a weight-only INT4 engine computes)."""
+        bundle's (validate runs 0, fp32 compute: what a weight-only INT4 engine computes).
+        slots: sequences the KV cache holds (a row-addressed bundle, kv_mode rows; 1 otherwise)."""
         import onnxruntime as ort
 
         self.entry = manifest.models[role]
@@ -158,6 +166,12 @@ class OrtRunner:
         self.max_context = manifest.max_context
         self.device = device
         self.pads_into_cache = manifest.kv_mode == "ort-inplace"  # a step writes all T rows at past_len
+        self.rows_mode = manifest.kv_mode == ROWS_KV_MODE  # row-addressed steps over a pool of slots
+        if slots != 1 and not self.rows_mode:
+            raise BundleError(f"{bundle_dir} ({role}) has kv_mode {manifest.kv_mode}: its cache holds one sequence, "
+                              f"and {slots} were asked for; row-addressed steps need kv_mode rows (spec-export "
+                              "export in the specedge form: --kv-mode rows, the CPU profile's default)")
+        self.slots = slots
         self.min_width = min_width  # narrowest width a step runs in (GraphRunner.min_width)
         self.has_argmax = manifest.device_argmax
         d = self.entry.dims
@@ -210,13 +224,14 @@ class OrtRunner:
             raise BundleError(f"the {role} graph {graph} holds positions up to {positions}, and the manifest's "
                               f"max_context is S_max={self.max_context}: the manifest was changed; export again "
                               f"with --max-context {self.max_context}")
-        kv_shape = (d.n_layers, 2, 1, d.n_kv_heads, self.max_context, d.head_dim)
+        kv_shape = (d.n_layers, 2, slots, d.n_kv_heads, self.max_context, d.head_dim)
         if device == "cpu":
             try:
                 self.kv = np.zeros(kv_shape, dtype=self.kv_dtype)  # owned here; see module docstring
             except MemoryError:
                 need = int(np.prod(kv_shape)) * self.kv_dtype.itemsize
-                raise OutOfMemoryError(f"the {role} model's KV cache at S_max={self.max_context} needs "
+                raise OutOfMemoryError(f"the {role} model's KV cache at S_max={self.max_context}"
+                                       + (f" for {slots} sequences" if slots > 1 else "") + " needs "
                                        f"{need / 2 ** 30:.1f} GiB, which this machine cannot allocate; export with "
                                        f"a smaller --max-context (`spec-export plan` sizes a bundle for a memory "
                                        f"budget)") from None
@@ -236,9 +251,14 @@ class OrtRunner:
         ort, d = self._ort, self.entry.dims
         io = self.session.io_binding()
         ids = np.zeros((1, w.T), dtype=np.int64)
-        past = np.zeros((1,), dtype=np.int64)
         at = np.arange(w.L, dtype=np.int64)[None] if w.L == w.T else np.zeros((1, w.L), dtype=np.int64)
-        host_inputs = {"input_ids": ids, "past_len": past, "logits_at": at}
+        row_pos = None
+        if self.rows_mode:
+            past, row_pos = np.full((w.T,), -1, dtype=np.int64), np.zeros((w.T,), dtype=np.int64)
+            host_inputs = {"input_ids": ids, "row_slot": past, "row_pos": row_pos, "logits_at": at}
+        else:
+            past = np.zeros((1,), dtype=np.int64)
+            host_inputs = {"input_ids": ids, "past_len": past, "logits_at": at}
         for name, arr in host_inputs.items():
             io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
         names = [f"{i}.{k}" for i in range(d.n_layers) for k in ("key", "value")]
@@ -254,7 +274,7 @@ class OrtRunner:
                                                                    "cuda", 0)
             io.bind_ortvalue_output("logits", logits_dev)
         pshape = (1, d.n_kv_heads, w.T, d.head_dim)
-        if self.pads_into_cache:  # present IS the cache: the same OrtValues as the past inputs
+        if self.pads_into_cache or self.rows_mode:  # present IS the cache: the same OrtValues as the past inputs
             present_values, present = self._kv_values, []
         elif self.device == "cpu":
             present = [np.zeros(pshape, dtype=self.kv_dtype) for _ in names]
@@ -272,7 +292,7 @@ class OrtRunner:
                                     else next_ids)
         # Keep the host arrays alive: the OrtValues above only borrow their memory.
         self._keepalive = getattr(self, "_keepalive", []) + [host_inputs]
-        return _Bound(w, io, ids, past, at, logits, logits_dev, present, next_ids)
+        return _Bound(w, io, ids, past, at, logits, logits_dev, present, next_ids, row_pos)
 
     def _pick(self, n: int, all_logits: bool, past_len: int) -> _Bound:
         fits = [b for b in self._bound.values() if b.width.T >= max(n, self.min_width)
@@ -296,20 +316,32 @@ class OrtRunner:
         ids[0, :n] = tokens
         at = np.arange(w.T, dtype=np.int64)[None] if w.L == w.T else np.array([[n - 1]], dtype=np.int64)
         out = {"input_ids": ids, "past_len": np.array([past_len], dtype=np.int64), "logits_at": at}
+        if self.rows_mode:
+            del out["past_len"]
+            out["row_slot"] = np.where(np.arange(w.T) < n, 0, -1).astype(np.int64)
+            out["row_pos"] = past_len + np.arange(w.T, dtype=np.int64)
         for i in range(self.entry.dims.n_layers):
             out[f"past_key_values.{i}.key"] = self.kv[i, 0].copy()
             out[f"past_key_values.{i}.value"] = self.kv[i, 1].copy()
         return out
 
-    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool, ids_only: bool = False) -> np.ndarray:
+    def step(self, tokens: Sequence[int], past_len: int, all_logits: bool, ids_only: bool = False,
+             slot: int = 0) -> np.ndarray:
+        """GraphRunner.step; ``slot``: the sequence of the pool (rows mode) whose cache the tokens extend."""
         n = len(tokens)
         if ids_only and not self.has_argmax:
             raise ValueError(f"{self.entry.graph} has no next_ids output (export with --device-argmax)")
         assert 0 < n and past_len + n <= self.max_context, (n, past_len, self.max_context)
+        assert 0 <= slot < self.slots, (slot, self.slots)
         b = self._pick(n, all_logits, past_len)
         b.input_ids[0, :n] = tokens
         b.input_ids[0, n:] = tokens[-1]  # padding: computed, never committed
-        b.past_len[0] = past_len
+        if self.rows_mode:
+            assert b.row_pos is not None
+            b.past_len[:n], b.past_len[n:] = slot, -1  # row_slot: padding rows are -1, never written
+            b.row_pos[:n], b.row_pos[n:] = np.arange(past_len, past_len + n), 0
+        else:
+            b.past_len[0] = past_len
         if b.width.L != b.width.T:
             b.logits_at[0, 0] = n - 1
         if self.device == "cuda":
@@ -325,8 +357,40 @@ class OrtRunner:
             return logits[0, :n]
         return logits[0, last:last + 1]
 
+    def step_rows(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int],
+                  ids_only: bool = False) -> np.ndarray:
+        """Row-addressed step (rows mode): row i is token ``tokens[i]`` of the sequence in slot ``slots[i]`` at
+        position ``positions[i]``; it attends to its slot's rows 0..positions[i], the step's own rows included
+        (every row's K/V is written first). Returns logits [n, V] (a view valid until the next step), or with
+        ``ids_only`` their argmax ids [n]. Each row's result is bitwise what the same row computes in any other
+        step of width >= 2 (the kernels are row-invariant there), whatever else the step holds."""
+        n = len(tokens)
+        if not self.rows_mode:
+            raise ValueError(f"{self.entry.graph} is not row-addressed (kv_mode rows)")
+        if ids_only and not self.has_argmax:
+            raise ValueError(f"{self.entry.graph} has no next_ids output (export with --device-argmax)")
+        assert 0 < n == len(slots) == len(positions), (n, len(slots), len(positions))
+        b = self._pick(n, True, 0)
+        assert b.row_pos is not None
+        b.input_ids[0, :n], b.input_ids[0, n:] = tokens, tokens[-1]
+        b.past_len[:n], b.past_len[n:] = slots, -1
+        b.row_pos[:n], b.row_pos[n:] = positions, 0
+        if self.device == "cuda":
+            b.binding.synchronize_inputs()
+        self.session.run_with_iobinding(b.binding)
+        if ids_only:
+            ids = b.ids if self.device == "cpu" else b.ids.numpy()
+            return ids[0, :n]
+        logits = b.logits if self.device == "cpu" else b.logits_dev.numpy()
+        return logits[0, :n]
+
+    @property
+    def row_budget(self) -> int:
+        """The most rows one row-addressed step takes (the widest width with logits at every row)."""
+        return max(w.T for w in self.entry.widths if w.L == w.T)
+
     def _commit_rows(self, b: _Bound, past_len: int, n: int) -> None:
-        if self.pads_into_cache:
+        if self.pads_into_cache or self.rows_mode:
             return  # written in place by the graph
         if self.device == "cpu":
             kv = self.kv.reshape(-1, *self.kv.shape[2:])  # [n_layers*2, 1, H_kv, S_max, D] view

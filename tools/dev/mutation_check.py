@@ -241,10 +241,10 @@ PLANTS = {
         "tools/dev/lookup_replay.py", '"steps": {str(T): s for T, s in timed["target"].items()',
         '"steps": run["steps"] or {str(T): s for T, s in timed["target"].items()', ["tests/test_lookup_replay.py"]),
     "the target's rows counted before an interrupted prefill wrote them": (
-        "runtime/decoder.py", "            self.rows.writing(tokens, start)\n",
-        "            self.rows.wrote(tokens, req.n)\n", ["tests/runtime/test_faults.py"]),
+        "runtime/decoder.py", "            slot.rows.writing(tokens, start)\n",
+        "            slot.rows.wrote(tokens, req.n)\n", ["tests/runtime/test_faults.py"]),
     "a resync leaves the rows it rewrites counted": (
-        "runtime/decoder.py", "        self.rows.writing(req.tokens, start)\n", "", ["tests/runtime/test_faults.py"]),
+        "runtime/decoder.py", "        slot.rows.writing(req.tokens, start)\n", "", ["tests/runtime/test_faults.py"]),
     "the draft cache keeps counting the rows a catch-up rewrites": (
         "runtime/drafters.py", "        self.cache.rows_for = tokens[: self.rows]\n", "",
         ["tests/runtime/test_faults.py"]),
@@ -266,6 +266,21 @@ PLANTS = {
     "lookup bound assumes every drafted token passes": (
         "tools/dev/lookup_replay.py", "best[min(N, n + 1 + min(j, a))]", "best[min(N, n + 1 + j)]",
         ["tests/test_lookup_replay.py"]),
+    "a batched round reads the rows of the request before it": (
+        "runtime/batch.py", "rows_out = out[at: at + n + 1]", "rows_out = out[max(0, at - 1): max(0, at - 1) + n + 1]",
+        ["tests/runtime/test_batch.py"]),
+    "a batched round's rows sit one position late": (
+        "runtime/batch.py", "positions += range(req.n - 1, req.n + n)", "positions += range(req.n, req.n + n + 1)",
+        ["tests/runtime/test_batch.py"]),
+    "a batched round's rows all in the first request's slot": (
+        "runtime/batch.py", "slots += [req.slot] * (n + 1)", "slots += [ms[0].req.slot] * (n + 1)",
+        ["tests/runtime/test_batch.py"]),
+    "a new request takes a busy slot": (
+        "runtime/batch.py", "free = [s for s in self.dec.slots if s.member is None]", "free = list(self.dec.slots)",
+        ["tests/runtime/test_batch.py"]),
+    "a prefill resumes past rows written over": (
+        "runtime/batch.py", "            if not slot.rows.holds(req.tokens, m.fed):", "            if False:",
+        ["tests/runtime/test_batch.py"]),
 }
 
 
@@ -273,7 +288,8 @@ PLANTS = {
 FAST = ("sample from p instead of the residual at a rejection", "every draft position tested against row 0",
         "bonus token drawn from the wrong row", "process_logits ignores top-p", "process_logits ignores top-k",
         "process_logits ignores the temperature", "the keyed sampler ignores the seed",
-        "the target's rows counted before an interrupted prefill wrote them", "the sampled hash is not checked")
+        "the target's rows counted before an interrupted prefill wrote them", "the sampled hash is not checked",
+        "a batched round reads the rows of the request before it", "a new request takes a busy slot")
 
 
 def stale(root: Path) -> list[str]:

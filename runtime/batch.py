@@ -1,0 +1,318 @@
+"""Requests decoding together: the rounds of a decoder loaded with ``max_batch`` N > 1.
+
+The target's KV cache is a pool of N slots (a row-addressed bundle: every row of a step names its slot and
+position, :meth:`..backends.ort.OrtRunner.step_rows`). A request joins the batch when its stream is first read and
+waits, in arrival order, for a free slot; it takes the free slot whose rows agree longest with its prompt (a chat's
+next turn finds its previous turn's rows), else the one used least recently. Each round then
+
+1. runs one decode step for every request that has its first token: when one request decodes, the single-stream
+   round (:meth:`SpecDecoder._round`: ``auto`` with the draft model and its k, as without a batch); when several
+   do, one row-addressed step holding every request's last token and the drafts :func:`plan_rows` chose;
+2. runs one prefill step (at most ``P`` rows, the prefill chunk) of the request that joined first among those still
+   feeding their prompts, or, when no request is decoding, that request's whole prompt.
+
+So a new request waits at most for a round per chunk of its prompt, and the requests already decoding lose at
+most one chunk's step per round to it: time to first token is traded against the others' time per token at one
+chunk per round.
+
+In a round of several requests drafting is prompt lookup only (a request whose drafter is ``auto``, ``hybrid`` or
+``prompt-lookup``; the draft model runs when one request decodes): its tokens cost rows of the shared step and
+nothing to draft. :func:`plan_rows` verifies a request's drafted tokens where the step's predicted tokens per
+second, from the decoder's measured step costs and each request's running acceptance, gains by them; rows left
+over in the chosen width carry more drafted tokens, then free one-token guesses (:meth:`SpecDecoder._free_guess`).
+
+Exactness: the kernels compute every row of a step of width >= 2 the same whatever else the step holds, and each
+request keeps its own sampling state (its seed, its positions), so a request's tokens are bitwise those it gets
+decoded alone, whichever requests shared its rounds.
+
+Threads: every stream of the batch advances it. Reading a stream whose request has no event waiting runs one round
+for every request (under the decoder's lock, never across a yield); the events each round produces wait in their
+request's queue. A paused stream keeps its slot and its request keeps decoding; a closed one leaves at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .cache_rows import CacheRows
+from .drafters import Drafter, Proposal, feed_plan
+from .errors import OptionError
+from .policy import Acceptance
+from .request import Request, StreamEvent, commit
+from .sampling import accept_argmax, verify_round
+
+LOOKUP_DRAFTERS = ("auto", "hybrid", "prompt-lookup")  # drafters whose requests draft by prompt lookup in a batch
+
+
+@dataclass(eq=False)
+class Slot:
+    """One sequence's place in the target's KV cache: the runner whose steps write there, what its rows hold and
+    the request that holds it now (None: free; its rows stay, for a request that shares their prefix)."""
+
+    index: int
+    runner: Any  # a GraphRunner stepping in this slot (backends.SlotView over a pool; the runner itself for one)
+    rows: CacheRows
+    member: Member | None = None
+    released: int = 0  # the batch's round count when it was last freed (the least recently used goes first)
+
+
+@dataclass(eq=False)
+class Member:
+    """A request in the batch: its state, drafter, events not yet read and where its prompt's prefill stands."""
+
+    req: Request
+    drafter: Drafter
+    k: int
+    reuse_prefix: bool
+    events: deque = field(default_factory=deque)
+    slot: Slot | None = None
+    plan: list[tuple[int, bool]] | None = None  # the prefill steps left (tokens, all_logits); None: decoding
+    fed: int = 0  # prompt tokens whose rows are in the slot
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts' acceptance in batched rounds
+    batched: dict[str, int] = field(default_factory=dict)  # rounds it ran in shared steps, per strategy
+    t_join: float = 0.0
+    t_first: float | None = None
+
+    @property
+    def lookup(self) -> Any:
+        """The prompt-lookup drafter its batched rounds propose with (None: it does not draft in a batch)."""
+        if self.k == 0 or self.drafter.name not in LOOKUP_DRAFTERS:
+            return None
+        return getattr(self.drafter, "lookup", self.drafter)
+
+
+def plan_rows(alphas: Sequence[float], drafted: Sequence[int], step_time: Callable[[int], float],
+              budget: int) -> list[int]:
+    """How many of each request's drafted tokens a batched round verifies. Request i drafted ``drafted[i]`` tokens,
+    each accepted with probability ``alphas[i]`` once the ones before it were (so its j-th token adds
+    ``alphas[i] ** j`` expected tokens to the one the round commits anyway); ``step_time(R)`` is the seconds of a
+    step of R rows (the smallest width that holds them; ``inf`` past the widths). The tokens are taken in order of
+    their expected gain while the round's expected tokens per second grows, with at most ``budget`` rows in all
+    (each request's last token takes one)."""
+    base = len(alphas)
+    gains = sorted(((a ** (j + 1), i) for i, (a, n) in enumerate(zip(alphas, drafted)) for j in range(n)),
+                   key=lambda g: -g[0])
+    best_rate, best_r, expected = base / step_time(base), 0, float(base)
+    for r, (g, _) in enumerate(gains[: max(0, budget - base)], 1):
+        expected += g
+        rate = expected / step_time(base + r)
+        if rate > best_rate:
+            best_rate, best_r = rate, r
+    take = [0] * base
+    for _, i in gains[:best_r]:
+        take[i] += 1
+    return take
+
+
+class Batch:
+    """The requests of one decoder decoding together (see the module docstring). Every method runs under the
+    decoder's lock."""
+
+    def __init__(self, dec: Any):  # a SpecDecoder (not imported: it imports this module)
+        self.dec = dec
+        self.waiting: deque[Member] = deque()  # joined, no slot yet (arrival order)
+        self.members: list[Member] = []  # in a slot, in the order they took it
+        self.rounds = 0
+        self.sizes: dict[int, int] = {}  # rounds per number of requests decoding in them (a histogram)
+
+    # ------------------------------------------------------------------ stream
+    def run(self, req: Request, drafter: Drafter, k: int, reuse_prefix: bool) -> Iterator[StreamEvent]:
+        dec = self.dec
+        m = Member(req, drafter, k, reuse_prefix)
+        joined = False
+        try:
+            with dec._lock:
+                if dec.target is None:
+                    raise OptionError("this decoder is closed; load the bundle again")
+                m.t_join = time.perf_counter()
+                self.waiting.append(m)
+                joined = True
+            while True:
+                with dec._lock:
+                    if not m.events:
+                        if dec.target is None:
+                            raise OptionError("this decoder was closed while the stream was paused; load the "
+                                              "bundle again")
+                        self.round()
+                    ready = list(m.events)
+                    m.events.clear()
+                for ev in ready:
+                    yield ev
+                    if ev.finished:
+                        return
+        finally:
+            if joined:
+                with dec._lock:
+                    self._leave(m)
+
+    def _leave(self, m: Member) -> None:
+        if m in self.waiting:
+            self.waiting.remove(m)
+        if m in self.members:
+            self.members.remove(m)
+        if m.slot is not None and m.slot.member is m:
+            m.slot.member, m.slot.released = None, self.rounds
+
+    # ------------------------------------------------------------------- round
+    def round(self) -> None:
+        """One round for every request in the batch: admit waiting ones to free slots, one decode step for those
+        decoding, one prefill step (see the module docstring)."""
+        self.rounds += 1
+        self._admit()
+        decoding = [m for m in self.members if m.plan is None and m.req.finish is None]
+        feeding = [m for m in self.members if m.plan is not None]
+        if len(decoding) == 1:
+            self._single_round(decoding[0])
+        elif decoding:
+            self._batched_round(decoding)
+        if decoding:
+            self.sizes[len(decoding)] = self.sizes.get(len(decoding), 0) + 1
+        if feeding:
+            self._prefill(feeding[0], whole=not decoding)
+
+    def _admit(self) -> None:
+        free = [s for s in self.dec.slots if s.member is None]
+        while self.waiting and free:
+            m = self.waiting.popleft()
+            req = m.req
+            # the free slot whose rows agree longest with the prompt; else the least recently used
+            slot = max(free, key=lambda s: ((s.rows.agree(req.tokens[: req.n]) if m.reuse_prefix else 0),
+                                            -s.released))
+            free.remove(slot)
+            slot.member, m.slot, req.slot = m, slot, slot.index
+            self.members.append(m)
+            self._plan_prefill(m)
+            if not m.reuse_prefix and self.dec.draft_cache is not None:  # the drafter starts cold
+                self.dec.draft_cache.forget()
+
+    def _plan_prefill(self, m: Member) -> None:
+        """Where the prompt's prefill starts (the rows the slot holds already) and the steps it takes from there."""
+        assert m.slot is not None
+        req, rows = m.req, m.slot.rows
+        start = rows.agree(req.tokens[: req.n]) if m.reuse_prefix else 0
+        rows.writing(req.tokens, start)
+        m.fed, req.stats.reused_tokens = start, start
+        m.plan = feed_plan(m.slot.runner, req.n - start, start, self.dec.manifest.prefill_chunk)
+
+    def _prefill(self, m: Member, whole: bool) -> None:
+        """One step of a request's prefill (all of them if ``whole``); the last gives its first token."""
+        assert m.slot is not None and m.plan is not None
+        req, slot = m.req, m.slot
+        while m.plan:
+            if not slot.rows.holds(req.tokens, m.fed):  # its rows were written over (a timing): start again
+                self._plan_prefill(m)
+            take, all_logits = m.plan[0]
+            logits = slot.runner.step(req.tokens[m.fed: m.fed + take], m.fed, all_logits=all_logits)
+            m.fed += take
+            slot.rows.wrote(req.tokens, m.fed)
+            m.plan.pop(0)
+            if not m.plan:
+                m.plan = None
+                ev = self.dec._first_token(req, logits[take - 1] if all_logits else logits[0])
+                m.t_first = time.perf_counter()
+                req.stats.ttft_s = m.t_first - m.t_join
+                self._emit(m, ev)
+                return
+            if not whole:
+                return
+
+    def _emit(self, m: Member, ev: StreamEvent) -> None:
+        st = m.req.stats
+        if m.t_first is not None:
+            st.decode_s = time.perf_counter() - m.t_first
+        if ev.finished:
+            single = st.rounds - sum(m.batched.values())
+            alone = m.drafter.strategy_rounds() or ({m.drafter.name: single} if single else {})
+            st.strategies = {**alone, **m.batched}
+            self._leave(m)  # its slot is free for the next request; its events wait for its stream
+        m.events.append(ev)
+
+    # ------------------------------------------------------------------ decode
+    def _single_round(self, m: Member) -> None:
+        """The one request decoding: today's single-stream round, its drafter's full choice."""
+        dec, req = self.dec, m.req
+        if not self._holds(m):
+            dec._resync(req, m.drafter)
+        self._emit(m, dec._round(req, m.drafter, m.k))
+
+    def _holds(self, m: Member) -> bool:
+        assert m.slot is not None
+        return m.slot.rows.holds(m.req.tokens, m.req.n - 1)
+
+    def _batched_round(self, ms: list[Member]) -> None:
+        """One row-addressed step for several requests: each one's last token and the drafted tokens plan_rows
+        chose (then free guesses in rows the width has left), verified and committed per request."""
+        dec = self.dec
+        target, costs = dec.target, dec._costs
+        for m in ms:
+            if not self._holds(m):
+                dec._resync(m.req, m.drafter)
+        t0 = time.perf_counter()
+        props = []
+        for m in ms:
+            req, look = m.req, m.lookup
+            room = min(m.k, req.params.max_new_tokens - req.generated - 1)
+            props.append(look.propose(req.tokens[: req.n], room, req.params, req.rng) if look is not None and room > 0
+                         else Proposal(np.zeros(0, dtype=np.int64), None))
+        widths = sorted(w.T for w in target.entry.widths if w.L == w.T and w.T >= target.min_width)
+        budget = widths[-1]
+
+        def step_time(rows: int) -> float:
+            if costs is not None:
+                return costs.verify_time(rows)
+            fits = [t for t in widths if t >= rows]  # no timings (no request drafts): the width's rows
+            return float(fits[0]) if fits else float("inf")
+
+        take = plan_rows([m.acceptance.alpha for m in ms], [len(p.tokens) for p in props], step_time, budget)
+        rows = len(ms) + sum(take)
+        width = min(t for t in widths if t >= rows)
+        spare = width - rows
+        for i in sorted(range(len(ms)), key=lambda i: -ms[i].acceptance.alpha):  # more drafted tokens, free
+            more = min(spare, len(props[i].tokens) - take[i])
+            take[i], spare = take[i] + more, spare - more
+        guessed = [False] * len(ms)
+        for i, m in enumerate(ms):  # then a free one-token guess for a request with nothing to verify
+            if take[i] == 0 and spare > 0 and m.req.params.max_new_tokens - m.req.generated > 1:
+                props[i], take[i], guessed[i], spare = dec._free_guess(m.req), 1, True, spare - 1
+        ids, slots, positions = [], [], []
+        for m, p, n in zip(ms, props, take):
+            req = m.req
+            ids += [int(req.tokens[req.n - 1]), *p.tokens[:n].tolist()]
+            slots += [req.slot] * (n + 1)
+            positions += range(req.n - 1, req.n + n)
+        greedy = all(m.req.params.greedy for m in ms) and target.has_argmax
+        for m in ms:
+            m.slot.rows.writing(m.req.tokens, m.req.n - 1)
+        t1 = time.perf_counter()
+        out = target.step_rows(ids, slots, positions, ids_only=greedy)
+        t2 = time.perf_counter()
+        if costs is not None:
+            costs.observe_target(len(ids), t2 - t1)
+        at = 0
+        for m, p, n, guess in zip(ms, props, take, guessed):
+            req, st = m.req, m.req.stats
+            drafts = p.tokens[:n]
+            rows_out = out[at: at + n + 1]
+            at += n + 1
+            acc, nxt = (accept_argmax(rows_out, drafts) if greedy else
+                        verify_round(rows_out, drafts, None, req.params, req.rng, req.n))
+            ev = commit(req, dec.manifest.tokenizer.eos_ids, [*drafts[:acc].tolist(), nxt])
+            m.slot.rows.wrote(req.tokens, req.n - 1)
+            if not guess:
+                m.acceptance.update(n, acc)
+            st.record_round(0 if guess else n, 0 if guess else min(acc, len(ev.token_ids)),
+                            guessed=acc if guess else None)
+            name = "batch-prompt-lookup" if n and not guess else "batch-none"
+            m.batched[name] = m.batched.get(name, 0) + 1
+            st.time_draft_s += (t1 - t0) / len(ms)
+            st.time_verify_s += t2 - t1
+            self._emit(m, ev)
+        t3 = time.perf_counter()
+        for m in ms:
+            m.req.stats.time_host_s += (t3 - t2) / len(ms)

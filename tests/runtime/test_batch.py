@@ -1,0 +1,286 @@
+"""Requests decoded together (max_batch > 1): every request's tokens are bitwise those it gets decoded alone, with
+every drafter, greedy and keyed, whatever rounds it joins and leaves at."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from specedge.export.bundle import ExportOptions, export_bundle
+from specedge.export.quant import WeightFormat
+from specedge.runtime import SamplingParams, SpecDecoder
+from specedge.runtime.batch import plan_rows
+from specedge.runtime.errors import BackendUnavailableError, OptionError
+from specedge.runtime.manifest import ROWS_KV_MODE, read_manifest
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the kernels are built with a POSIX C compiler")
+
+PROMPTS = [
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fib(n):",
+    "the cat sat on the mat. the cat sat on the",
+    "hello world, hello",
+    "a b c d e f g a b c d",
+    "import numpy as np\nimport numpy as",
+    "x = 1\ny = 2\nz = x + y\nx = 1\ny =",
+]
+
+
+@pytest.fixture(scope="module")
+def rows_bundles(tmp_path_factory, tiny_llama, tiny_draft):
+    root = tmp_path_factory.mktemp("rows-bundles")
+    opts = ExportOptions(k=4, max_context=160, prefill_chunk=16, kv_mode=ROWS_KV_MODE,
+                         weights=WeightFormat("int4", form="specedge"))
+    return {"model": export_bundle(tiny_llama, tiny_draft, root / "model", opts).out,
+            "lookup": export_bundle(tiny_llama, "prompt-lookup", root / "lookup", opts).out}
+
+
+@pytest.fixture(scope="module")
+def solo(rows_bundles):
+    return SpecDecoder.load(rows_bundles["model"])
+
+
+def alone(dec, prompt, params, drafter):
+    return dec.generate(prompt, params, drafter=drafter).token_ids
+
+
+PARAMS = {"greedy": SamplingParams(max_new_tokens=24, ignore_eos=True),
+          "keyed": SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)}
+
+
+def test_a_rows_bundle_declares_batch_widths_and_decodes_alone_like_an_inplace_one(rows_bundles, tiny_llama,
+                                                                                   tmp_path, solo):
+    m = read_manifest(rows_bundles["model"])
+    assert m.kv_mode == ROWS_KV_MODE
+    assert max(w.T for w in m.target.widths if w.L == w.T) == 48
+    inplace = SpecDecoder.load(export_bundle(tiny_llama, "prompt-lookup", tmp_path / "inplace", ExportOptions(
+        k=4, max_context=160, prefill_chunk=16, kv_mode="ort-inplace",
+        weights=WeightFormat("int4", form="specedge"))).out)
+    for p in PROMPTS[:3]:
+        assert alone(solo, p, PARAMS["greedy"], "none") == alone(inplace, p, PARAMS["greedy"], "none")
+
+
+@pytest.mark.parametrize("mode", ["greedy", "keyed"])
+def test_interleaved_streams_decode_together_bitwise_as_alone(rows_bundles, solo, mode):
+    """Streams interleaved in one thread join one batch; each one's tokens are its tokens alone, every drafter."""
+    params = PARAMS[mode]
+    drafters = ["none", "prompt-lookup", "auto", "model", "hybrid", "auto"]
+    want = [alone(solo, p, params, d) for p, d in zip(PROMPTS, drafters)]
+    dec = SpecDecoder.load(rows_bundles["model"], max_batch=4)
+    streams = [dec.stream(p, params, drafter=d) for p, d in zip(PROMPTS, drafters)]
+    got = [[] for _ in streams]
+    live = list(range(len(streams)))
+    rng = random.Random(0)
+    while live:
+        i = rng.choice(live)
+        try:
+            got[i] += next(streams[i]).token_ids
+        except StopIteration:
+            live.remove(i)
+    assert got == want
+    assert any(n >= 2 for n in dec.batch.sizes), dec.batch.sizes  # rounds really were shared
+    assert not dec.batch.members and not dec.batch.waiting
+
+
+class Oracle:
+    """Proposes what a request will commit (its text alone), each token wrong with probability ``wrong``: drafts
+    that are accepted, rejected at a known rate, or cut short."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, futures: list[np.ndarray], wrong: float, seed: int):
+        self.futures, self.wrong, self.rng = futures, wrong, random.Random(seed)
+
+    def propose(self, tokens, k, params, rng):  # noqa: ANN001
+        from specedge.runtime.drafters import Proposal
+
+        n = len(tokens)
+        full = next(f for f in self.futures if len(f) > n and np.array_equal(f[:n], tokens))
+        out = [int(t) if self.rng.random() > self.wrong else int(t) ^ 1 for t in full[n: n + k]]
+        return Proposal(np.asarray(out[: self.rng.randint(0, k)], dtype=np.int64), None)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "keyed"])
+def test_batched_drafts_accepted_and_rejected_commit_exactly(rows_bundles, solo, monkeypatch, mode):
+    """Every drafted token verified (the planner told to take all) from drafts that are often right: batched rounds
+    accept drafts, reject them and commit each request's tokens as alone."""
+    import specedge.runtime.batch as batch
+
+    params = dataclasses.replace(PARAMS[mode], max_new_tokens=40)
+    want = [alone(solo, p, params, "none") for p in PROMPTS[:4]]
+    futures = [np.asarray(solo.encode_prompt(p) + w) for p, w in zip(PROMPTS, want)]
+    monkeypatch.setattr(batch, "plan_rows", lambda alphas, drafted, step_time, budget: list(drafted))
+    monkeypatch.setattr(batch.Member, "lookup", property(lambda m: Oracle(futures, 0.25, m.req.n)))
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=4)
+    streams = [dec.stream(p, params, drafter="prompt-lookup") for p in PROMPTS[:4]]
+    got, stats = [[] for _ in streams], []
+    live = list(range(4))
+    while live:
+        for i in list(live):
+            try:
+                ev = next(streams[i])
+            except StopIteration:
+                live.remove(i)
+                continue
+            got[i] += ev.token_ids
+            if ev.finished:
+                stats.append(ev.stats)
+    assert got == want
+    assert sum(s.accepted for s in stats) > 20 and sum(s.drafted - s.accepted for s in stats) > 5
+    assert all(s.strategies.get("batch-prompt-lookup") for s in stats)
+
+
+def test_requests_from_threads_arriving_and_leaving_at_random_rounds_are_exact(rows_bundles, solo):
+    rng = random.Random(1)
+    jobs = []
+    for j in range(12):
+        p = PROMPTS[j % len(PROMPTS)] + " " * (j // len(PROMPTS))
+        params = SamplingParams(max_new_tokens=rng.randint(1, 30), ignore_eos=True, temperature=rng.choice([0, 0.8]),
+                                seed=j)
+        jobs.append((p, params, rng.choice(["none", "prompt-lookup", "auto", "model"])))
+    want = [alone(solo, *job) for job in jobs]
+    dec = SpecDecoder.load(rows_bundles["model"], max_batch=3)
+    got: list = [None] * len(jobs)
+
+    def run(i):
+        threading.Event().wait(rng.random() * 0.05)
+        got[i] = alone(dec, *jobs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+
+
+def test_a_closed_stream_leaves_the_batch_and_frees_its_slot(rows_bundles, solo):
+    params = PARAMS["greedy"]
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=2)
+    a, b = dec.stream(PROMPTS[0], params), dec.stream(PROMPTS[1], params)
+    next(a), next(b), next(a)
+    a.close()
+    assert len(dec.batch.members) == 1
+    rest = dec.generate(PROMPTS[2], params).token_ids  # takes a's slot while b is still open
+    assert rest == alone(SpecDecoder.load(rows_bundles["lookup"]), PROMPTS[2], params, "auto")
+    b.close()
+    assert not dec.batch.members
+
+
+def test_prefix_reuse_finds_the_slot_that_holds_the_previous_turn(rows_bundles):
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=2)
+    params = PARAMS["greedy"]
+    first = dec.generate(PROMPTS[0], params)
+    dec.generate(PROMPTS[1], params)  # another request, in the other slot
+    follow = dec.generate(PROMPTS[0] + first.text + "\nagain", params)
+    assert follow.stats.reused_tokens >= first.stats.prompt_tokens
+
+
+def test_rows_written_over_during_a_prefill_start_that_prefill_again(rows_bundles, solo, monkeypatch):
+    """The step timings (SpecDecoder.time_steps) write dummy rows in slot 0 between rounds: a request feeding its
+    prompt there, one chunk a round beside a decoding one, starts its prefill again."""
+    import specedge.runtime.batch as batch
+
+    params = PARAMS["greedy"]
+    long = " ".join(PROMPTS[:3])  # several prefill chunks
+    want = alone(solo, long, params, "none")
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=2)
+    assert dec.generate(PROMPTS[2], params).token_ids == alone(solo, PROMPTS[2], params, "auto")  # slot 0, freed
+    other = dec.stream(PROMPTS[1], params, drafter="none")
+    next(other)  # decoding in slot 1
+    real, chunks = batch.Batch._prefill, []
+
+    def prefill(self, m, whole):
+        real(self, m, whole)
+        chunks.append(m.fed)
+        if len(chunks) == 2:  # what time_steps does between two rounds: dummy rows in slot 0, forgotten
+            dec.target.step(np.arange(9) + 3, 0, all_logits=True)
+            dec.slots[0].rows.forget()
+
+    monkeypatch.setattr(batch.Batch, "_prefill", prefill)
+    got = [tok for ev in dec.stream(long, params, drafter="none") for tok in ev.token_ids]
+    assert got == want
+    assert len(chunks) > 3 and dec.slots[0].rows.of is not None
+    other.close()
+
+
+def test_an_interrupted_batched_round_loses_nothing(rows_bundles, solo, monkeypatch):
+    """KeyboardInterrupt before or after shared steps: the stream that ran the round ends with it, the others
+    go on exact, and so do later requests."""
+    params = PARAMS["greedy"]
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=3)
+    real, calls = dec.target.step_rows, [0]
+
+    def flaky(*a, **kw):
+        calls[0] += 1
+        if calls[0] % 5 == 0:
+            raise KeyboardInterrupt
+        out = real(*a, **kw)
+        if calls[0] % 7 == 0:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(dec.target, "step_rows", flaky)
+    streams = {i: dec.stream(p, params, drafter="prompt-lookup") for i, p in enumerate(PROMPTS[:3])}
+    got = {i: [] for i in streams}
+    broken = set()
+    while streams:
+        for i, st in list(streams.items()):
+            try:
+                got[i] += next(st).token_ids
+            except StopIteration:
+                del streams[i]
+            except KeyboardInterrupt:
+                broken.add(i)
+                del streams[i]
+    assert broken, "no round was interrupted"
+    for i in got:
+        if i not in broken:
+            assert got[i] == alone(solo, PROMPTS[i], params, "none")
+    monkeypatch.setattr(dec.target, "step_rows", real)
+    for p in PROMPTS[:3]:
+        assert alone(dec, p, params, "prompt-lookup") == alone(solo, p, params, "none")
+    assert not dec.batch.members
+
+
+def test_max_batch_needs_a_row_addressed_bundle(bundles):
+    with pytest.raises(BackendUnavailableError, match="kv_mode rows"):
+        SpecDecoder.load(bundles["lookup"], max_batch=2)
+    for bad in (0, 49, True, 2.0):
+        with pytest.raises(OptionError, match="max_batch"):
+            SpecDecoder.load(bundles["lookup"], max_batch=bad)
+
+
+def test_plan_rows_speculates_where_rows_are_cheap_and_drafts_are_good():
+    cheap = lambda r: 1.0 + 0.01 * r  # noqa: E731 - rows nearly free
+    dear = lambda r: float(r)  # noqa: E731 - every row costs a step
+    assert plan_rows([0.9, 0.9], [4, 4], cheap, 48) == [4, 4]
+    assert plan_rows([0.9, 0.9], [4, 4], dear, 48) == [0, 0]
+    assert plan_rows([0.9, 0.1], [4, 4], cheap, 48)[0] == 4
+    assert sum(plan_rows([0.9] * 8, [8] * 8, cheap, 48)) <= 40  # within the row budget
+    assert plan_rows([0.5], [0], cheap, 48) == [0]
+    widths = [2, 5, 8]
+    stepped = lambda r: next((1.0 + 0.1 * t for t in widths if t >= r), float("inf"))  # noqa: E731
+    take = plan_rows([0.6, 0.6], [3, 3], stepped, 8)
+    assert sum(take) + 2 <= 8 and np.all(np.asarray(take) >= 0)
+
+
+def test_plan_counts_a_kv_cache_per_request_decoded_together(rows_bundles, bundles):
+    from click.testing import CliRunner
+
+    from specedge.export.cli import main
+
+    def target_kv(bundle, n):
+        r = CliRunner().invoke(main, ["plan", str(bundle), "--json", "--max-batch", str(n)])
+        assert r.exit_code in (0, 1), r.output
+        import json
+
+        return next(m["kv"] for m in json.loads(r.output)["models"] if m["role"] == "target")
+
+    assert target_kv(rows_bundles["lookup"], 4) == 4 * target_kv(rows_bundles["lookup"], 1)
+    r = CliRunner().invoke(main, ["plan", str(bundles["lookup"]), "--max-batch", "2"])
+    assert r.exit_code != 0 and "kv_mode rows" in r.output
