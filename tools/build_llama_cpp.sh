@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own benchmark and speculation binaries natively (the peers of tools/bench_peers.py) from the
-# llama.cpp source that the llama-cpp-python sdist on PyPI carries. Cached outside the repository:
+# Build llama.cpp's own benchmark and speculation binaries natively (the peers of tools/bench_peers.py), plus
+# llama-server (the concurrency peer for tools that measure serving), from the llama.cpp source that the
+# llama-cpp-python sdist on PyPI carries. Cached outside the repository:
 #   $SPECEDGE_CACHE (default ~/.cache/specedge)/llama.cpp/<version>/build/bin/{llama-bench,llama-lookup,
-#   llama-speculative-simple}
+#   llama-speculative-simple,llama-server}
 # Usage: tools/build_llama_cpp.sh [llama-cpp-python version, default 0.3.36]   (prints the bin directory)
 #   SPECEDGE_LLAMA_ISA=avx2 builds ggml for AVX2 + FMA + F16C + BMI2 without AVX512 (GGML_NATIVE off) into
 #   build-avx2/: llama.cpp as an AVX2-only CPU runs it, to set beside ours built with SPECEDGE_KERNEL_MARCH=haswell
@@ -18,8 +19,8 @@ case "$ISA" in
     *) echo "SPECEDGE_LLAMA_ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
 esac
 BIN=$BUILD/bin
-TARGETS="llama-bench llama-lookup llama-speculative-simple"
-if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-speculative-simple" ]; then echo "$BIN"; exit 0; fi
+TARGETS="llama-bench llama-lookup llama-speculative-simple llama-server"
+if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-speculative-simple" ] && [ -x "$BIN/llama-server" ]; then echo "$BIN"; exit 0; fi
 mkdir -p "$ROOT"
 if [ ! -d "$ROOT/src" ]; then
     python3 -m pip download --no-deps --no-binary=:all: -q -d "$ROOT/sdist" "llama-cpp-python==$VER" >&2
@@ -29,7 +30,7 @@ if [ ! -d "$ROOT/src" ]; then
 fi
 # shellcheck disable=SC2086
 cmake -S "$ROOT/src" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release $ISA_FLAGS -DLLAMA_CURL=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >&2
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON >&2
 # shellcheck disable=SC2086
 cmake --build "$BUILD" -j "$(nproc)" --target $TARGETS >&2
 echo "$BIN"
