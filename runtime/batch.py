@@ -27,7 +27,7 @@ decoded alone, whichever requests shared its rounds.
 
 Threads: every stream of the batch advances it. Reading a stream whose request has no event waiting runs one round
 for every request (under the decoder's lock, never across a yield); the events each round produces wait in their
-request's queue. A paused stream keeps its slot and its request keeps decoding; a closed one leaves at once.
+request's queue, which its stream reads without the lock. A paused stream keeps its slot and its request keeps decoding; a closed one leaves at once.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class Member:
     batched: dict[str, int] = field(default_factory=dict)  # rounds it ran in shared steps, per strategy
     t_join: float = 0.0
     t_first: float | None = None
+    closed: bool = False  # its stream was closed (it leaves at the next round if it could not at once)
 
     @property
     def lookup(self) -> Any:
@@ -134,22 +135,30 @@ class Batch:
                 self.waiting.append(m)
                 joined = True
             while True:
+                # Events are taken without the lock (only this thread takes from its queue; a round appends): a
+                # stream with an event waiting yields it at once, never queued behind the next round.
+                if m.events:
+                    ev = m.events.popleft()
+                    yield ev
+                    if ev.finished:
+                        return
+                    continue
                 with dec._lock:
-                    if not m.events:
+                    if not m.events:  # still nothing: this stream runs the next round, for everyone
                         if dec.target is None:
                             raise OptionError("this decoder was closed while the stream was paused; load the "
                                               "bundle again")
                         self.round()
-                    ready = list(m.events)
-                    m.events.clear()
-                for ev in ready:
-                    yield ev
-                    if ev.finished:
-                        return
         finally:
             if joined:
-                with dec._lock:
-                    self._leave(m)
+                m.closed = True
+                # A stream closed by the garbage collector can be finalized inside a round on this very thread:
+                # without the lock its request is dropped at the start of the next round instead.
+                if dec._lock.acquire(blocking=False):
+                    try:
+                        self._leave(m)
+                    finally:
+                        dec._lock.release()
 
     def _leave(self, m: Member) -> None:
         if m in self.waiting:
@@ -164,6 +173,8 @@ class Batch:
         """One round for every request in the batch: admit waiting ones to free slots, one decode step for those
         decoding, one prefill step (see the module docstring)."""
         self.rounds += 1
+        for m in [m for m in (*self.waiting, *self.members) if m.closed]:
+            self._leave(m)
         self._admit()
         decoding = [m for m in self.members if m.plan is None and m.req.finish is None]
         feeding = [m for m in self.members if m.plan is not None]

@@ -4,9 +4,13 @@ every drafter, greedy and keyed, whatever rounds it joins and leaves at."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import socket
 import sys
 import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -171,6 +175,20 @@ def test_a_closed_stream_leaves_the_batch_and_frees_its_slot(rows_bundles, solo)
     assert not dec.batch.members
 
 
+def test_a_stream_closed_while_a_round_holds_the_lock_leaves_at_the_next_round(rows_bundles, solo):
+    """(The garbage collector can finalize a stream inside a round, on the thread that holds the lock.)"""
+    params = PARAMS["greedy"]
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=2)
+    a, b = dec.stream(PROMPTS[0], params), dec.stream(PROMPTS[1], params)
+    got = next(b).token_ids
+    next(a)
+    with dec._lock:
+        a.close()  # cannot take the lock: deferred, no deadlock
+    assert len(dec.batch.members) == 2
+    got += [t for ev in b for t in ev.token_ids]
+    assert not dec.batch.members and got == alone(solo, PROMPTS[1], params, "auto")
+
+
 def test_prefix_reuse_finds_the_slot_that_holds_the_previous_turn(rows_bundles):
     dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=2)
     params = PARAMS["greedy"]
@@ -284,3 +302,94 @@ def test_plan_counts_a_kv_cache_per_request_decoded_together(rows_bundles, bundl
     assert target_kv(rows_bundles["lookup"], 4) == 4 * target_kv(rows_bundles["lookup"], 1)
     r = CliRunner().invoke(main, ["plan", str(bundles["lookup"]), "--max-batch", "2"])
     assert r.exit_code != 0 and "kv_mode rows" in r.output
+
+
+def test_a_mixed_storm_of_clients_on_a_batching_server(rows_bundles, solo):
+    """16 clients at once on a server decoding 3 together: streaming and not, greedy and keyed, clients that leave
+    mid-answer, bad requests and a full queue. Every answer is its text alone, every error typed, nothing hangs."""
+    pytest.importorskip("uvicorn")
+    from .test_server import Running
+
+    s = Running(rows_bundles["lookup"], max_batch=3, max_queue=8)
+    try:
+        assert len(s.srv._workers) == 3
+        keyed = SamplingParams(max_new_tokens=20, temperature=0.8, seed=5)
+        want = {(p, t): s.dec.generate(p, SamplingParams(max_new_tokens=20) if t == 0 else keyed,
+                                       chat=False).text for p in PROMPTS for t in (0, 0.8)}
+
+        def client(i):
+            p, kind = PROMPTS[i % len(PROMPTS)], i % 4
+            temp = 0 if i % 3 else 0.8
+            extra = {"seed": 5} if temp else {}
+            if kind == 3 and i % 8 == 3:  # a bad request: a typed 400, nothing queued
+                return "bad", s.post("/v1/completions", {"prompt": p, "max_tokens": -1})[0]
+            if kind == 2:  # a streaming client that leaves after its first event
+                body = json.dumps({"prompt": p, "max_tokens": 200, "stream": True, "temperature": 0}).encode()
+                conn = socket.create_connection(("127.0.0.1", s.port))
+                conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                conn.settimeout(60)
+                got = b""
+                while b"data:" not in got and b"HTTP/1.1 503" not in got:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
+                conn.close()
+                return "left", None
+            if kind == 1:
+                chunks = s.client.completions.create(model="tiny", prompt=p, temperature=temp, max_tokens=20,
+                                                     stream=True, extra_body=extra)
+                return "ok", (p, temp, "".join(c.choices[0].text for c in chunks if c.choices))
+            code, body, _ = s.post("/v1/completions", {"prompt": p, "temperature": temp, "max_tokens": 20, **extra})
+            if code == 503:
+                return "busy", body["error"]["code"]
+            return "ok", (p, temp, body["choices"][0]["text"])
+
+        with ThreadPoolExecutor(16) as ex:
+            results = list(ex.map(client, range(16)))
+        for kind, r in results:
+            if kind == "ok":
+                p, temp, text = r
+                assert text == want[(p, temp)]
+            elif kind == "bad":
+                assert r == 400
+            elif kind == "busy":
+                assert r == "overloaded"
+        assert sum(k == "ok" for k, _ in results) >= 6
+        r = s.client.completions.create(model="tiny", prompt=PROMPTS[0], temperature=0, max_tokens=20)
+        assert r.choices[0].text == want[(PROMPTS[0], 0)]  # still serving, still exact
+        metrics = urllib.request.urlopen(s.url + "/metrics", timeout=10).read().decode()
+        assert 'specedge_batch_rounds_total{requests="2"}' in metrics or \
+            'specedge_batch_rounds_total{requests="3"}' in metrics
+    finally:
+        s.close()
+
+
+def test_the_concurrency_benchmark_sends_the_same_requests_at_every_concurrency(rows_bundles, tmp_path):
+    """tools/bench_concurrency.py's load against a batching server: every request answered, its text what it is
+    alone, and the report says so."""
+    pytest.importorskip("uvicorn")
+    import argparse
+
+    from ..tools_loader import load_tool
+    from .test_server import Running
+
+    tool = load_tool("bench_concurrency")
+    s = Running(rows_bundles["lookup"], max_batch=2)
+    try:
+        runs = []
+        for c in (1, 2):
+            r = tool.load(s.port, "tiny", PROMPTS[:3], c, 5, 12, {"speculation": {"drafter": "auto"}})
+            r["system"] = "specedge"
+            runs.append(r)
+        salted = [tool.load(s.port, "tiny", PROMPTS[:3], c, 3, 12, {}, salt="x") for c in (1, 3)]
+    finally:
+        s.close()
+    assert [r["requests"] for r in runs] == [5, 5] and not runs[0]["errors"]
+    assert runs[0]["texts"] == runs[1]["texts"] and runs[1]["tokens"] > 5
+    assert salted[0]["texts"] == salted[1]["texts"] != {k: runs[0]["texts"][k] for k in salted[0]["texts"]}
+    args = argparse.Namespace(bundle="b", requests=5, max_new_tokens=12, threads=2)
+    runs[1]["texts_as_alone"] = "5/5"
+    tool.report(runs, {"cpu": "cpu", "cpus": 2, "cpu_flags": "avx2"}, args, tmp_path)
+    assert "| specedge | 2 |" in (tmp_path / "report.md").read_text() and "5/5" in (tmp_path / "report.md").read_text()

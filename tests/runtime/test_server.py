@@ -30,8 +30,8 @@ def free_port() -> int:
 
 
 class Running:
-    def __init__(self, bundle, **kw):
-        self.dec = SpecDecoder.load(bundle)
+    def __init__(self, bundle, max_batch=1, **kw):
+        self.dec = SpecDecoder.load(bundle, max_batch=max_batch)
         self.srv = Server(self.dec, "tiny", **kw)
         self.port = free_port()
         self.uv = uvicorn.Server(uvicorn.Config(self.srv.app, host="127.0.0.1", port=self.port, log_level="error"))
