@@ -27,7 +27,8 @@ decoded alone, whichever requests shared its rounds.
 
 Threads: every stream of the batch advances it. Reading a stream whose request has no event waiting runs one round
 for every request (under the decoder's lock, never across a yield); the events each round produces wait in their
-request's queue, which its stream reads without the lock. A paused stream keeps its slot and its request keeps decoding; a closed one leaves at once.
+request's queue, which its stream reads without the lock. A paused stream keeps its slot and its request keeps
+decoding; a closed one leaves at once.
 """
 
 from __future__ import annotations
