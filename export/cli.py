@@ -82,8 +82,9 @@ def _profile_option(f):  # noqa: ANN001
         "--for", "profile", default=DEFAULT_PROFILE, show_default=True, metavar="PROFILE",
         help="Where the bundle will run: a preset (`spec-export presets`) whose [export] table sets the form's "
              "defaults (its model names are not taken). cpu: a GGUF's own 4-bit blocks through specedge's kernels, "
-             "in-place KV, K=8, verify widths 3,5,7, the file's own lm_head: the fastest form that is bitwise exact "
-             "on a CPU. jetson-orin-nano-8gb, datacenter-gpu, ...: TensorRT forms. Options given here win.")(f)
+             "row-addressed in-place KV (requests decode together), K=8, verify widths 3,5,7, the file's own lm_head: "
+             "the fastest form that is bitwise exact on a CPU. jetson-orin-nano-8gb, datacenter-gpu, ...: TensorRT "
+             "forms. Options given here win.")(f)
 
 
 @main.command()
