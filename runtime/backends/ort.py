@@ -244,6 +244,7 @@ class OrtRunner:
             self._kv_values = [ort.OrtValue.ortvalue_from_shape_and_type(kv_shape[2:], self.kv_dtype, "cuda", 0)
                                for _ in range(d.n_layers * 2)]
             zero_device_cache(self._cuda, self._kv_values, int(np.prod(kv_shape[2:])) * self.kv_dtype.itemsize)
+        self._arange = np.arange(max(w.T for w in self.entry.widths), dtype=np.int64)  # rows mode: row_pos offsets
         self._bound = {w.T: self._bind(w) for w in self.entry.widths}
 
     # ------------------------------------------------------------------ binding
@@ -339,7 +340,8 @@ class OrtRunner:
         if self.rows_mode:
             assert b.row_pos is not None
             b.past_len[:n], b.past_len[n:] = slot, -1  # row_slot: padding rows are -1, never written
-            b.row_pos[:n], b.row_pos[n:] = np.arange(past_len, past_len + n), 0
+            np.add(self._arange[:n], past_len, out=b.row_pos[:n])  # no allocation per step
+            b.row_pos[n:] = 0
         else:
             b.past_len[0] = past_len
         if b.width.L != b.width.T:
@@ -383,11 +385,6 @@ class OrtRunner:
             return ids[0, :n]
         logits = b.logits if self.device == "cpu" else b.logits_dev.numpy()
         return logits[0, :n]
-
-    @property
-    def row_budget(self) -> int:
-        """The most rows one row-addressed step takes (the widest width with logits at every row)."""
-        return max(w.T for w in self.entry.widths if w.L == w.T)
 
     def _commit_rows(self, b: _Bound, past_len: int, n: int) -> None:
         if self.pads_into_cache or self.rows_mode:
