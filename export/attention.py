@@ -128,13 +128,15 @@ class SekInplaceAttention(InplaceGqaAttention):
     width 1 included (runtime/csrc/sek_attn.c), so with specedge's matmul the whole step is batch-invariant."""
 
     op, where, prefix = "SekAttention", ("past_len",), "sek_attn"  # the op, what places the rows, output names
+    after: tuple[str, ...] = ()  # inputs after the rotary tables
 
     def __call__(self, i: int, qkv: str) -> str:
         g = self.g
         g._n += 1
         out = f"{self.prefix}_{g._n}"
         g.nodes.append(helper.make_node(
-            self.op, [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *self.where, self.cos, self.sin],
+            self.op, [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *self.where, self.cos, self.sin,
+                      *self.after],
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"{self.op}_{g._n}",
             domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=float(1.0 / np.sqrt(self.D))))
         return out  # [B, T, Hq D]
@@ -143,10 +145,13 @@ class SekInplaceAttention(InplaceGqaAttention):
 class SekRowAttention(SekInplaceAttention):
     """Row-addressed steps through ``ai.specedge.SekRowAttention``: each of a step's T rows names its sequence's KV
     slot (``row_slot``, -1 for padding) and its position (``row_pos``), so the rows of several sequences share one
-    step; a row attends over its slot's rows up to its position, the step's earlier rows of that slot included. Every
+    step; a row attends over its slot's rows up to its position, the step's earlier rows of that slot included. A
+    tree row names the row its token follows (``row_parent``, -1: none) and attends to its root's rows and its
+    ancestors' only, at its depth's position (several continuations verified in one step). Every
     other operator of the graph works row by row, so a row's logits are the same bits whatever else the step holds."""
 
     op, where, prefix = "SekRowAttention", ("row_slot", "row_pos"), "sek_row_attn"
+    after = ("row_parent",)  # tree rows: the step's row each row's token follows (-1: none)
 
     def __init__(self, g, w, cfg, inv_freq: np.ndarray, max_positions: int):  # no past_len: only the rotary tables
         d = cfg.dims

@@ -410,7 +410,9 @@ def io_spec(dims: ModelDims, kv_mode: str = "portable", kv_dtype: str = "float32
     portable: ``present`` holds the T new rows, copied into the cache by the runtime.
     ort-inplace: ``present`` is the cache itself (bound to the same buffer as ``past``).
     rows (:data:`ROWS_KV_MODE`): as ort-inplace over a pool of N slots [N, H_kv, S_max, D]; ``past_len`` is replaced
-    by ``row_slot`` [T] and ``row_pos`` [T], each row's KV slot (-1: padding) and position (B = 1: the rows are T).
+    by ``row_slot`` [T], ``row_pos`` [T] and ``row_parent`` [T]: each row's KV slot (-1: padding), the cache row it
+    writes, and the earlier row of the step its token follows (-1: none; a tree row, see runtime/csrc/sek.h) (B = 1:
+    the rows are T).
     kv_dtype: the cache's element type (float32; float16 / bfloat16 in reduced-precision graphs).
     Logits are float32 in every graph. argmax (``Manifest.device_argmax``): also ``next_ids`` [B, L] int64, the
     first index of each logits row's maximum (ONNX ArgMax, select_last_index 0: numpy's argmax).
@@ -428,7 +430,8 @@ def io_spec(dims: ModelDims, kv_mode: str = "portable", kv_dtype: str = "float32
         for i in range(dims.n_layers)
         for kind in ("key", "value")
     ]
-    where = ([TensorSpec("row_slot", "int64", ("T",)), TensorSpec("row_pos", "int64", ("T",))]
+    where = ([TensorSpec("row_slot", "int64", ("T",)), TensorSpec("row_pos", "int64", ("T",)),
+              TensorSpec("row_parent", "int64", ("T",))]
              if kv_mode == ROWS_KV_MODE else [TensorSpec("past_len", "int64", ("B",))])
     inputs = [
         TensorSpec("input_ids", "int64", ("B", "T")),

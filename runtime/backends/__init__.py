@@ -61,6 +61,18 @@ class SlotView:
     def step(self, tokens: Sequence[int], past_len: int, all_logits: bool, ids_only: bool = False) -> np.ndarray:
         return self.runner.step(tokens, past_len, all_logits, ids_only, slot=self.slot)  # type: ignore[call-arg]
 
+    def step_tree(self, tokens: Sequence[int], positions: Sequence[int], parents: Sequence[int],
+                  ids_only: bool = False) -> np.ndarray:
+        return self.runner.step_tree(tokens, positions, parents, ids_only, slot=self.slot)  # type: ignore[attr-defined]
+
+    def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.runner.move_rows(src, dst, slot=self.slot)  # type: ignore[attr-defined]
+
+
+def tree_rows(runner: GraphRunner) -> bool:
+    """Whether a runner verifies trees (``step_tree``, ``move_rows``): a row-addressed bundle on the CPU."""
+    return bool(getattr(runner, "rows_mode", False)) and getattr(runner, "device", None) == "cpu"
+
 
 def tensorrt_installed() -> bool:
     return importlib.util.find_spec("tensorrt") is not None

@@ -58,6 +58,7 @@ class _Bound:
     present: list[Any]  # per layer*2: host arrays (CPU) or device OrtValues (CUDA)
     ids: Any = None  # next_ids [1, L] int64: a host array (CPU) or a device OrtValue (CUDA); None without argmax
     row_pos: np.ndarray | None = None  # rows mode: [T] int64, host
+    row_parent: np.ndarray | None = None  # rows mode: [T] int64, host (-1: no parent)
 
 
 def open_session(ort: Any, path: Path, so: Any, providers: list) -> Any:
@@ -253,10 +254,12 @@ class OrtRunner:
         io = self.session.io_binding()
         ids = np.zeros((1, w.T), dtype=np.int64)
         at = np.arange(w.L, dtype=np.int64)[None] if w.L == w.T else np.zeros((1, w.L), dtype=np.int64)
-        row_pos = None
+        row_pos = row_parent = None
         if self.rows_mode:
             past, row_pos = np.full((w.T,), -1, dtype=np.int64), np.zeros((w.T,), dtype=np.int64)
-            host_inputs = {"input_ids": ids, "row_slot": past, "row_pos": row_pos, "logits_at": at}
+            row_parent = np.full((w.T,), -1, dtype=np.int64)
+            host_inputs = {"input_ids": ids, "row_slot": past, "row_pos": row_pos, "row_parent": row_parent,
+                           "logits_at": at}
         else:
             past = np.zeros((1,), dtype=np.int64)
             host_inputs = {"input_ids": ids, "past_len": past, "logits_at": at}
@@ -293,7 +296,7 @@ class OrtRunner:
                                     else next_ids)
         # Keep the host arrays alive: the OrtValues above only borrow their memory.
         self._keepalive = getattr(self, "_keepalive", []) + [host_inputs]
-        return _Bound(w, io, ids, past, at, logits, logits_dev, present, next_ids, row_pos)
+        return _Bound(w, io, ids, past, at, logits, logits_dev, present, next_ids, row_pos, row_parent)
 
     def _pick(self, n: int, all_logits: bool, past_len: int) -> _Bound:
         fits = [b for b in self._bound.values() if b.width.T >= max(n, self.min_width)
@@ -321,6 +324,7 @@ class OrtRunner:
             del out["past_len"]
             out["row_slot"] = np.where(np.arange(w.T) < n, 0, -1).astype(np.int64)
             out["row_pos"] = past_len + np.arange(w.T, dtype=np.int64)
+            out["row_parent"] = np.full(w.T, -1, dtype=np.int64)
         for i in range(self.entry.dims.n_layers):
             out[f"past_key_values.{i}.key"] = self.kv[i, 0].copy()
             out[f"past_key_values.{i}.value"] = self.kv[i, 1].copy()
@@ -342,6 +346,7 @@ class OrtRunner:
             b.past_len[:n], b.past_len[n:] = slot, -1  # row_slot: padding rows are -1, never written
             np.add(self._arange[:n], past_len, out=b.row_pos[:n])  # no allocation per step
             b.row_pos[n:] = 0
+            b.row_parent[:] = -1  # type: ignore[index]  # (a tree step at this width may have set parents)
         else:
             b.past_len[0] = past_len
         if b.width.L != b.width.T:
@@ -360,12 +365,17 @@ class OrtRunner:
         return logits[0, last:last + 1]
 
     def step_rows(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int],
-                  ids_only: bool = False) -> np.ndarray:
+                  ids_only: bool = False, parents: Sequence[int] | None = None) -> np.ndarray:
         """Row-addressed step (rows mode): row i is token ``tokens[i]`` of the sequence in slot ``slots[i]`` at
         position ``positions[i]``; it attends to its slot's rows 0..positions[i], the step's own rows included
         (every row's K/V is written first). Returns logits [n, V] (a view valid until the next step), or with
         ``ids_only`` their argmax ids [n]. Each row's result is bitwise what the same row computes in any other
-        step of width >= 2 (the kernels are row-invariant there), whatever else the step holds."""
+        step of width >= 2 (the kernels are row-invariant there), whatever else the step holds.
+
+        ``parents`` (tree rows): row i's token follows row ``parents[i]``'s (an earlier row of its slot at a lower
+        position; -1: none). Such a row writes cache row ``positions[i]`` but is the token at its root's position plus
+        its depth, and attends to its root's rows and its ancestors' only: its logits are those of the same tokens
+        decoded as a chain. :meth:`move_rows` then puts an accepted path's rows where the chain would have them."""
         n = len(tokens)
         if not self.rows_mode:
             raise ValueError(f"{self.entry.graph} is not row-addressed (kv_mode rows)")
@@ -377,6 +387,11 @@ class OrtRunner:
         b.input_ids[0, :n], b.input_ids[0, n:] = tokens, tokens[-1]
         b.past_len[:n], b.past_len[n:] = slots, -1
         b.row_pos[:n], b.row_pos[n:] = positions, 0
+        assert b.row_parent is not None
+        if parents is None:
+            b.row_parent[:] = -1
+        else:
+            b.row_parent[:n], b.row_parent[n:] = parents, -1
         if self.device == "cuda":
             b.binding.synchronize_inputs()
         self.session.run_with_iobinding(b.binding)
@@ -385,6 +400,20 @@ class OrtRunner:
             return ids[0, :n]
         logits = b.logits if self.device == "cpu" else b.logits_dev.numpy()
         return logits[0, :n]
+
+    def step_tree(self, tokens: Sequence[int], positions: Sequence[int], parents: Sequence[int],
+                  ids_only: bool = False, slot: int = 0) -> np.ndarray:
+        """One sequence's tree rows in one step (:meth:`step_rows` with ``parents``, every row in ``slot``)."""
+        return self.step_rows(tokens, [slot] * len(tokens), positions, ids_only, parents)
+
+    def move_rows(self, src: Sequence[int], dst: Sequence[int], slot: int = 0) -> None:
+        """Copy every layer's K/V cache rows ``src`` of a slot to rows ``dst`` (rows mode, CPU): a tree's accepted
+        path, written where its nodes lay in the step, moved to the positions its tokens now hold. Every source row
+        is read before any is written."""
+        if not self.rows_mode or self.device != "cpu":
+            raise ValueError(f"{self.entry.graph}: moving cache rows needs a row-addressed bundle on the CPU")
+        if len(src):
+            self.kv[:, :, slot, :, list(dst)] = self.kv[:, :, slot, :, list(src)]
 
     def _commit_rows(self, b: _Bound, past_len: int, n: int) -> None:
         if self.pads_into_cache or self.rows_mode:

@@ -50,13 +50,20 @@ typedef struct {
     float scale;
     int64_t hs, rs; /* query heads and rows per item (sek_attn_plan) */
 } sek_attn_args;
-/* A row-addressed step (sek_attn.c, SekRowAttention): row r is query row_pos[r] of the sequence in KV slot
- * row_slot[r] (-1: padding, which reads and writes nothing; its output is zeros). The caller has checked that real
- * rows name slots 0 .. n_slots-1 and positions below s_max and the rotary tables' length, no two the same. */
+/* A row-addressed step (sek_attn.c, SekRowAttention): row r writes cache row row_pos[r] of the sequence in KV slot
+ * row_slot[r] (-1: padding, which reads and writes nothing; its output is zeros). A row with no parent
+ * (row_parent NULL or row_parent[r] = -1) is the token at position row_pos[r] and attends to its slot's rows
+ * 0 .. row_pos[r]. A tree row names the earlier row of the step its token follows (row_parent[r] = p < r, same
+ * slot, row_pos[p] < row_pos[r]): up its parents to a row without one (its root, at depth 0) it is the token at
+ * position row_pos[root] + depth, and attends to rows 0 .. row_pos[root] and its ancestors' and its own rows. The
+ * caller has checked all of that, that real rows name slots 0 .. n_slots-1 and positions below s_max and the rotary
+ * tables' length, no two the same, and that tree rows lie at most SEK_TREE_DEPTH below their root with d <= 128. */
+#define SEK_TREE_DEPTH 64
 typedef struct {
     const float *qkv;                  /* [R][(hq + 2 hkv) d] */
     float *k_cache, *v_cache;          /* [n_slots][hkv][s_max][d] */
     const int64_t *row_slot, *row_pos; /* [R] */
+    const int64_t *row_parent;         /* [R], or NULL: no tree rows */
     const float *cos, *sin;            /* [positions][d/2] */
     float *out;                        /* [R][hq d] */
     int64_t r, n_slots, hq, hkv, d, s_max;

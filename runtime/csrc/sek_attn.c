@@ -391,13 +391,13 @@ static void pv_chunk2(float *acc0, float *acc1, const float *v, const float *p0,
 
 #define SEK_SUB 16 /* cache rows the queries of an item take in turn: 8 KB of K (or V) at d = 128, L1-resident */
 
-/* One chunk (cache rows c0 .. c0+cn[p]-1) of the online softmax for the nq queries (row, head) of an item, all of
+/* One chunk (rows 0 .. cn[p]-1 of kc, vc: cache rows c0 .. c0+cn[p]-1; first: c0 is 0) of the online softmax for the nq queries (row, head) of an item, all of
  * one KV group; m, l, acc carry each query's state, and a query whose row ends before c0 has cn[p] <= 0. Per query
  * the arithmetic is a lone query's: scores dot(q, k) * scale, the chunk's maximum, exp of the scores less the
  * running maximum, the earlier chunks rescaled by alpha, then acc = acc * alpha + p v row after row. Only the order
  * across queries is the item's: they take SEK_SUB cache rows at a time in turn, so those rows come from memory once
  * for all of them (a group's cache at 1,900 positions is 2 MB a layer: more than L2). */
-static void attend_chunk(const float *q, const float *kc, const float *vc, int64_t c0, const int64_t *cn, int64_t d,
+static void attend_chunk(const float *q, const float *kc, const float *vc, int first, const int64_t *cn, int64_t d,
                          float scale, int64_t nq, float *m, float *l, float *acc) {
     float s[SEK_Q_MAX][SEK_CHUNK], pr[SEK_Q_MAX][SEK_CHUNK], alpha[SEK_Q_MAX];
     int64_t cmax = 0;
@@ -408,17 +408,17 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, int64
             int64_t j = j0;
             for (; j + 4 <= j1; j += 4) {
                 float o[4];
-                dot4(q + p * d, kc + (c0 + j) * d, d, o);
+                dot4(q + p * d, kc + j * d, d, o);
                 for (int c = 0; c < 4; c++) s[p][j + c] = o[c] * scale;
             }
-            for (; j < j1; j++) s[p][j] = dot(q + p * d, kc + (c0 + j) * d, d) * scale;
+            for (; j < j1; j++) s[p][j] = dot(q + p * d, kc + j * d, d) * scale;
         }
     for (int64_t p = 0; p < nq; p++) {
         if (cn[p] <= 0) continue;
         float mc = -INFINITY;
         for (int64_t j = 0; j < cn[p]; j++) mc = s[p][j] > mc ? s[p][j] : mc;
         const float m_new = mc > m[p] ? mc : m[p];
-        alpha[p] = c0 == 0 ? 0.f : expf(m[p] - m_new); /* the earlier chunks' rescale (none before the first) */
+        alpha[p] = first ? 0.f : expf(m[p] - m_new); /* the earlier chunks' rescale (none before the first) */
         l[p] *= alpha[p];
         for (int64_t j = 0; j < cn[p]; j++) s[p][j] -= m_new;
         exp_block(s[p], pr[p], cn[p]);
@@ -430,11 +430,11 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, int64
             const int64_t n = (j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p]) - j0; /* query p's rows from j0 */
             if (n <= 0) continue;
             if (p + 1 < nq && (j0 + SEK_SUB < cn[p + 1] ? j0 + SEK_SUB : cn[p + 1]) - j0 == n) {
-                pv_chunk2(acc + p * d, acc + (p + 1) * d, vc + (c0 + j0) * d, pr[p] + j0, pr[p + 1] + j0, n,
+                pv_chunk2(acc + p * d, acc + (p + 1) * d, vc + j0 * d, pr[p] + j0, pr[p + 1] + j0, n,
                           j0 ? 1.f : alpha[p], j0 ? 1.f : alpha[p + 1], d);
                 p++; /* two queries with the same rows of this chunk (heads of one row): one pass over them */
             } else {
-                pv_chunk(acc + p * d, vc + (c0 + j0) * d, pr[p] + j0, n, j0 ? 1.f : alpha[p], d);
+                pv_chunk(acc + p * d, vc + j0 * d, pr[p] + j0, n, j0 ? 1.f : alpha[p], d);
             }
         }
 }
@@ -452,7 +452,41 @@ static void attend(const float *q, const float *kc, const float *vc, const int64
     memset(acc, 0, (size_t)(nq * d) * sizeof(float));
     for (int64_t c0 = 0; c0 < nmax; c0 += SEK_CHUNK) {
         for (int64_t p = 0; p < nq; p++) cn[p] = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
-        attend_chunk(q, kc, vc, c0, cn, d, scale, nq, m, l, acc);
+        attend_chunk(q, kc + c0 * d, vc + c0 * d, c0 == 0, cn, d, scale, nq, m, l, acc);
+    }
+}
+
+/* attend for queries whose rows are not all the cache's first ones (tree rows): query p's row i is cache row i for
+ * i < direct[p], then tail[p][i - direct[p]]. A chunk whose rows are all direct runs for every such query at once,
+ * as attend runs it; a chunk with tail rows is gathered for its query alone into kg, vg [SEK_CHUNK][d] and runs
+ * alone. attend_chunk's arithmetic per query never depends on the other queries, so each query has the bits attend
+ * gives it over a cache that holds its rows in order: those of the same tokens decoded as one chain. */
+static void attend_tail(const float *q, const float *kc, const float *vc, const int64_t *n, const int64_t *direct,
+                        const int64_t *tail, int64_t tail_stride, int64_t nmax, int64_t d, float scale, int64_t nq,
+                        float *m, float *l, float *acc, float *kg, float *vg) {
+    int64_t cn[SEK_Q_MAX];
+    for (int64_t p = 0; p < nq; p++) {
+        m[p] = -INFINITY;
+        l[p] = 0.f;
+    }
+    memset(acc, 0, (size_t)(nq * d) * sizeof(float));
+    for (int64_t c0 = 0; c0 < nmax; c0 += SEK_CHUNK) {
+        int gathered = 0;
+        for (int64_t p = 0; p < nq; p++) {
+            cn[p] = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
+            if (cn[p] > 0 && c0 + cn[p] > direct[p]) cn[p] = 0, gathered = 1;
+        }
+        attend_chunk(q, kc + c0 * d, vc + c0 * d, c0 == 0, cn, d, scale, nq, m, l, acc);
+        for (int64_t p = 0; gathered && p < nq; p++) {
+            const int64_t len = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
+            if (len <= 0 || c0 + len <= direct[p]) continue;
+            for (int64_t j = 0; j < len; j++) {
+                const int64_t i = c0 + j, row = i < direct[p] ? i : tail[p * tail_stride + i - direct[p]];
+                memcpy(kg + j * d, kc + row * d, (size_t)d * sizeof(float));
+                memcpy(vg + j * d, vc + row * d, (size_t)d * sizeof(float));
+            }
+            attend_chunk(q + p * d, kg, vg, c0 == 0, &len, d, scale, 1, m + p, l + p, acc + p * d);
+        }
     }
 }
 
@@ -508,14 +542,28 @@ void sek_attn_row(const sek_attn_args *a, int64_t item) {
 
 /* Writes each real row's k (rotated by its position) and v into its slot's cache at its position. Call once per step
  * before the items: a row reads the rows of its slot that the step writes, whatever their order in the step. */
+/* Row r's position (its rotary angle): row_pos[r] without a parent, else its root's row_pos plus its depth. With
+ * `tail`, its ancestors' and its own cache rows from the root down (depth of them, root excluded); `root` its root. */
+static int64_t row_position(const sek_row_attn_args *a, int64_t r, int64_t *tail, int64_t *root) {
+    int64_t depth = 0, up[SEK_TREE_DEPTH];
+    while (a->row_parent && a->row_parent[r] >= 0 && depth < SEK_TREE_DEPTH) {
+        up[depth++] = a->row_pos[r];
+        r = a->row_parent[r];
+    }
+    for (int64_t i = 0; tail && i < depth; i++) tail[i] = up[depth - 1 - i];
+    if (root) *root = r;
+    return a->row_pos[r] + depth;
+}
+
 void sek_row_attn_store(const sek_row_attn_args *a) {
     const int64_t w = (a->hq + 2 * a->hkv) * a->d;
     for (int64_t r = 0; r < a->r; r++) {
-        const int64_t slot = a->row_slot[r], pos = a->row_pos[r];
+        const int64_t slot = a->row_slot[r], at_row = a->row_pos[r];
         if (slot < 0) continue; /* padding */
+        const int64_t pos = row_position(a, r, NULL, NULL);
         const float *row = a->qkv + r * w;
         for (int64_t h = 0; h < a->hkv; h++) {
-            const int64_t at = ((slot * a->hkv + h) * a->s_max + pos) * a->d;
+            const int64_t at = ((slot * a->hkv + h) * a->s_max + at_row) * a->d;
             memcpy(a->k_cache + at, row + (a->hq + h) * a->d, (size_t)a->d * sizeof(float));
             rope(a->k_cache + at, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);
             memcpy(a->v_cache + at, row + (a->hq + a->hkv + h) * a->d, (size_t)a->d * sizeof(float));
@@ -564,16 +612,27 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
         return;
     }
     float q[SEK_Q_MAX * 128], acc[SEK_Q_MAX * 128], m[SEK_Q_MAX], l[SEK_Q_MAX];
-    int64_t n[SEK_Q_MAX], nmax = 0;
+    int64_t n[SEK_Q_MAX], direct[SEK_Q_MAX], nmax = 0, tree = 0;
+    int64_t tail[SEK_Q_MAX * SEK_TREE_DEPTH]; /* tree rows: each query's ancestors' rows (row_position) */
     for (int64_t p = 0; p < nq; p++) { /* query p: row r0 + p / hs, head h0 + p % hs */
-        const int64_t r = r0 + p / hs, pos = a->row_pos[r];
+        const int64_t r = r0 + p / hs;
+        int64_t root;
+        const int64_t pos = row_position(a, r, tail + p * SEK_TREE_DEPTH, &root);
         memcpy(q + p * d, a->qkv + r * (a->hq + 2 * a->hkv) * d + (h0 + p % hs) * d, (size_t)d * sizeof(float));
         rope(q + p * d, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
         n[p] = pos + 1;
+        direct[p] = a->row_pos[root] + 1; /* rows 0 .. row_pos[root], then the tail */
+        tree |= direct[p] != n[p];
         nmax = n[p] > nmax ? n[p] : nmax;
     }
     const int64_t g = h0 / (a->hq / a->hkv), at = (slot * a->hkv + g) * a->s_max * d;
-    attend(q, a->k_cache + at, a->v_cache + at, n, nmax, d, a->scale, nq, m, l, acc);
+    if (tree) {
+        float kg[SEK_CHUNK * 128], vg[SEK_CHUNK * 128]; /* d <= 128 for tree rows (checked by the caller) */
+        attend_tail(q, a->k_cache + at, a->v_cache + at, n, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, nq, m,
+                    l, acc, kg, vg);
+    } else {
+        attend(q, a->k_cache + at, a->v_cache + at, n, nmax, d, a->scale, nq, m, l, acc);
+    }
     for (int64_t p = 0; p < nq; p++) {
         float *o = a->out + (r0 + p / hs) * a->hq * d + (h0 + p % hs) * d;
         const float inv = 1.f / l[p];

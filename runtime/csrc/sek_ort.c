@@ -557,7 +557,10 @@ static const SekCustomOp sek_attention_op = {
  * is zeros. Each real row's output has the bits SekAttention gives that query in a step of its slot alone (sek_attn.c),
  * whatever else the step holds and in whatever order. Real rows name slots 0 .. N-1 and positions below S and the
  * rotary tables' length, no two the same (slot, position). present is the cache itself when bound to the past's
- * buffer; otherwise the past is copied into it first. */
+ * buffer; otherwise the past is copied into it first.
+ * The optional input 7, row_parent int64 [R], makes tree rows (sek.h): row r with row_parent[r] = p >= 0 is a token
+ * that follows row p's, written at row_pos[r] and attending to its root's rows 0 .. row_pos[root] and its ancestors'
+ * rows, at position row_pos[root] + its depth: the bits of the same tokens decoded as one chain. */
 
 typedef struct {
     int64_t key, row; /* key: slot S + pos */
@@ -568,11 +571,28 @@ static int row_key_order(const void *x, const void *y) {
     return a->key != b->key ? (a->key < b->key ? -1 : 1) : (a->row < b->row ? -1 : a->row > b->row);
 }
 
-/* Every real row's slot and position in range, and no (slot, position) written twice. */
-static OrtStatus *check_rows(OrtApiTable api, const int64_t *slot, const int64_t *pos, int64_t R, int64_t N, int64_t S,
-                             int64_t positions) {
+/* Every real row's slot and position in range, and no (slot, position) written twice; a tree row's parent an earlier
+ * real row of its slot at a lower position, at most SEK_TREE_DEPTH rows below its root, with d <= 128. */
+static OrtStatus *check_rows(OrtApiTable api, const int64_t *slot, const int64_t *pos, const int64_t *parent,
+                             int64_t R, int64_t N, int64_t S, int64_t positions, int64_t d) {
     const int64_t limit = S < positions ? S : positions;
     int64_t real = 0;
+    for (int64_t r = 0; parent && r < R; r++) {
+        const int64_t p = parent[r];
+        if (p == -1) continue;
+        if (p < -1 || p >= r || slot[r] < 0 || slot[p] != slot[r] || pos[p] >= pos[r])
+            return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: row %lld (slot %lld, position %lld) names row "
+                        "%lld as its parent; a parent is -1 (none) or an earlier row of the same slot at a lower "
+                        "position", (long long)r, (long long)slot[r], (long long)pos[r], (long long)p);
+        int64_t depth = 1;
+        for (int64_t u = p; parent[u] >= 0; u = parent[u]) depth++;
+        if (depth > SEK_TREE_DEPTH)
+            return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: row %lld lies %lld rows below its root; tree rows "
+                        "lie at most %d below it", (long long)r, (long long)depth, SEK_TREE_DEPTH);
+        if (d > 128)
+            return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: row %lld is a tree row, and the head dim is %lld; "
+                        "tree rows need a head dim of at most 128", (long long)r, (long long)d);
+    }
     for (int64_t r = 0; r < R; r++) {
         if (slot[r] < -1 || slot[r] >= N)
             return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: row %lld names KV slot %lld; the caches hold %lld "
@@ -610,8 +630,20 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
     const SekAttnKernel *k = (const SekAttnKernel *)kernel;
     OrtApiTable api = k->api;
     static const int types[7] = {T_FLOAT, T_FLOAT, T_FLOAT, T_INT64, T_INT64, T_FLOAT, T_FLOAT};
-    Input in[7];
+    Input in[8];
     TRY(read_inputs(api, ctx, "SekRowAttention", 7, types, in));
+    const OrtValue *pv = NULL; /* row_parent: optional (a node without it has no tree rows) */
+    TRY(KernelContext_GetInput(api)(ctx, 7, &pv));
+    const int64_t *parent = NULL;
+    if (pv) {
+        TRY(tensor_info(api, pv, T_INT64, in[7].dims, &in[7].nd, &in[7].count, 7, &in[7].type));
+        TRY(GetTensorMutableData(api)((OrtValue *)pv, &in[7].data));
+        if (in[7].nd != 1 || in[7].dims[0] != in[0].dims[1])
+            return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: row_parent holds %lld values (rank %lld); qkv "
+                        "has %lld rows, one per row", (long long)(in[7].nd ? in[7].dims[0] : 0), (long long)in[7].nd,
+                        (long long)in[0].dims[1]);
+        parent = (const int64_t *)in[7].data;
+    }
     if (in[0].nd != 3 || in[0].dims[0] != 1 || in[1].nd != 4 || in[2].nd != 4 || in[3].nd != 1 || in[4].nd != 1 ||
         in[5].nd != 2 || in[6].nd != 2)
         return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: expects qkv [1, R, W], caches [N, kv_heads, S, d], "
@@ -633,13 +665,13 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
         return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: row_slot holds %lld values and row_pos %lld; qkv has "
                     "%lld rows, one of each per row", (long long)in[3].dims[0], (long long)in[4].dims[0], (long long)R);
     const int64_t *slot = (const int64_t *)in[3].data, *pos = (const int64_t *)in[4].data;
-    TRY(check_rows(api, slot, pos, R, N, S, positions));
+    TRY(check_rows(api, slot, pos, parent, R, N, S, positions, d));
     void *o[3];
     TRY(attn_outputs(api, ctx, "SekRowAttention", R, k->hq * d, in, o));
     if (R == 0) return NULL;
     int64_t *chunk = malloc((size_t)(R + 1) * sizeof(int64_t));
     if (!chunk) return CreateStatus(api)(ORT_FAIL, "SekRowAttention: out of memory");
-    sek_row_attn_args a = {(const float *)in[0].data, (float *)o[1], (float *)o[2], slot, pos,
+    sek_row_attn_args a = {(const float *)in[0].data, (float *)o[1], (float *)o[2], slot, pos, parent,
                            (const float *)in[5].data, (const float *)in[6].data, (float *)o[0], R, N, k->hq, k->hkv,
                            d, S, k->scale, 1, chunk};
     const int64_t items = sek_row_attn_plan(slot, R, k->hq, k->hkv, d, online_cpus(), &a.hs, chunk);
@@ -650,12 +682,13 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
 }
 
 static const char *row_attn_name(const void *op) { (void)op; return "SekRowAttention"; }
-static int row_attn_in_type(const void *op, size_t i) { (void)op; return i == 3 || i == 4 ? T_INT64 : T_FLOAT; }
-static size_t row_attn_in_count(const void *op) { (void)op; return 7; }
+static int row_attn_in_type(const void *op, size_t i) { (void)op; return i == 3 || i == 4 || i == 7 ? T_INT64 : T_FLOAT; }
+static size_t row_attn_in_count(const void *op) { (void)op; return 8; }
+static int row_attn_optional(const void *op, size_t i) { (void)op; return i == 7; } /* row_parent */
 
 static const SekCustomOp sek_row_attention_op = {
     SEK_OP_COMMON,
-    .GetInputCharacteristic = required,
+    .GetInputCharacteristic = row_attn_optional,
     .GetName = row_attn_name,
     .GetInputType = row_attn_in_type,
     .GetInputTypeCount = row_attn_in_count,

@@ -31,7 +31,10 @@ class Graph:
         self.cache = {n: np.zeros((slots, dims.n_kv_heads, S, dims.head_dim), np.float32) for n in self.names}
 
     def run(self, ids, **where) -> np.ndarray:
-        """All rows' logits [T, V]; the caches take the step's rows."""
+        """All rows' logits [T, V]; the caches take the step's rows (a rows graph's rows have no parent unless
+        row_parent is given)."""
+        if "row_slot" in where:
+            where.setdefault("row_parent", [-1] * len(ids))
         feeds = {"input_ids": np.asarray([ids], np.int64), "logits_at": np.arange(len(ids), dtype=np.int64)[None],
                  **{k: np.asarray(v, np.int64) for k, v in where.items()},
                  **{f"past_key_values.{n}": c for n, c in self.cache.items()}}

@@ -30,16 +30,18 @@ def _kernels():
         pytest.skip(f"specedge's kernels cannot be built here: {e}")
 
 
-def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None) -> bytes:
-    """One SekRowAttention node; qkv's width (H_q + 2 H_kv) D unless `width` names another (a symbol: any)."""
+def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None, tree: bool = False) -> bytes:
+    """One SekRowAttention node; qkv's width (H_q + 2 H_kv) D unless `width` names another (a symbol: any); with
+    `tree`, the optional row_parent input too."""
     F, I64 = TensorProto.FLOAT, TensorProto.INT64
-    node = helper.make_node("SekRowAttention", ["qkv", "pk", "pv", "row_slot", "row_pos", "cos", "sin"],
+    node = helper.make_node("SekRowAttention", ["qkv", "pk", "pv", "row_slot", "row_pos", "cos", "sin",
+                                                *(["row_parent"] if tree else [])],
                             ["out", "presk", "presv"], domain="ai.specedge", num_heads=hq, kv_num_heads=hkv,
                             scale=float(1 / np.sqrt(d)))
     vi = helper.make_tensor_value_info
     inputs = [vi("qkv", F, [1, "R", width or (hq + 2 * hkv) * d]), vi("pk", F, ["N", hkv, "S", d]),
               vi("pv", F, ["N", hkv, "S", d]), vi("row_slot", I64, ["R"]), vi("row_pos", I64, ["R"]),
-              vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
+              vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])] + ([vi("row_parent", I64, ["R"])] if tree else [])
     g = helper.make_graph([node], "g", inputs, [vi(n, F, None) for n in ("out", "presk", "presv")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.specedge", 1)]
                              ).SerializeToString()
@@ -236,3 +238,78 @@ def test_bad_rows_are_refused_with_what_was_given_and_what_is_allowed():
                              "sin": sin})
     with pytest.raises(Exception, match=r"num_heads 6 must be a multiple of kv_num_heads 4"):
         _session(_row_model(6, 4, d))
+
+
+# A tree of 8 nodes under a root r: node (parent, token's qkv row). Depths: a, b, c 1; d, e 2; f 3; g 4; h 2.
+TREE = [(-1, "r"), (0, "a"), (0, "b"), (1, "d"), (0, "c"), (1, "e"), (3, "f"), (6, "g"), (2, "h")]
+
+
+def _tree_paths(parents: list[int]) -> list[list[int]]:
+    """Every node's path from the root (the root's own: [0])."""
+    paths = []
+    for i, p in enumerate(parents):
+        paths.append([i] if p < 0 else paths[p] + [i])
+    return paths
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 1, 128), (12, 2, 128)])
+@pytest.mark.parametrize("root", [0, 5, 60, 63, 64, 127, 130])
+def test_a_tree_row_has_the_bits_of_its_path_decoded_as_a_chain(hq, hkv, d, root):
+    """Tree rows (row_parent): each node's output, and the K/V it writes, equal bitwise those of its path from the
+    root run as a chain at consecutive positions; the root sits at any position (its rows read up to three chunks,
+    the tree's rows fall on both sides of a chunk boundary), the nodes are written at rows past it in step order, and
+    another slot's chain shares the step."""
+    N, S = 2, 200
+    rng = np.random.default_rng(root * 7 + d)
+    caches = _caches(rng, N, hkv, S, d, [root, 40])
+    cos, sin = _rope_tables(S, d)
+    sess, plain = _session(_row_model(hq, hkv, d, tree=True)), _session(_row_model(hq, hkv, d))
+    parents = [p for p, _ in TREE]
+    qkv = (2.0 * rng.standard_normal((1, len(TREE), (hq + 2 * hkv) * d))).astype(np.float32)
+    other = _step(rng, [(1, 40), (1, 41)], hq, hkv, d)
+    step = Step([(0, root + i) for i in range(len(TREE))] + other.rows, np.concatenate([qkv, other.qkv], axis=1))
+    feeds = {"qkv": step.qkv, "pk": caches[0], "pv": caches[1], "row_slot": step.slot, "row_pos": step.pos,
+             "row_parent": np.array(parents + [-1, -1], np.int64), "cos": cos, "sin": sin}
+    out, pk, pv = sess.run(None, feeds)
+    for path in _tree_paths(parents):
+        chain = Step([(0, root + j) for j in range(len(path))], qkv[:, path])
+        co, ck, cv = _run_rows(plain, chain, caches, cos, sin)
+        node = path[-1]
+        assert np.isfinite(co).all()
+        assert np.array_equal(_bits(out[0, node]), _bits(co[0, -1])), path
+        at, there = root + node, root + len(path) - 1  # where the tree wrote the node; where the chain did
+        assert np.array_equal(_bits(pk[0, :, at]), _bits(ck[0, :, there])), path
+        assert np.array_equal(_bits(pv[0, :, at]), _bits(cv[0, :, there])), path
+    alone = _run_rows(plain, other, caches, cos, sin)  # the other slot's rows: as they are without the tree
+    assert np.array_equal(_bits(out[0, len(TREE):]), _bits(alone[0][0]))
+    flat = dict(feeds, row_parent=np.full(len(step.rows), -1, np.int64))  # row_parent all -1: the plain rows op
+    assert np.array_equal(_bits(sess.run(None, flat)[0]), _bits(_run_rows(plain, step, caches, cos, sin)[0]))
+
+
+def test_bad_tree_rows_are_refused_with_what_was_given_and_what_is_allowed():
+    hq, hkv, d, N, S = 4, 2, 64, 2, 160
+    rng = np.random.default_rng(11)
+    caches = _caches(rng, N, hkv, S, d, [10, 10])
+    cos, sin = _rope_tables(S, d)
+    sess = _session(_row_model(hq, hkv, d, tree=True))
+
+    def run(rows, parents):
+        step = _step(rng, rows, hq, hkv, d)
+        return sess.run(None, {"qkv": step.qkv, "pk": caches[0], "pv": caches[1], "row_slot": step.slot,
+                               "row_pos": step.pos, "row_parent": np.array(parents, np.int64), "cos": cos, "sin": sin})
+
+    allowed = r"a parent is -1 \(none\) or an earlier row of the same slot at a lower position"
+    with pytest.raises(Exception, match=r"row 1 \(slot 0, position 11\) names row 1 as its parent; " + allowed):
+        run([(0, 10), (0, 11)], [-1, 1])
+    with pytest.raises(Exception, match=r"row 0 \(slot 0, position 10\) names row 1 as its parent"):
+        run([(0, 10), (0, 11)], [1, -1])
+    with pytest.raises(Exception, match=r"row 1 \(slot 1, position 11\) names row 0"):
+        run([(0, 10), (1, 11)], [-1, 0])
+    with pytest.raises(Exception, match=r"row 1 \(slot 0, position 9\) names row 0"):
+        run([(0, 10), (0, 9)], [-1, 0])
+    with pytest.raises(Exception, match=r"names row -2"):
+        run([(0, 10), (0, 11)], [-1, -2])
+    with pytest.raises(Exception, match=r"row 65 lies 65 rows below its root; tree rows lie at most 64 below it"):
+        run([(0, 10 + i) for i in range(67)], [-1] + list(range(66)))
+    with pytest.raises(Exception, match=r"row_parent holds 1 values \(rank 1\); qkv has 2 rows"):
+        run([(0, 10), (0, 11)], [-1])
