@@ -521,6 +521,7 @@ void sek_attn_row(const sek_attn_args *a, int64_t item) {
     const int64_t hs = a->hs, d = a->d, hb = item % (a->hq / hs), rb = item / (a->hq / hs);
     const int64_t h0 = hb * hs, g = h0 / (a->hq / a->hkv), t0 = rb * a->rs;
     const int64_t rows = a->t - t0 < a->rs ? a->t - t0 : a->rs, nq = rows * hs;
+    if (nq <= 0) return; /* an item past the step's rows (sek_attn_plan never makes one) */
     float q[SEK_Q_MAX * 128], acc[SEK_Q_MAX * 128], m[SEK_Q_MAX], l[SEK_Q_MAX];
     int64_t n[SEK_Q_MAX], nmax = 0;
     for (int64_t p = 0; p < nq; p++) { /* query p: row t0 + p / hs, head h0 + p % hs */

@@ -149,8 +149,10 @@ PLANTS = {
         "n[p] = pos;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    attend(",
         ["tests/runtime/test_sek_kernel.py"]),
     "row-addressed attention: a row attends one position short": (
-        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const",
-        "n[p] = pos;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const",
+        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        direct[p]", "n[p] = pos;\n        direct[p]",
+        ["tests/runtime/test_sek_row_attention.py"]),
+    "tree rows: a row attends its parent's ancestors but not itself (the ancestor mask one row off)": (
+        "runtime/csrc/sek_attn.c", "up[depth++] = a->row_pos[r];", "up[depth++] = a->row_pos[a->row_parent[r]];",
         ["tests/runtime/test_sek_row_attention.py"]),
     "row-addressed attention groups rows of different slots into one item": (
         "runtime/csrc/sek_attn.c", "slot[i] >= 0 && slot[j] == slot[i]) j++;", "slot[i] >= 0 && slot[j] >= 0) j++;",
