@@ -48,7 +48,7 @@ import time
 
 import numpy as np
 
-from .drafters import EMPTY, DrafterHooks, ModelDrafter, PromptLookupDrafter, Proposal
+from .drafters import EMPTY, DrafterHooks, ModelDrafter, PromptLookupDrafter, Proposal, grow_proposal
 from .policy import (
     MODEL_MARGIN,
     PROMPT_MARGIN,
@@ -60,6 +60,7 @@ from .policy import (
     decide,
     expected_tokens_per_round,
 )
+from .trees import Branch, best_branches, reach_of
 
 
 class AutoDrafter(DrafterHooks):
@@ -97,6 +98,8 @@ class AutoDrafter(DrafterHooks):
         self.alpha = {"prompt-lookup": Acceptance(), "model": costs.model_acceptance}
         self.gate = costs.gate
         self.rounds: dict[str, int] = {}
+        self.tree = 0  # branch rows a model round may add (0: chains); the decoder sets it per request
+        self._candidates: list[Branch] = []  # the last model round's runner-ups (taken into its tree or not)
         self.reset()
 
     def reset(self) -> None:
@@ -126,6 +129,7 @@ class AutoDrafter(DrafterHooks):
         self._sure = [0, 0]  # this request's committed tokens the target was sure of (TargetSplit.SURE), and all
 
     def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
+        self._candidates = []
         if k <= 0:  # the last token of a request: nothing to draft
             self._last = ("none", 0)
             self.rounds["none"] = self.rounds.get("none", 0) + 1
@@ -214,16 +218,52 @@ class AutoDrafter(DrafterHooks):
             # a probe drafts its whole (short) length: it is there to measure, and the confidence gate, shared with
             # the earlier requests, would cut it to one token where their drafts failed
             keep = None if self._probing else (lambda conf: self.gate.acceptance(conf) >= threshold)
-            prop = self.model.propose(tokens, d.k, params, rng, keep=keep, keep_last=self._worth_verifying)
+            prop = self.model.propose(tokens, d.k, params, rng, keep=keep, keep_last=self._worth_verifying,
+                                      branches=min(self.tree, self.BRANCHES_PER_DEPTH))
             self.costs.observe_catchup(plan, self.model.time_catch_up - t0)
             self.costs.model_tried = True
             self._confs = self.model.confidences
             if self.model.step_time is not None:
                 self.costs.observe_draft(self.model.step_time)
             self._last = ("model", len(prop.tokens))
-            return prop
+            return self._grow(prop)
         self._last = ("none", 0)
         return EMPTY
+
+    BRANCHES_PER_DEPTH = 2  # runner-ups a model round notes at each shallow depth (tree candidates)
+
+    def _grow(self, prop: Proposal) -> Proposal:
+        """A model round's chain, with the branches (runner-ups at its shallow depths) that raise its predicted
+        tokens per second: each adds its expected tokens (the spine fails at its depth, priced by the confidence
+        gate, and the branch is the target's token, priced by ``CostModel.branch_odds``) for one more verify row."""
+        self._candidates = self.model.branches
+        if not self.tree or not self.model.branches or not len(prop.tokens):
+            return prop
+        confs = self.model.confidences
+        reach = reach_of([self.gate.acceptance(c) for c in confs])
+        odds = self.costs.branch_odds
+        k = len(prop.tokens)
+        tokens = 1.0 + sum(reach[1: k + 1])
+        seconds = k * self.costs.draft_time() + self.costs.verify_time(k + 1)
+        take: list[Branch] = []
+        for gain, b in best_branches(self.model.branches, reach, lambda b: odds.odds(b.prob), self.tree):
+            more = self.costs.verify_time(k + 2 + len(take)) - self.costs.verify_time(k + 1 + len(take))
+            if (tokens + gain) / (seconds + more) <= tokens / seconds:
+                break
+            take.append(b)
+            tokens, seconds = tokens + gain, seconds + more
+        if not take:
+            return prop
+        return Proposal(*grow_proposal(prop, take))
+
+    def observe_next(self, depth: int, token: int) -> None:
+        """The last model round's runner-ups at the depth its chain failed at teach ``branch_odds`` whether they were
+        the target's token there, whether the round verified them as branches or ran a chain: the odds keep
+        learning in rounds that did not branch."""
+        for b in self._candidates:
+            if b.depth == depth:
+                self.costs.branch_odds.record(b.prob, b.token == token)
+        self._candidates = []
 
     def _streak_priced(self, catchup: float, horizon: int, k: int, sure: bool = True) -> float:
         """The catch-up as ``decide`` spreads it over ``horizon`` tokens, re-priced by what it buys: it serves the

@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .backends import GraphRunner, SlotView, close_shared, open_runners, resolve_backend
+from .adaptive import AutoDrafter
+from .backends import GraphRunner, SlotView, close_shared, open_runners, resolve_backend, tree_rows
 from .batch import Batch, Slot
 from .bundle_files import FileWatch
 from .cache_rows import CacheRows
-from .drafters import DraftCache, Drafter, NoDrafter, PromptLookupDrafter, Proposal, feed
+from .drafters import DraftCache, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
 from .errors import BundleError, OptionError
 from .factory import check_load_options, draft_length, make_drafter, plain_width, warn_about_form, width1_exact
 from .manifest import DEFAULT_NGRAM_MAX, Manifest, read_manifest
@@ -35,6 +36,7 @@ from .sampling import SamplingParams, accept_argmax, choose_next, top1_probabili
 from .stats import Stats
 from .step_costs import cost_cache_file, read_step_costs, time_runner, write_step_costs
 from .text import IncrementalDetokenizer, TextCodec
+from .trees import TREE_BRANCHES_MAX, TREE_MAX, path_moves, shape, spine_length, tree_refusal, walk
 
 Prompt = str | Sequence[dict[str, Any]]
 
@@ -161,18 +163,25 @@ class SpecDecoder:
         return GenerationResult("".join(text), ids, last.finish_reason or "", last.stats)
 
     def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams(), *, drafter: str | None = None,
-               k: int | None = None, chat: bool | None = None, reuse_prefix: bool = True) -> Iterator[StreamEvent]:
+               k: int | None = None, chat: bool | None = None, reuse_prefix: bool = True,
+               tree: int | None = None) -> Iterator[StreamEvent]:
         """Yield text as tokens are accepted. drafter: auto (default: picks plain, prompt lookup or the draft
         model with its k every round) | hybrid | model | prompt-lookup | none; k: (maximum) draft length,
         1..K of the bundle (default K). reuse_prefix: start the prefill after the leading tokens whose rows the
         previous request left in the cache (a chat turn pays only for its new tokens; ``Stats.reused_tokens``), and
         let a model drafter keep the draft's rows that agree with the prompt; False: a new request's cost, nothing
         cached is reused (benchmarks: a configuration run after another on the same prompt would otherwise find the
-        draft caught up on it). The output is the same either way."""
+        draft caught up on it). The output is the same either way.
+        tree: branch rows a draft-model round may add to its chain, verified in the same step (:mod:`.trees`): None
+        (default) lets auto and hybrid add up to TREE_MAX where they predict it pays, on a bundle that verifies trees
+        (kv_mode rows on ort-cpu) with greedy or keyed sampling, and keeps the other drafters' chains; 0 never;
+        B = 1..TREE_BRANCHES_MAX: auto adds up to B where it pays, the model drafter always its B likeliest
+        runner-ups. The output is the same with or without trees."""
         k = draft_length(k, self.manifest.k)
         d = self.make_drafter(drafter)
         if k == 0:
             d = NoDrafter()
+        self._set_tree(d, tree, params)
         ids = self.encode_prompt(prompt, chat)
         self.files.check()
         check_fits(self.manifest, len(ids), params)
@@ -182,6 +191,35 @@ class SpecDecoder:
                 self.cost_model()  # what a batched round weighs its rows with (timed once, outside the lock)
             return self.batch.run(req, d, k, reuse_prefix)
         return self._run(req, d, k, reuse_prefix)
+
+    def _set_tree(self, d: Drafter, tree: object, params: SamplingParams) -> None:
+        """Check a request's ``tree`` and give the drafter its branch limit (see :meth:`stream`)."""
+        if tree is not None and (isinstance(tree, bool) or not isinstance(tree, (int, np.integer))
+                                 or not 0 <= tree <= TREE_BRANCHES_MAX):
+            raise OptionError(f"tree must be a number of branch rows in 0..{TREE_BRANCHES_MAX} (or None: auto "
+                              f"decides), got {tree!r}")
+        # trees need tree rows (a row-addressed bundle on the CPU) and run in single-stream rounds
+        where = (None if self.batch is None and tree_rows(self.target) else
+                 "decoders loaded with max_batch 1 (batched rounds verify chains)" if self.batch is not None else
+                 "row-addressed bundles (kv_mode rows: the specedge CPU form) on ort-cpu; this one is "
+                 f"kv_mode {self.manifest.kv_mode} on {self.backend}")
+        refusal = tree_refusal(params)
+        if tree:
+            if not isinstance(d, (AutoDrafter, ModelDrafter)) or getattr(d, "model", d) is None:
+                raise OptionError(f"tree={tree}: trees branch a draft model's chain; drafter {d.name!r} "
+                                  f"{'has no draft model here' if isinstance(d, AutoDrafter) else 'proposes chains'}"
+                                  " (drafter 'model', 'auto' or 'hybrid' on a bundle with a draft model, or tree=0)")
+            if where is not None:
+                raise OptionError(f"tree={tree}: tree verification runs on {where}")
+            if refusal is not None:
+                raise OptionError(f"tree={tree}: {refusal}")
+        limit = int(tree) if tree is not None else TREE_MAX if isinstance(d, AutoDrafter) else 0
+        if where is not None or refusal is not None:
+            limit = 0
+        if isinstance(d, (AutoDrafter, ModelDrafter)):
+            d.tree = limit
+        if isinstance(d, ModelDrafter):
+            d.tree_nodes = max(w.T for w in self.manifest.target.widths if w.L == w.T) - 1
 
     # ------------------------------------------------------------------- loop
     def _request(self, ids: list[int], params: SamplingParams, drafter: Drafter, k: int) -> Request:
@@ -262,6 +300,8 @@ class SpecDecoder:
         if guess:  # a width-2 step anyway: let its second row check a free guess
             prop = self._free_guess(req)
         t1 = time.perf_counter()
+        if prop.parents is not None:
+            return self._tree_round(req, drafter, prop, t0, t1)
         verify_in = np.concatenate([req.tokens[req.n - 1: req.n], prop.tokens])  # [last committed, d_1..d_n]
         # greedy on a graph with next_ids: only the n+1 argmax ids leave the device (same rows, same argmax)
         ids_only = req.params.greedy and self.target.has_argmax
@@ -276,6 +316,8 @@ class SpecDecoder:
         if guess and self._costs is not None:
             self._costs.observe_guess(m)  # what plain rounds really yield, for auto's choice
         drafter.commit(0 if guess else m)
+        if not guess:
+            drafter.observe_next(m, nxt)
         if not ids_only and drafter.wants_confidence():  # auto's prior (greedy on next_ids graphs: no logits)
             drafter.observe_confidence(top1_probability(out[: m + 1]))  # the rows whose tokens this round commits
         ev = commit(req, self.manifest.tokenizer.eos_ids, [*prop.tokens[:m].tolist(), nxt])
@@ -283,6 +325,40 @@ class SpecDecoder:
         # accepted: the draft tokens the request kept (an eos or a stop string may end it inside the round)
         st.record_round(0 if guess else len(prop.tokens), 0 if guess else min(m, len(ev.token_ids)),
                         guessed=m if guess else None)
+        t3 = time.perf_counter()
+        st.time_draft_s += t1 - t0
+        st.time_verify_s += t2 - t1
+        st.time_host_s += t3 - t2
+        return ev
+
+    def _tree_round(self, req: Request, drafter: Drafter, prop: Proposal, t0: float, t1: float) -> StreamEvent:
+        """A round whose proposal is a tree (:mod:`.trees`): the last committed token and every node in one step of
+        tree rows, node i at cache row n + i; the walk down the target's own tokens; the accepted path's rows moved
+        to the positions its tokens hold."""
+        st, slot, n = req.stats, self.slots[req.slot], req.n
+        assert prop.parents is not None
+        rows_in = np.concatenate([req.tokens[n - 1: n], prop.tokens])
+        positions = np.arange(n - 1, n + len(prop.tokens), dtype=np.int64)
+        parents = np.concatenate([[-1], prop.parents + 1])  # step rows: node i is row i + 1, the root row 0
+        ids_only = req.params.greedy and self.target.has_argmax
+        slot.rows.writing(req.tokens, n - 1)
+        out = slot.runner.step_tree(rows_in, positions, parents, ids_only=ids_only)  # type: ignore[attr-defined]
+        t2 = time.perf_counter()
+        if self._costs is not None:
+            self._costs.observe_target(len(rows_in), t2 - t1)
+        path, nxt = walk(out, prop.tokens, prop.parents, req.params, n, ids_only)
+        src, dst = path_moves(path, n)
+        slot.runner.move_rows(src, dst)  # type: ignore[attr-defined]
+        along = next((j for j, node in enumerate(path) if node != j), len(path))  # the path's spine prefix
+        drafter.commit(along)  # the draft's rows hold the spine: the rest of the path it catches up on
+        drafter.observe_next(along, int(prop.tokens[path[along]]) if along < len(path) else nxt)
+        rows = [0, *(node + 1 for node in path)]  # the rows whose tokens this round commits
+        if not ids_only and drafter.wants_confidence():
+            drafter.observe_confidence(top1_probability(out[rows]))
+        ev = commit(req, self.manifest.tokenizer.eos_ids, [*prop.tokens[path].tolist(), nxt])
+        slot.rows.wrote(req.tokens, n - 1)
+        st.record_round(spine_length(prop.parents), min(len(path), len(ev.token_ids)), tree=shape(prop.parents),
+                        branched=along < len(path))
         t3 = time.perf_counter()
         st.time_draft_s += t1 - t0
         st.time_verify_s += t2 - t1

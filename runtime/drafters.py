@@ -17,13 +17,16 @@ import numpy as np
 
 from .backends import GraphRunner
 from .manifest import DEFAULT_NGRAM_MAX
-from .sampling import SamplingParams, keyed_sample, process_logits, sample
+from .sampling import SamplingParams, keyed_exponentials, keyed_sample, process_logits, sample
+from .trees import TREE_DEPTH, Branch, best_branches, grow, reach_of, sibling_odds
 
 
 @dataclass
 class Proposal:
     tokens: np.ndarray  # [n] int64 draft tokens d_1..d_n (n may be 0)
     q_draft: np.ndarray | None  # [n, V] processed draft distributions; None = deterministic (one-hot)
+    # a tree (:mod:`.trees`): node i follows node parents[i] (-1: the last committed token); None: a chain
+    parents: np.ndarray | None = None
 
 
 EMPTY = Proposal(np.zeros(0, dtype=np.int64), None)
@@ -50,6 +53,10 @@ class Drafter(Protocol):
     def strategy_rounds(self) -> dict[str, int] | None:
         """Rounds per strategy a request ran (auto and hybrid choose per round); None: every round was this one's."""
 
+    def observe_next(self, depth: int, token: int) -> None:
+        """The round accepted ``depth`` of the proposal's chain (a tree's spine) and the target's token after them is
+        ``token`` (for a tree, the branch the path took there, or the round's next token)."""
+
 
 class DrafterHooks:
     """What a drafter that needs none of the optional hooks of :class:`Drafter` does with them."""
@@ -62,6 +69,9 @@ class DrafterHooks:
 
     def strategy_rounds(self) -> dict[str, int] | None:
         return None
+
+    def observe_next(self, depth: int, token: int) -> None:
+        pass
 
 
 class _Stateless(DrafterHooks):
@@ -179,6 +189,9 @@ class ModelDrafter(DrafterHooks):
         self._k = 0
         self.time_catch_up = 0.0  # seconds spent catching up (with the first draw's step where it rode along)
         self.step_time: float | None = None  # seconds of a single draft step in the last proposal (None: none ran)
+        self.tree = 0  # branch rows each proposal adds (a tree of the B likeliest runner-ups; :mod:`.trees`)
+        self.tree_nodes = 0  # a tree's nodes at most (the target's widest verify step, less the root's row)
+        self.branches: list[Branch] = []
 
     def reset(self) -> None:
         self.rows = 0
@@ -209,13 +222,23 @@ class ModelDrafter(DrafterHooks):
         pad = np.full(logits.shape[:-1] + (self.target_vocab - v,), -np.inf, dtype=logits.dtype)
         return np.concatenate([logits, pad], axis=-1)
 
-    def propose(self, tokens, k, params, rng, keep=None, keep_last=None) -> Proposal:  # noqa: ANN001
-        """Draft up to k tokens. ``keep(confidence)``, if given, is asked after each draw with the draft's
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None, branches: int = 0) -> Proposal:  # noqa: ANN001
+        """Draft up to k tokens. ``branches``: at each of the first TREE_DEPTH depths also note that many runner-up
+        tokens (the most likely after the drawn one; keyed: the next best keyed scores) in ``self.branches``, the
+        candidates of a tree (:mod:`.trees`). ``keep(confidence)``, if given, is asked after each draw with the draft's
         top probability at that step, the first included; a False stops drafting and drops that draw (the first
         draw is always kept); ``self.dropped`` is then (the dropped token, its confidence), else None — unless
         ``keep_last(confidence, n)`` says to propose it all the same, as the last of n tokens: its draft step is
         already paid, and verifying it costs only a row of the target's step (``self.last_was_stopper`` then).
         ``self.confidences`` holds the kept tokens' confidences."""
+        if self.tree and not branches:  # a tree of the B likeliest branches, the draft's confidences their odds
+            prop = self.propose(tokens, k, params, rng, keep, keep_last, branches=self.tree)
+            room = min(self.tree, self.tree_nodes - len(prop.tokens))
+            take = best_branches(self.branches, reach_of(self.confidences), lambda b: sibling_odds(b, self.confidences),
+                                 room) if room > 0 else []
+            if not take:
+                return prop
+            return Proposal(*grow_proposal(prop, [b for _, b in take]))
         n = len(tokens)
         t0 = time.perf_counter()
         self._adopt(tokens)
@@ -236,6 +259,7 @@ class ModelDrafter(DrafterHooks):
         self.confidences: list[float] = []
         self.dropped = None
         self.last_was_stopper = False  # whether the last proposed token is the draw keep() stopped at
+        self.branches: list[Branch] = []
         if k <= 0:
             return EMPTY
         draft = np.zeros(k, dtype=np.int64)
@@ -249,7 +273,7 @@ class ModelDrafter(DrafterHooks):
             if params.greedy:
                 j = int(np.argmax(logits))
                 last = j if self.head_ids is None else int(self.head_ids[j])
-                conf = float(1.0 / np.exp(logits - logits[j]).sum()) if keep is not None else 1.0
+                conf = float(1.0 / np.exp(logits - logits[j]).sum()) if keep is not None or branches else 1.0
             else:
                 probs = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]
                 if self.head_ids is None:
@@ -259,6 +283,8 @@ class ModelDrafter(DrafterHooks):
                 # keyed: the same noise the target's token at this position will be drawn with (n + i)
                 last = keyed_sample(q[i], params.seed, n + i) if params.sampler == "keyed" else sample(q[i], rng)
                 conf = float(q[i].max())
+            if branches and i < TREE_DEPTH:
+                self.branches += self._runner_ups(logits, q, i, last, branches, params, n + i)
             if keep is not None and not keep(conf) and i > 0:
                 steps = i + 1
                 if keep_last is not None and keep_last(conf, i + 1):
@@ -279,7 +305,24 @@ class ModelDrafter(DrafterHooks):
             self.clock.record(1, self.step_time)
         self._k = kept
         self.rows = n - 1 + kept  # rows for tokens[-1], d_1..d_{kept-1} (a dropped draw's row is not counted)
+        self.branches = [b for b in self.branches if b.depth <= kept]
         return Proposal(draft[:kept], None if q is None else q[:kept])
+
+    def _runner_ups(self, logits: np.ndarray, q: np.ndarray | None, depth: int, drawn: int, count: int,
+                    params: SamplingParams, position: int) -> list[Branch]:
+        """The ``count`` best tokens after the drawn one at this depth, with the draft's probability for each."""
+        if params.greedy:
+            score = logits
+            z = np.exp(logits - logits.max())
+            probs = z / z.sum()
+        else:
+            probs = q[depth] if self.head_ids is None else q[depth, self.head_ids]  # type: ignore[index]
+            score = probs / keyed_exponentials(params.seed, position, len(q[depth]))[  # type: ignore[index]
+                slice(None) if self.head_ids is None else self.head_ids]
+        top = np.argpartition(score, -(count + 1))[-(count + 1):]
+        top = top[np.argsort(-score[top], kind="stable")]
+        ids = top if self.head_ids is None else self.head_ids[top]
+        return [Branch(depth, int(t), float(probs[j])) for t, j in zip(ids, top) if int(t) != drawn][:count]
 
     def commit(self, n_accepted: int) -> None:
         if self._k > 0:
@@ -306,6 +349,13 @@ class ModelDrafter(DrafterHooks):
         m = min(len(prev), len(tokens) - 1)
         diff = np.flatnonzero(prev[:m] != tokens[:m])
         return int(diff[0]) if len(diff) else m
+
+
+def grow_proposal(prop: Proposal, take: list[Branch]) -> tuple[np.ndarray, None, np.ndarray]:
+    """A chain proposal and the branches taken -> a tree proposal's (tokens, q_draft, parents) (no q: trees verify
+    greedy and keyed draws only, which never read it)."""
+    tokens, parents = grow(prop.tokens, take)
+    return tokens, None, parents
 
 
 class StepClock:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .trees import BranchOdds
+
 SPEC_MODES = ("auto", "hybrid")
 
 
@@ -55,6 +57,7 @@ class CostModel:
     model_acceptance: Acceptance = field(default_factory=lambda: Acceptance())
     gate: ConfidenceGate = field(default_factory=lambda: ConfidenceGate())
     target_split: TargetSplit = field(default_factory=lambda: TargetSplit())
+    branch_odds: BranchOdds = field(default_factory=lambda: BranchOdds())  # tree branches' hits (:mod:`.trees`)
 
     def verify_time(self, n: int) -> float:
         """Time of the target step that n tokens run in (the smallest width >= n)."""

@@ -16,6 +16,7 @@ from specedge.runtime.policy import (
     decide,
     expected_tokens_per_round,
 )
+from specedge.runtime.trees import Branch, BranchOdds
 
 pytestmark = pytest.mark.fast  # torch-free: make test-fast
 
@@ -123,6 +124,7 @@ class ScriptedModel:
     """Stands in for ModelDrafter: proposes k fixed tokens at a fixed confidence."""
 
     last_was_stopper = False  # the last proposed token is never the draw a gate stopped at
+    branches: list = []  # ModelDrafter's runner-ups (tree candidates): none here
 
     def __init__(self, confidence: float = 0.9):
         self.calls, self.rows, self.time_catch_up, self.confidence = 0, 0, 0.0, confidence
@@ -131,7 +133,7 @@ class ScriptedModel:
     def reset(self):
         pass
 
-    def propose(self, tokens, k, params, rng, keep=None, keep_last=None):  # noqa: ANN001
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None, branches=0):  # noqa: ANN001
         self.calls += 1
         n = k
         for i in range(1, k):
@@ -310,7 +312,7 @@ class GatedModel(ScriptedModel):
     """Drafts token 7, the first draw 95 % sure and the others at ``confidence``; asks ``keep`` after every draw as
     ModelDrafter does, and says which draw the gate dropped."""
 
-    def propose(self, tokens, k, params, rng, keep=None, keep_last=None):  # noqa: ANN001
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None, branches=0):  # noqa: ANN001
         self.calls, n, self.dropped = self.calls + 1, k, None
         confs = [0.95] + [self.confidence] * (k - 1)
         for i in range(k):
@@ -445,7 +447,7 @@ class BehindModel(ScriptedModel):
     def catchup_plan(self, n_tokens, tokens=None):
         return [self.behind + 1] if self.behind else []  # with the first draw (ModelDrafter.catchup_plan)
 
-    def propose(self, tokens, k, params, rng, keep=None, keep_last=None):  # noqa: ANN001
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None, branches=0):  # noqa: ANN001
         self.behind = 0
         return super().propose(tokens, k, params, rng, keep=keep, keep_last=keep_last)
 
@@ -534,7 +536,7 @@ class PeriodicModel(ScriptedModel):
         super().__init__()
         self.period = period
 
-    def propose(self, tokens, k, params, rng, keep=None, keep_last=None):  # noqa: ANN001
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None, branches=0):  # noqa: ANN001
         self.calls += 1
         n = len(tokens)
         self.confidences, self.step_time = [0.9] * k, 0.006
@@ -720,3 +722,41 @@ def test_target_confidences_are_asked_for_in_a_requests_first_tokens_only_and_te
     assert drafted > AutoDrafter.CONF_WINDOW  # the request drafted past its window: ...
     assert 0 < (c.target_split.seen - seen)[1] < AutoDrafter.CONF_WINDOW  # ... its split learned inside it only
     assert not AutoDrafter(c, PromptLookupDrafter(), None).wants_confidence()  # no draft model: nothing to predict
+
+
+class BranchingModel(ScriptedModel):
+    """Drafts token 7 at a middling confidence and notes runner-up 9 at depth 1 (ModelDrafter's ``branches``)."""
+
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None, branches=0):  # noqa: ANN001
+        prop = super().propose(tokens, k, params, rng, keep, keep_last)
+        self.branches = [Branch(1, 9, 0.4)] if branches and len(prop.tokens) > 1 else []
+        return prop
+
+
+def test_auto_adds_a_branch_while_it_pays_and_stops_when_branches_never_hit():
+    model = BranchingModel(confidence=0.5)
+    # two more rows cost little (3 -> 5 rows: +4 %): at the prior odds a branch pays
+    auto = AutoDrafter(CostModel({1: 0.100, 3: 0.120, 5: 0.125, 9: 0.200}, 0.01), PromptLookupDrafter(), model)
+    tokens = np.arange(10, 40, dtype=np.int64)
+    params, rng = SamplingParams(), np.random.default_rng(0)
+    model.rows = len(tokens) - 1
+    auto.tree = 2
+    first = None
+    for _ in range(40):
+        prop = auto.propose(tokens, 8, params, rng)
+        first = prop if first is None else first
+        if prop.parents is None:
+            break
+        assert 9 in prop.tokens.tolist() and prop.parents[prop.tokens.tolist().index(9)] == 0
+        auto.commit(1)
+        auto.observe_next(1, 8)  # the spine failed at depth 1 and its sibling, the branch, was no better
+    assert first is not None and first.parents is not None
+    assert prop.parents is None and len(prop.tokens) > 1  # still drafting, no longer branching
+    assert auto.costs.branch_odds.odds(0.4) < BranchOdds.PRIOR
+    for _ in range(10):  # chain rounds where the runner-up was the target's token: the odds learn it, trees return
+        auto.commit(1)
+        auto.observe_next(1, 9)
+        prop = auto.propose(tokens, 8, params, rng)
+    assert prop.parents is not None
+    auto.tree = 0
+    assert auto.propose(tokens, 8, params, rng).parents is None

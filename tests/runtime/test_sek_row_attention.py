@@ -41,7 +41,8 @@ def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None, tree: 
     vi = helper.make_tensor_value_info
     inputs = [vi("qkv", F, [1, "R", width or (hq + 2 * hkv) * d]), vi("pk", F, ["N", hkv, "S", d]),
               vi("pv", F, ["N", hkv, "S", d]), vi("row_slot", I64, ["R"]), vi("row_pos", I64, ["R"]),
-              vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])] + ([vi("row_parent", I64, ["R"])] if tree else [])
+              vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
+    inputs += [vi("row_parent", I64, ["R"])] if tree else []
     g = helper.make_graph([node], "g", inputs, [vi(n, F, None) for n in ("out", "presk", "presv")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.specedge", 1)]
                              ).SerializeToString()

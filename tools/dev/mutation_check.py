@@ -151,6 +151,18 @@ PLANTS = {
     "row-addressed attention: a row attends one position short": (
         "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        direct[p]", "n[p] = pos;\n        direct[p]",
         ["tests/runtime/test_sek_row_attention.py"]),
+    "tree walk: goes down the first child, not the one that is the target's token (a wrong branch)": (
+        "runtime/trees.py", "        path.append(nxt)\n", "        path.append(kids[row][0])\n",
+        ["tests/runtime/test_trees.py"]),
+    "tree walk: every keyed token drawn at the root's position": (
+        "runtime/trees.py", "x = keyed_sample(probs, params.seed, position + len(path))",
+        "x = keyed_sample(probs, params.seed, position)", ["tests/runtime/test_trees.py"]),
+    "tree commit: the accepted path's rows moved one row too far": (
+        "runtime/trees.py", "dst = [base + j for j, node", "dst = [base + j + 1 for j, node",
+        ["tests/runtime/test_trees.py"]),
+    "tree commit: the accepted path's rows left where the step wrote them": (
+        "runtime/decoder.py", "        slot.runner.move_rows(src, dst)", "        pass",
+        ["tests/runtime/test_trees.py"]),
     "tree rows: a row attends its parent's ancestors but not itself (the ancestor mask one row off)": (
         "runtime/csrc/sek_attn.c", "up[depth++] = a->row_pos[r];", "up[depth++] = a->row_pos[a->row_parent[r]];",
         ["tests/runtime/test_sek_row_attention.py"]),
@@ -199,8 +211,8 @@ PLANTS = {
         "runtime/adaptive.py", "target_split.record(confs[:n]", "target_split.record(confs",
         ["tests/runtime/test_adaptive.py"]),
     "the decoder computes the target's confidence in every round of a request": (
-        "runtime/decoder.py", "if not ids_only and drafter.wants_confidence():",
-        "if not ids_only:", ["tests/runtime/test_decoder.py"]),
+        "runtime/decoder.py", "if not ids_only and drafter.wants_confidence():  # auto's prior",
+        "if not ids_only:  # auto's prior", ["tests/runtime/test_decoder.py"]),
     "auto's lookup learns only from the rounds it ran": (
         "runtime/adaptive.py", "            self._learn_lookup(tokens, *self._shadow)\n", "",
         ["tests/runtime/test_adaptive.py"]),
