@@ -457,14 +457,15 @@ static void attend(const float *q, const float *kc, const float *vc, const int64
 }
 
 /* attend for queries whose rows are not all the cache's first ones (tree rows): query p's row i is cache row i for
- * i < direct[p], then tail[p][i - direct[p]]. A chunk whose rows are all direct runs for every such query at once,
- * as attend runs it; a chunk with tail rows is gathered for its query alone into kg, vg [SEK_CHUNK][d] and runs
- * alone. attend_chunk's arithmetic per query never depends on the other queries, so each query has the bits attend
- * gives it over a cache that holds its rows in order: those of the same tokens decoded as one chain. */
+ * i < direct[p], then tail[p][i - direct[p]]; queries come in groups of hs (the heads of one step row) that share n,
+ * direct and tail. A chunk whose rows are all direct runs for every such query at once, as attend runs it; a chunk
+ * with tail rows is gathered once per group into kg, vg [SEK_CHUNK][d] and runs for that group alone. attend_chunk's
+ * arithmetic per query never depends on the other queries, so each query has the bits attend gives it over a cache
+ * that holds its rows in order: those of the same tokens decoded as one chain. */
 static void attend_tail(const float *q, const float *kc, const float *vc, const int64_t *n, const int64_t *direct,
                         const int64_t *tail, int64_t tail_stride, int64_t nmax, int64_t d, float scale, int64_t nq,
-                        float *m, float *l, float *acc, float *kg, float *vg) {
-    int64_t cn[SEK_Q_MAX];
+                        int64_t hs, float *m, float *l, float *acc, float *kg, float *vg) {
+    int64_t cn[SEK_Q_MAX], len[SEK_Q_MAX];
     for (int64_t p = 0; p < nq; p++) {
         m[p] = -INFINITY;
         l[p] = 0.f;
@@ -477,15 +478,16 @@ static void attend_tail(const float *q, const float *kc, const float *vc, const 
             if (cn[p] > 0 && c0 + cn[p] > direct[p]) cn[p] = 0, gathered = 1;
         }
         attend_chunk(q, kc + c0 * d, vc + c0 * d, c0 == 0, cn, d, scale, nq, m, l, acc);
-        for (int64_t p = 0; gathered && p < nq; p++) {
-            const int64_t len = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
-            if (len <= 0 || c0 + len <= direct[p]) continue;
-            for (int64_t j = 0; j < len; j++) {
+        for (int64_t p = 0; gathered && p < nq; p += hs) {
+            const int64_t rows = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
+            if (rows <= 0 || c0 + rows <= direct[p]) continue;
+            for (int64_t j = 0; j < rows; j++) {
                 const int64_t i = c0 + j, row = i < direct[p] ? i : tail[p * tail_stride + i - direct[p]];
                 memcpy(kg + j * d, kc + row * d, (size_t)d * sizeof(float));
                 memcpy(vg + j * d, vc + row * d, (size_t)d * sizeof(float));
             }
-            attend_chunk(q + p * d, kg, vg, c0 == 0, &len, d, scale, 1, m + p, l + p, acc + p * d);
+            for (int64_t h = 0; h < hs; h++) len[h] = rows;
+            attend_chunk(q + p * d, kg, vg, c0 == 0, len, d, scale, hs, m + p, l + p, acc + p * d);
         }
     }
 }
@@ -629,8 +631,8 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
     const int64_t g = h0 / (a->hq / a->hkv), at = (slot * a->hkv + g) * a->s_max * d;
     if (tree) {
         float kg[SEK_CHUNK * 128], vg[SEK_CHUNK * 128]; /* d <= 128 for tree rows (checked by the caller) */
-        attend_tail(q, a->k_cache + at, a->v_cache + at, n, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, nq, m,
-                    l, acc, kg, vg);
+        attend_tail(q, a->k_cache + at, a->v_cache + at, n, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, nq, hs,
+                    m, l, acc, kg, vg);
     } else {
         attend(q, a->k_cache + at, a->v_cache + at, n, nmax, d, a->scale, nq, m, l, acc);
     }
