@@ -146,6 +146,12 @@ def comma_list(cast, allowed: str):
 @click.option("--temperature", "temps", default="0", show_default=True,
               callback=comma_list(float, "a comma-separated list of temperatures >= 0, e.g. 0,0.7"),
               help="Sampling temperatures (0 = greedy; greedy runs are also checked token-identical to plain).")
+@click.option("--tree", "trees", default="default", show_default=True,
+              callback=comma_list(lambda v: None if v == "default" else int(v),
+                                  "a comma-separated list of branch rows 0..8 or 'default', e.g. default,0"),
+              help="Tree verification for the model drafter, auto and hybrid, one configuration each: branch rows "
+                   "added to a draft chain (0: chains only; default: the drafter's own choice, which for auto and "
+                   "hybrid branches where it predicts it pays). Names them model:tree2, auto:tree0, ...")
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--per-suite", type=click.IntRange(min=0), default=0,
@@ -163,8 +169,8 @@ def comma_list(cast, allowed: str):
 @click.option("--verify", type=click.Choice(["sha256", "size"]), default="sha256", show_default=True,
               help="Check every bundle file's sha256 before benchmarking (size: sizes and sampled blocks, faster on "
                    "big bundles).")
-def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, per_suite, ignore_eos, out, no_plots,
-          backend, precision, threads, invariant, cuda_graphs, verify) -> None:
+def bench(bundle, suite, prompts, ks, drafters, temps, trees, repeats, max_new_tokens, per_suite, ignore_eos, out,
+          no_plots, backend, precision, threads, invariant, cuda_graphs, verify) -> None:
     """Benchmark speculative vs plain decoding on BUNDLE: every configuration and the plain baseline on the same
     prompts, interleaved, in one run. Writes OUT/results.json (after every generation), OUT/report.md and plots;
     prints the table. The prompts (each fits the bundle's context) and OUT are checked before any model loads."""
@@ -180,8 +186,8 @@ def bench(bundle, suite, prompts, ks, drafters, temps, repeats, max_new_tokens, 
         saved[:] = [len(partial["runs"])]
 
     try:
-        plan = BenchPlan(suites=suite, ks=ks, drafters=drafters, temperatures=temps, repeats=repeats,
-                         max_new_tokens=max_new_tokens, per_suite=per_suite, ignore_eos=ignore_eos,
+        plan = BenchPlan(suites=suite, ks=ks, drafters=drafters, temperatures=temps, trees=tuple(trees),
+                         repeats=repeats, max_new_tokens=max_new_tokens, per_suite=per_suite, ignore_eos=ignore_eos,
                          prompts=tuple(load_prompts(prompts)) if prompts else ())
         check_bundle_prompts(bundle, plan)  # suites, roles, context length: with the tokenizer, before the models
         out_dir = check_out_dir(out)

@@ -265,6 +265,7 @@ class ModelDrafter(DrafterHooks):
         draft = np.zeros(k, dtype=np.int64)
         q = None if params.greedy else np.zeros((k, self.target_vocab))
         last, pos = int(tokens[-1]), n - 1
+        noise = None  # keyed: this position's exponentials, shared by the draw and its runner-ups
         t1 = time.perf_counter()
         kept = steps = k
         for i in range(k):
@@ -281,10 +282,11 @@ class ModelDrafter(DrafterHooks):
                 else:  # the draft's distribution over the whole vocabulary: zero outside its head
                     q[i, self.head_ids] = probs
                 # keyed: the same noise the target's token at this position will be drawn with (n + i)
-                last = keyed_sample(q[i], params.seed, n + i) if params.sampler == "keyed" else sample(q[i], rng)
+                noise = keyed_exponentials(params.seed, n + i, self.target_vocab) if params.sampler == "keyed" else None
+                last = keyed_sample(q[i], params.seed, n + i, noise) if noise is not None else sample(q[i], rng)
                 conf = float(q[i].max())
             if branches and i < TREE_DEPTH:
-                self.branches += self._runner_ups(logits, q, i, last, branches, params, n + i)
+                self.branches += self._runner_ups(logits, conf, q, noise, i, last, branches)
             if keep is not None and not keep(conf) and i > 0:
                 steps = i + 1
                 if keep_last is not None and keep_last(conf, i + 1):
@@ -308,21 +310,21 @@ class ModelDrafter(DrafterHooks):
         self.branches = [b for b in self.branches if b.depth <= kept]
         return Proposal(draft[:kept], None if q is None else q[:kept])
 
-    def _runner_ups(self, logits: np.ndarray, q: np.ndarray | None, depth: int, drawn: int, count: int,
-                    params: SamplingParams, position: int) -> list[Branch]:
-        """The ``count`` best tokens after the drawn one at this depth, with the draft's probability for each."""
-        if params.greedy:
+    def _runner_ups(self, logits: np.ndarray, conf: float, q: np.ndarray | None, noise: np.ndarray | None,
+                    depth: int, drawn: int, count: int) -> list[Branch]:
+        """The ``count`` best tokens after the drawn one at this depth, with the draft's probability for each:
+        greedy, the next largest logits (``conf``, the top one's probability, prices them without another softmax);
+        keyed, the next largest keyed scores q / noise (what the draw would have been without the drawn token)."""
+        if q is None:
             score = logits
-            z = np.exp(logits - logits.max())
-            probs = z / z.sum()
         else:
-            probs = q[depth] if self.head_ids is None else q[depth, self.head_ids]  # type: ignore[index]
-            score = probs / keyed_exponentials(params.seed, position, len(q[depth]))[  # type: ignore[index]
-                slice(None) if self.head_ids is None else self.head_ids]
+            probs = q[depth] if self.head_ids is None else q[depth, self.head_ids]
+            score = probs / (noise if self.head_ids is None else noise[self.head_ids])  # type: ignore[index]
         top = np.argpartition(score, -(count + 1))[-(count + 1):]
         top = top[np.argsort(-score[top], kind="stable")]
         ids = top if self.head_ids is None else self.head_ids[top]
-        return [Branch(depth, int(t), float(probs[j])) for t, j in zip(ids, top) if int(t) != drawn][:count]
+        prob = (np.exp(logits[top] - logits.max()) * conf) if q is None else probs[top]
+        return [Branch(depth, int(t), float(p)) for t, p in zip(ids, prob) if int(t) != drawn][:count]
 
     def commit(self, n_accepted: int) -> None:
         if self._k > 0:

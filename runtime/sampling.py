@@ -175,9 +175,11 @@ def keyed_exponentials(seed: int, position: int, V: int) -> np.ndarray:
     return np.random.default_rng([seed, position]).standard_exponential(V)
 
 
-def keyed_sample(probs: np.ndarray, seed: int, position: int) -> int:
-    """One exact draw from probs [V] that depends only on (probs, seed, position): argmax probs / E."""
-    return int(np.argmax(probs / keyed_exponentials(seed, position, probs.shape[-1])))
+def keyed_sample(probs: np.ndarray, seed: int, position: int, noise: np.ndarray | None = None) -> int:
+    """One exact draw from probs [V] that depends only on (probs, seed, position): argmax probs / E. ``noise``: E
+    already drawn (``keyed_exponentials(seed, position, V)``), to be shared with other uses at this position."""
+    e = keyed_exponentials(seed, position, probs.shape[-1]) if noise is None else noise
+    return int(np.argmax(probs / e))
 
 
 def verify_keyed(p_target: np.ndarray, draft_tokens: np.ndarray, seed: int, position: int) -> tuple[int, int]:

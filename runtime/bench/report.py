@@ -69,6 +69,12 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
                     for name, n in (r.get("strategies") or {}).items():
                         strategies[name] += n
                 row["strategies"] = dict(strategies)
+                shapes: dict[str, int] = defaultdict(int)
+                for r in g:
+                    for name, n in (r.get("tree_shapes") or {}).items():
+                        shapes[name] += n
+                row["trees"] = {"rounds": sum(shapes.values()), "branched": sum(r.get("branched", 0) for r in g),
+                                "shapes": dict(sorted(shapes.items(), key=lambda kv: -kv[1]))}
                 rounds = sum(r["rounds"] for r in g) or 1
                 # one plain decode step of this suite, from the plain runs (same prompts, same process)
                 plain_step = spread(r["decode_s"] / max(r["new_tokens"] - 1, 1) for r in rs
@@ -101,6 +107,13 @@ def _round_cost(r: dict[str, Any]) -> str:
     return f"{sum(c.values()):.2f} ({c['draft']:.2f} + {c['verify']:.2f} + {c['host']:.3f})"
 
 
+def _trees(t: dict[str, Any] | None) -> str:
+    if not t or not t["rounds"]:
+        return "—"
+    shapes = ", ".join(f"{s}: {n}" for s, n in list(t["shapes"].items())[:4])
+    return f"{t['rounds']} ({t['branched']}): {shapes}" + (", …" if len(t["shapes"]) > 4 else "")
+
+
 def to_markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     m, b, plan = raw["meta"]["machine"], raw["meta"]["bundle"], raw["meta"]["plan"]
     models = "; ".join(f"{role}: {x['family']} {x['layers']}L/{x['hidden']} {x['precision']} "
@@ -120,8 +133,8 @@ def to_markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         "",
         "| suite | drafter | k | temp | decode tok/s (min–max) | speedup vs plain (min–max) | e2e speedup | TTFT ms "
         "| acceptance α | tokens/round | round cost in plain steps (draft + verify + host) | ideal | measured/ideal "
-        "| same as plain | rounds per strategy |",
-        "|" + "---|" * 15,
+        "| same as plain | rounds per strategy | tree rounds (branch taken): shapes |",
+        "|" + "---|" * 16,
     ]
     for r in summary["rows"]:
         d = r["decode_tok_s"]
@@ -134,7 +147,8 @@ def to_markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
             f"| {_round_cost(r) if sp else '1'} "
             f"| {_f(r.get('ideal_speedup')) if sp else '—'} | {_f(r.get('vs_ideal'), '.0%') if sp else '—'} "
             f"| {r.get('identical_to_plain', '—')} "
-            f"| {', '.join(f'{n}: {c}' for n, c in sorted(r.get('strategies', {}).items())) or '—'} |")
+            f"| {', '.join(f'{n}: {c}' for n, c in sorted(r.get('strategies', {}).items())) or '—'} "
+            f"| {_trees(r.get('trees'))} |")
     out += ["", "Speedup: median over prompts × repeats of (speculative decode tok/s) / (plain decode tok/s on the same "
             "prompt, measured back to back). Speedup ≈ tokens/round ÷ round cost, the round cost measured in plain "
             "decode steps of the same suite and split into drafting, verifying and host work (sampling, acceptance, "

@@ -43,6 +43,8 @@ class BenchPlan:
     ignore_eos: bool = False  # True: always generate max_new_tokens (same length for every config)
     seed: int = 0  # sampled runs use seed + repeat, the same for plain and speculative
     prompts: tuple[BenchPrompt, ...] = field(default=())  # if given, used instead of the suites
+    # tree branch rows for the model drafter, auto and hybrid (None: each one's default; 0: chains), one config each
+    trees: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         bad = [d for d in self.drafters if d not in DRAFTERS]
@@ -58,19 +60,31 @@ class BenchPlan:
                              ("temperatures", self.temperatures)):
             if not values and (name != "suites" or not self.prompts):
                 raise SamplingParamsError(f"{name} is empty: give at least one")
+        from ..trees import TREE_BRANCHES_MAX
+
+        if not self.trees or any(t is not None and not 0 <= t <= TREE_BRANCHES_MAX for t in self.trees):
+            raise SamplingParamsError(f"trees must be branch rows in 0..{TREE_BRANCHES_MAX}, got {list(self.trees)}")
         for t in self.temperatures:  # refused here, not at the first prompt after the models are loaded and timed
             SamplingParams(max_new_tokens=self.max_new_tokens, temperature=t)
 
     def prompt_list(self) -> list[BenchPrompt]:
         return list(self.prompts) if self.prompts else suite_prompts(self.suites, self.per_suite)
 
-    def configs(self, dec: SpecDecoder) -> list[tuple[str, int]]:
-        """[(drafter, k)] runnable on this bundle; plain ("none", 0) first."""
+    def configs(self, dec: SpecDecoder) -> list[tuple[str, int, int | None]]:
+        """[(drafter, k, tree)] runnable on this bundle; plain ("none", 0, None) first. Every tree of ``trees`` for
+        the drafters that branch (model, auto, hybrid); prompt lookup proposes chains."""
         K = dec.manifest.k
         drafters = [d for d in self.drafters if d != "none" and (d != "model" or dec.draft_runner is not None)]
-        return [("none", 0)] + [(d, k) for d in drafters if d in ("model", "prompt-lookup")
-                                for k in sorted(set(self.ks)) if k <= K] + \
-            [(d, K) for d in drafters if d in ("auto", "hybrid")]
+        trees = list(dict.fromkeys(self.trees))
+        return [("none", 0, None)] + [(d, k, t) for d in drafters if d in ("model", "prompt-lookup")
+                                      for k in sorted(set(self.ks)) if k <= K
+                                      for t in (trees if d == "model" else [None])] + \
+            [(d, K, t) for d in drafters if d in ("auto", "hybrid") for t in trees]
+
+
+def config_name(drafter: str, tree: int | None) -> str:
+    """A configuration's name in the results: the drafter, with the tree it was asked for ("auto:tree0")."""
+    return drafter if tree is None else f"{drafter}:tree{tree}"
 
 
 def mem_total_gb() -> float:
@@ -182,7 +196,7 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
     meta = {"machine": machine_info(), "bundle": bundle_info(dec), "plan": _plan_dict(plan),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     steps = dec.time_steps()
-    for drafter in sorted({d for d, _ in configs}):  # warm-up: first use of every graph width and drafter
+    for drafter in sorted({d for d, _, _ in configs}):  # warm-up: first use of every graph width and drafter
         dec.generate("Hello", SamplingParams(max_new_tokens=8), drafter=drafter, k=dec.manifest.k if drafter != "none" else 0)
     runs: list[dict[str, Any]] = []
     t_start, i = time.perf_counter(), 0
@@ -192,19 +206,20 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
             for temp in plan.temperatures:
                 params = SamplingParams(max_new_tokens=plan.max_new_tokens, temperature=temp,
                                         seed=plan.seed + rep if temp > 0 else None, ignore_eos=plan.ignore_eos)
-                for drafter, k in configs:
+                for drafter, k, tree in configs:
                     i += 1
                     # a new request each time (nothing cached: the run before it had the same prompt)
-                    res = dec.generate(prompt, params, drafter=drafter, k=k, chat=chat, reuse_prefix=False)
+                    res = dec.generate(prompt, params, drafter=drafter, k=k, chat=chat, reuse_prefix=False, tree=tree)
                     s = res.stats.as_dict()
+                    name = config_name(drafter, tree)
                     runs.append({"suite": bp.suite, "prompt_id": bp.id, "repeat": rep, "temperature": temp,
-                                 "drafter": drafter, "k": k, **{x: s[x] for x in _STAT_KEYS},
+                                 "drafter": name, "k": k, "tree": tree, **{x: s[x] for x in _STAT_KEYS},
                                  "e2e_tok_s": s["new_tokens"] / (s["ttft_s"] + s["decode_s"]),
                                  "peak_rss_mb": peak_rss_mb(), "token_ids": res.token_ids})
                     if on_run is not None:
                         on_run({"meta": meta, "step_costs_s": steps, "runs": runs, "complete": False})
                     eta = (time.perf_counter() - t_start) / i * (total - i)
-                    progress(f"[{i}/{total}] {bp.id} t={temp:g} {drafter:13} k={k} "
+                    progress(f"[{i}/{total}] {bp.id} t={temp:g} {name:13} k={k} "
                              f"{s['decode_tok_s']:6.1f} tok/s acc={s['acceptance_rate']:.2f} "
                              f"new={s['new_tokens']} (eta {eta / 60:.1f} min)")
     meta["seconds"] = round(time.perf_counter() - t_start, 1)
@@ -214,7 +229,7 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
 
 _STAT_KEYS = ("prompt_tokens", "new_tokens", "ttft_s", "decode_s", "decode_tok_s", "rounds", "drafted", "accepted",
               "acceptance_rate", "mean_accepted_per_round", "accept_hist", "time_draft_s", "time_verify_s",
-              "time_host_s", "finish_reason", "strategies")
+              "time_host_s", "finish_reason", "strategies", "tree_shapes", "tree_rounds", "branched")
 
 
 def _plan_dict(plan: BenchPlan) -> dict[str, Any]:

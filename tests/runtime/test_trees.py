@@ -242,3 +242,33 @@ def test_a_batched_decoder_refuses_trees(rows_bundle):
     dec = SpecDecoder.load(rows_bundle, max_batch=2)
     with pytest.raises(OptionError, match="max_batch 1"):
         dec.generate(PROMPTS[0], PARAMS["greedy"], drafter="model", tree=2)
+
+
+@pytest.mark.fast
+def test_runner_ups_are_the_next_best_tokens_with_the_drafts_probabilities():
+    from types import SimpleNamespace
+
+    from specedge.runtime.drafters import ModelDrafter
+    from specedge.runtime.sampling import keyed_exponentials
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=50).astype(np.float32) * 2
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-logits)
+    plain = SimpleNamespace(head_ids=None)
+    got = ModelDrafter._runner_ups(plain, logits, float(probs.max()), None, None, 1, int(order[0]), 2)
+    assert [b.token for b in got] == order[1:3].tolist() and all(b.depth == 1 for b in got)
+    assert [b.prob for b in got] == pytest.approx(probs[order[1:3]].tolist(), rel=1e-5)
+    # keyed: the next best scores q / E, the drawn token (the best) left out
+    noise = keyed_exponentials(9, 33, 50)
+    q = probs[None].astype(np.float64)
+    score = q[0] / noise
+    best = np.argsort(-score)
+    got = ModelDrafter._runner_ups(plain, logits, float(q.max()), q, noise, 0, int(best[0]), 3)
+    assert [b.token for b in got] == best[1:4].tolist()
+    assert [b.prob for b in got] == pytest.approx(q[0, best[1:4]].tolist())
+    # a draft head: ids of the target's vocabulary, scores of the head's
+    head = SimpleNamespace(head_ids=np.arange(100, 150))
+    got = ModelDrafter._runner_ups(head, logits, float(probs.max()), None, None, 0, 100 + int(order[0]), 1)
+    assert [b.token for b in got] == [100 + int(order[1])]
