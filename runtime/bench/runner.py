@@ -196,8 +196,10 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
     meta = {"machine": machine_info(), "bundle": bundle_info(dec), "plan": _plan_dict(plan),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     steps = dec.time_steps()
-    for drafter in sorted({d for d, _, _ in configs}):  # warm-up: first use of every graph width and drafter
-        dec.generate("Hello", SamplingParams(max_new_tokens=8), drafter=drafter, k=dec.manifest.k if drafter != "none" else 0)
+    # warm-up: first use of every graph width, drafter and tree (a tree this bundle cannot verify is refused here)
+    for drafter, tree in sorted({(d, t) for d, _, t in configs}, key=str):
+        dec.generate("Hello", SamplingParams(max_new_tokens=8), drafter=drafter,
+                     k=dec.manifest.k if drafter != "none" else 0, tree=tree)
     runs: list[dict[str, Any]] = []
     t_start, i = time.perf_counter(), 0
     for bp in prompts:

@@ -7,6 +7,7 @@ mask is exercised; then the real drafters (the draft model's runner-ups, auto) o
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -272,3 +273,30 @@ def test_runner_ups_are_the_next_best_tokens_with_the_drafts_probabilities():
     head = SimpleNamespace(head_ids=np.arange(100, 150))
     got = ModelDrafter._runner_ups(head, logits, float(probs.max()), None, None, 0, 100 + int(order[0]), 1)
     assert [b.token for b in got] == [100 + int(order[1])]
+
+
+def test_spec_run_bench_compares_trees_and_reports_their_shapes(rows_bundle, bundles, tmp_path):
+    from click.testing import CliRunner
+
+    from specedge.runtime.cli import main as run_cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "the cat sat on the mat. the cat sat on the", "raw": true, "suite": "mine"}\n')
+    args = ["--prompts", str(prompts), "--drafter", "model,auto", "--k", "3", "--max-new-tokens", "12", "--no-plots",
+            "--verify", "size"]
+    r = CliRunner().invoke(run_cli, ["bench", str(rows_bundle), *args, "--tree", "default,2", "--out",
+                                     str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    table = (tmp_path / "b" / "report.md").read_text()
+    for config in ("model:tree2 | 3", "auto:tree2 | 4", "model | 3", "auto | 4"):
+        assert f"| mine | {config} |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| mine | model:tree2 | 3 |"))
+    assert "3+2:" in row and "| 1/1 |" in row  # the tree's shape, and the same tokens as plain
+    runs = json.loads((tmp_path / "b" / "results.json").read_text())["runs"]
+    assert {r["tree"] for r in runs} == {None, 2} and all("tree_shapes" in r for r in runs)
+    # a bundle without tree rows is refused before anything is measured, and so is a tree too wide
+    r = CliRunner().invoke(run_cli, ["bench", str(bundles["model"]), *args, "--tree", "2", "--out",
+                                     str(tmp_path / "c")])
+    assert r.exit_code == 2 and "row-addressed" in r.output and not (tmp_path / "c" / "results.json").exists()
+    r = CliRunner().invoke(run_cli, ["bench", str(rows_bundle), *args, "--tree", "9", "--out", str(tmp_path / "d")])
+    assert r.exit_code == 2 and "0..8" in r.output
