@@ -356,7 +356,7 @@ class SpecDecoder:
         if not ids_only and drafter.wants_confidence():
             drafter.observe_confidence(top1_probability(out[rows]))
         ev = commit(req, self.manifest.tokenizer.eos_ids, [*prop.tokens[path].tolist(), nxt])
-        slot.rows.wrote(req.tokens, n - 1)
+        slot.rows.wrote(req.tokens, req.n - 1)  # the path's rows in place: the committed tokens' but the last
         st.record_round(spine_length(prop.parents), min(len(path), len(ev.token_ids)), tree=shape(prop.parents),
                         branched=along < len(path))
         t3 = time.perf_counter()

@@ -180,6 +180,7 @@ def test_oracle_trees_decode_bitwise_the_plain_tokens(dec, mode, monkeypatch):
         st = r.stats
         assert st.tree_rounds >= st.rounds - 1 and st.branched > 0 and oracle.taken >= st.branched
         assert st.accepted > st.rounds  # paths of several tokens, off the spine too
+        assert st.resyncs == 0  # the next round finds the rows the tree round left: nothing fed again
         monkeypatch.undo()
 
 
