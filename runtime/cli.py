@@ -60,6 +60,11 @@ def main() -> None:
 @click.option("--no-spec", is_flag=True, help="Plain decoding (same as --spec off).")
 @click.option("--k", "k", type=int, default=None,
               help="(Maximum) draft length, 0..K of the bundle (default K; 0 = plain decoding).")
+@click.option("--tree", type=int, default=None,
+              help="Tree verification: branch rows a round may add to its draft, 0..8 (0: chains only). Default: "
+                   "auto and hybrid add up to 4 where they predict it pays; model and lookup draft chains. With "
+                   "model/lookup, B adds the draft's B likeliest runner-ups / B tokens of other matches every round. "
+                   "Needs a row-addressed bundle (the specedge CPU form) and greedy or keyed sampling.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -75,8 +80,8 @@ def main() -> None:
 @click.option("--threads", type=THREADS, default=None, help="ONNX Runtime intra-op threads (default: physical cores).")
 @click.option("--invariant/--no-invariant", default=True, show_default=True, help=INVARIANT_HELP)
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True, help=CUDA_GRAPHS_HELP)
-def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_new_tokens, temperature, top_p, top_k,
-             seed, stop, stats, stats_json, sampler, threads, invariant, cuda_graphs) -> None:
+def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, tree, max_new_tokens, temperature, top_p,
+             top_k, seed, stop, stats, stats_json, sampler, threads, invariant, cuda_graphs) -> None:
     """Generate a completion of PROMPT with the speculative runtime over BUNDLE."""
     from .decoder import SpecDecoder
     from .policy import SPEC_MODES
@@ -94,7 +99,7 @@ def generate(bundle, prompt, chat, backend, precision, drafter, no_spec, k, max_
         last = None
         if not no_spec and k != 0 and (drafter or "auto") in SPEC_MODES:
             dec.cost_model(say=lambda m: click.echo(m, err=True))  # says so when it times the steps
-        for ev in dec.stream(prompt, params, drafter="none" if no_spec else drafter, k=k, chat=chat):
+        for ev in dec.stream(prompt, params, drafter="none" if no_spec else drafter, k=k, chat=chat, tree=tree):
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             last = ev
@@ -149,9 +154,9 @@ def comma_list(cast, allowed: str):
 @click.option("--tree", "trees", default="default", show_default=True,
               callback=comma_list(lambda v: None if v == "default" else int(v),
                                   "a comma-separated list of branch rows 0..8 or 'default', e.g. default,0"),
-              help="Tree verification for the model drafter, auto and hybrid, one configuration each: branch rows "
-                   "added to a draft chain (0: chains only; default: the drafter's own choice, which for auto and "
-                   "hybrid branches where it predicts it pays). Names them model:tree2, auto:tree0, ...")
+              help="Tree verification, one configuration per drafter and value: branch rows added to a draft chain "
+                   "(0: chains only; default: the drafter's own choice, which for auto and hybrid branches where it "
+                   "predicts it pays). Names them model:tree2, prompt-lookup:tree2, auto:tree0, ...")
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--per-suite", type=click.IntRange(min=0), default=0,

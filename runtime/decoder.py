@@ -205,10 +205,11 @@ class SpecDecoder:
                  f"kv_mode {self.manifest.kv_mode} on {self.backend}")
         refusal = tree_refusal(params)
         if tree:
-            if not isinstance(d, (AutoDrafter, ModelDrafter)) or getattr(d, "model", d) is None:
-                raise OptionError(f"tree={tree}: trees branch a draft model's chain; drafter {d.name!r} "
-                                  f"{'has no draft model here' if isinstance(d, AutoDrafter) else 'proposes chains'}"
-                                  " (drafter 'model', 'auto' or 'hybrid' on a bundle with a draft model, or tree=0)")
+            if not isinstance(d, (AutoDrafter, ModelDrafter, PromptLookupDrafter)) or getattr(d, "model", d) is None:
+                why = "has no draft model here" if isinstance(d, AutoDrafter) else "drafts nothing"
+                raise OptionError(f"tree={tree}: trees branch a draft model's chain or prompt lookup's; drafter "
+                                  f"{d.name!r} {why} (drafter 'model' or 'prompt-lookup', or 'auto' or 'hybrid' "
+                                  "on a bundle with a draft model; or tree=0)")
             if where is not None:
                 raise OptionError(f"tree={tree}: tree verification runs on {where}")
             if refusal is not None:
@@ -216,9 +217,9 @@ class SpecDecoder:
         limit = int(tree) if tree is not None else TREE_MAX if isinstance(d, AutoDrafter) else 0
         if where is not None or refusal is not None:
             limit = 0
-        if isinstance(d, (AutoDrafter, ModelDrafter)):
+        if isinstance(d, (AutoDrafter, ModelDrafter, PromptLookupDrafter)):
             d.tree = limit
-        if isinstance(d, ModelDrafter):
+        if isinstance(d, (ModelDrafter, PromptLookupDrafter)):
             d.tree_nodes = max(w.T for w in self.manifest.target.widths if w.L == w.T) - 1
 
     # ------------------------------------------------------------------- loop

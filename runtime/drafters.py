@@ -18,7 +18,7 @@ import numpy as np
 from .backends import GraphRunner
 from .manifest import DEFAULT_NGRAM_MAX
 from .sampling import SamplingParams, keyed_exponentials, keyed_sample, process_logits, sample
-from .trees import TREE_DEPTH, Branch, best_branches, grow, reach_of, sibling_odds
+from .trees import TREE_DEPTH, Branch, best_branches, grow, reach_of, sibling_odds, trie
 
 
 @dataclass
@@ -112,6 +112,10 @@ class PromptLookupDrafter(_Stateless):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        # tree rows for what followed the other matches (the most context first, then the most recent), merged
+        # with the chain where they agree (:func:`.trees.trie`); 0: the chain alone
+        self.tree = 0
+        self.tree_nodes = 0  # a tree's nodes at most (the target's widest verify step, less the root's row)
 
     def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
         if k <= 0:
@@ -124,6 +128,7 @@ class PromptLookupDrafter(_Stateless):
         windows = np.lib.stride_tricks.sliding_window_view(t[: n_tok - 1], n)
         hits = np.flatnonzero((windows == t[n_tok - n:]).all(axis=1))
         # ... extended backwards a token at a time, all at once, while more than one still agrees
+        levels = [hits]  # the matches at each length, shortest first (a tree's other continuations)
         for d in range(min(self.ngram_max, n_tok - 1) - n):
             if len(hits) <= 1:
                 break
@@ -132,10 +137,22 @@ class PromptLookupDrafter(_Stateless):
             if not len(agree):
                 break
             hits = agree
+            levels.append(hits)
         if not len(hits):
             return EMPTY
         start = int(hits[-1]) + n
-        return Proposal(np.array(t[start: start + k], dtype=np.int64), None)
+        spine = np.array(t[start: start + k], dtype=np.int64)
+        if not self.tree:
+            return Proposal(spine, None)
+        others, seen = [], {start}
+        for level in reversed(levels):
+            for h in level[::-1]:
+                s = int(h) + n
+                if s not in seen and len(others) < 2 * self.tree:
+                    seen.add(s)
+                    others.append(t[s: s + k])
+        tokens, parents = trie(spine, others, min(self.tree, self.tree_nodes - len(spine)))
+        return Proposal(tokens, None, parents if len(tokens) > len(spine) else None)
 
 
 @dataclass

@@ -128,6 +128,29 @@ def grow(spine: np.ndarray, take: list[Branch]) -> tuple[np.ndarray, np.ndarray]
     return tokens, parents
 
 
+def trie(spine: np.ndarray, others: list[np.ndarray], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tree of a spine and other continuations of the same context (prompt lookup's other matches), merged where
+    they agree: each continuation follows the nodes equal to its tokens and branches off where none is, with at most
+    ``rows`` new nodes in all (a continuation cut where they run out). (tokens, parents), spine first; siblings
+    never share a token, so the walk's choice of child is unique."""
+    tokens = [int(x) for x in spine]
+    parents = list(range(-1, len(spine) - 1))
+    kids: dict[int, dict[int, int]] = {p: {tokens[p + 1]: p + 1} for p in range(-1, len(spine) - 1)}
+    for seq in others:
+        node = -1
+        for x in (int(v) for v in seq):
+            nxt = kids.setdefault(node, {}).get(x)
+            if nxt is None:
+                if rows <= 0:
+                    break
+                tokens.append(x)
+                parents.append(node)
+                nxt = kids[node][x] = len(tokens) - 1
+                rows -= 1
+            node = nxt
+    return np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64)
+
+
 def branch_gain(b: Branch, reach: list[float], odds: BranchOdds) -> float:
     """Tokens a branch adds to a round, expected: the spine reaches its depth and fails there (reach[d] the chance
     the spine is accepted up to depth d, reach[d + 1] past it), and the branch is the target's token."""

@@ -43,7 +43,7 @@ class BenchPlan:
     ignore_eos: bool = False  # True: always generate max_new_tokens (same length for every config)
     seed: int = 0  # sampled runs use seed + repeat, the same for plain and speculative
     prompts: tuple[BenchPrompt, ...] = field(default=())  # if given, used instead of the suites
-    # tree branch rows for the model drafter, auto and hybrid (None: each one's default; 0: chains), one config each
+    # tree branch rows for every drafter but plain (None: each one's default; 0: chains), one config each
     trees: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
@@ -72,13 +72,13 @@ class BenchPlan:
 
     def configs(self, dec: SpecDecoder) -> list[tuple[str, int, int | None]]:
         """[(drafter, k, tree)] runnable on this bundle; plain ("none", 0, None) first. Every tree of ``trees`` for
-        the drafters that branch (model, auto, hybrid); prompt lookup proposes chains."""
+        every drafter but plain (``trees`` default to (None,): each drafter's own choice)."""
         K = dec.manifest.k
         drafters = [d for d in self.drafters if d != "none" and (d != "model" or dec.draft_runner is not None)]
         trees = list(dict.fromkeys(self.trees))
         return [("none", 0, None)] + [(d, k, t) for d in drafters if d in ("model", "prompt-lookup")
                                       for k in sorted(set(self.ks)) if k <= K
-                                      for t in (trees if d == "model" else [None])] + \
+                                      for t in trees] + \
             [(d, K, t) for d in drafters if d in ("auto", "hybrid") for t in trees]
 
 

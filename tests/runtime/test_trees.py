@@ -26,6 +26,7 @@ from specedge.runtime.trees import (
     shape,
     spine_length,
     tree_refusal,
+    trie,
     walk,
 )
 
@@ -231,8 +232,8 @@ def test_bad_tree_requests_are_refused_with_what_is_allowed(dec, bundles):
     with pytest.raises(OptionError, match="keyed"):
         dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.8, sampler="classic"),
                      drafter="model", tree=2)
-    with pytest.raises(OptionError, match="draft model"):
-        dec.generate(PROMPTS[0], PARAMS["greedy"], drafter="prompt-lookup", tree=2)
+    with pytest.raises(OptionError, match="drafts nothing"):
+        dec.generate(PROMPTS[0], PARAMS["greedy"], drafter="none", tree=2)
     portable = SpecDecoder.load(bundles["model"])  # kv_mode portable: no tree rows
     with pytest.raises(OptionError, match="row-addressed"):
         portable.generate(PROMPTS[0], PARAMS["greedy"], drafter="model", tree=2)
@@ -301,3 +302,48 @@ def test_spec_run_bench_compares_trees_and_reports_their_shapes(rows_bundle, bun
     assert r.exit_code == 2 and "row-addressed" in r.output and not (tmp_path / "c" / "results.json").exists()
     r = CliRunner().invoke(run_cli, ["bench", str(rows_bundle), *args, "--tree", "9", "--out", str(tmp_path / "d")])
     assert r.exit_code == 2 and "0..8" in r.output
+
+
+@pytest.mark.fast
+def test_other_continuations_merge_into_the_spine_where_they_agree():
+    tokens, parents = trie(np.array([1, 2, 3]), [np.array([1, 2, 4, 5]), np.array([1, 6]), np.array([1, 2, 4, 7])], 9)
+    assert tokens.tolist() == [1, 2, 3, 4, 5, 6, 7] and parents.tolist() == [-1, 0, 1, 1, 3, 0, 3]
+    # the rows run out: a continuation is cut, the next ones find no room
+    tokens, parents = trie(np.array([1, 2]), [np.array([1, 5, 6, 7]), np.array([8])], 2)
+    assert tokens.tolist() == [1, 2, 5, 6] and parents.tolist() == [-1, 0, 0, 2]
+    assert all(len(set(tokens[np.flatnonzero(parents == p)].tolist())) == (parents == p).sum() for p in range(-1, 4))
+
+
+def test_prompt_lookup_branches_to_other_matches_continuations():
+    from specedge.runtime.drafters import PromptLookupDrafter
+
+    d = PromptLookupDrafter(8, 1)
+    d.tree, d.tree_nodes = 3, 20
+    # "a b" was followed by "c d" most recently and by "x y" before: the chain c d .., a branch x y under the root
+    context = np.array([10, 11, 20, 21, 5, 10, 11, 12, 13, 6, 10, 11])
+    prop = d.propose(context, 2, SamplingParams(), None)
+    assert prop.tokens.tolist() == [12, 13, 20, 21] and prop.parents.tolist() == [-1, 0, -1, 2]
+    d.tree = 0
+    assert d.propose(context, 2, SamplingParams(), None).parents is None
+
+
+LOOKUP_PROMPTS = ["the cat sat on the mat. the cat ran to the door. the dog sat on the mat. the cat",
+                  "x = f(a)\ny = g(a)\nx = f(b)\ny = h(b)\nx = f(c)\ny ="]
+
+
+@pytest.mark.parametrize("mode", ["greedy", "keyed"])
+def test_prompt_lookup_trees_decode_bitwise_the_plain_tokens(dec, mode, monkeypatch):
+    from specedge.runtime.drafters import PromptLookupDrafter
+
+    params = PARAMS[mode]
+    rounds = 0
+    # one-token matches (ngram_min 1): a random model's text has few longer ones, and every match has siblings
+    wants = [plain(dec, prompt, params)[1] for prompt in LOOKUP_PROMPTS + PROMPTS]
+    monkeypatch.setattr(dec, "make_drafter", lambda kind=None: PromptLookupDrafter(8, 1))
+    for prompt, want in zip(LOOKUP_PROMPTS + PROMPTS, wants):
+        for tree in (1, 4):
+            r = dec.generate(prompt, params, drafter="prompt-lookup", tree=tree)
+            assert r.token_ids == want, (mode, tree, prompt)
+            assert r.stats.resyncs == 0
+            rounds += r.stats.tree_rounds
+    assert rounds > 0
