@@ -257,6 +257,7 @@ class ReplayModel:
         self.dropped: tuple[int, float] | None = None
         self.last_was_stopper = False
         self.confidences: list[float] = []
+        self.branches: list = []  # runner-ups: a trace has none
 
     def reset(self) -> None:
         # cold: the prompt is caught up in the first round that drafts; warm: the draft cache holds it already
@@ -277,7 +278,8 @@ class ReplayModel:
         return [take for take, _ in feed_plan(self._runner, behind + 1, self.rows, self.chunk,
                                               cost=self.draft_steps.get, last_any=True)]
 
-    def propose(self, tokens, k, params, rng, keep=None, keep_last=None) -> Proposal:  # noqa: ANN001
+    def propose(self, tokens, k, params, rng, keep=None, keep_last=None, branches=0) -> Proposal:  # noqa: ANN001
+        # a trace records the draft's drawn tokens only, so a replayed round has no runner-ups: chains, never trees
         n = len(tokens)
         plan = self.catchup_plan(n) if k > 0 else []
         catchup = sum(self._step(take) for take in plan)
