@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specedge.runtime.bundle_files import file_entry
-from specedge.runtime.errors import BundleError, UnsupportedModelError
+from specedge.runtime.errors import BundleError, OptionError, UnsupportedModelError
 from specedge.runtime.manifest import (
     BATCH_WIDTHS,
     DEFAULT_NGRAM_MAX,
@@ -40,6 +40,7 @@ from .graph import build_model_graph
 from .install import MARKER, check_destination, install, real_destination, workspace
 from .loaders import WeightSource, load_source
 from .quant import QDQ_OPSET, WeightFormat
+from .self_draft import format_layers, is_self, parse_skip, with_self_draft
 from .tokenizer import TOKENIZER_FILE, check_same_vocab, write_tokenizer
 
 DRAFT_NO_MODEL = ("prompt-lookup", "none")
@@ -144,10 +145,11 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
     check_destination(dest, opts.overwrite)  # before any work: never replace what is not ours
     draft = str(draft)
     tsrc = load_source(resolve_model(str(target), opts.cache_dir, say))
-    if opts.draft_vocab and draft in DRAFT_NO_MODEL:
+    if opts.draft_vocab and (draft in DRAFT_NO_MODEL or is_self(draft)):
         raise BundleError(f"--draft-vocab {opts.draft_vocab} sets a draft model's lm_head, and --draft {draft} has no "
                           f"model: drop --draft-vocab or name a draft model")
-    dsrc = None if draft in DRAFT_NO_MODEL else load_source(resolve_model(draft, opts.cache_dir, say))
+    self_skip = _self_skip(draft, tsrc, opts)  # --draft self[:LAYERS|auto]: None for a search, () for no self draft
+    dsrc = None if draft in DRAFT_NO_MODEL or is_self(draft) else load_source(resolve_model(draft, opts.cache_dir, say))
     for role, src in (("target", tsrc), ("draft", dsrc)):
         if src is not None:
             _check_supported(role, src, opts)
@@ -180,7 +182,7 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
         manifest = Manifest(
             max_context=opts.max_context, k=opts.k, prefill_chunk=opts.prefill_chunk,
             target=target_entry, draft=draft_entry,
-            drafter="model" if dsrc is not None else draft,
+            drafter="model" if dsrc is not None else "none" if is_self(draft) else draft,
             drafter_params=({"ngram_max": opts.lookup_ngram_max, "ngram_min": opts.lookup_ngram_min}
                             if draft == "prompt-lookup" else {}),
             tokenizer=tok, files=files, created_by=f"specedge {__version__}", kv_mode=opts.kv_mode,
@@ -188,10 +190,41 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
             opset=max(QDQ_OPSET if (f or opts.weights).qdq else ONNX_OPSET for f in (opts.weights, opts.draft_weights)),
         )
         write_manifest(tmp, manifest)
+        if is_self(draft):
+            manifest = _add_self_draft(tmp, manifest, self_skip, say)
+            write_manifest(tmp, manifest)
         tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary directory
         install(tmp, dest)
     total = sum(m["bytes"] for m in manifest.files.values())
     return ExportReport(manifest, out, time.perf_counter() - t0, peak_rss_mb(), total)
+
+
+def _self_skip(draft: str, tsrc: WeightSource, opts: ExportOptions) -> tuple[int, ...] | None:
+    """--draft self:LAYERS -> the layers to skip, checked before any work; self or self:auto -> None (search)."""
+    if not is_self(draft):
+        return ()
+    if opts.kv_mode != ROWS_KV_MODE or not opts.weights.specedge:
+        raise OptionError(f"--draft {draft}: a self draft shares the target's weights and KV cache, which needs the "
+                          f"specedge form with row-addressed steps (--for cpu: --quant-form specedge, --kv-mode rows); "
+                          f"this export is {opts.weights.name} {opts.weights.form}, kv {opts.kv_mode}")
+    spec = draft.partition(":")[2]
+    return None if spec in ("", "auto") else parse_skip(spec, tsrc.config.dims.n_layers)
+
+
+def _add_self_draft(tmp: Path, manifest: Manifest, skip: tuple[int, ...] | None,
+                    say: Callable[[str], None]) -> Manifest:
+    if skip is None:
+        from .self_search import search_skip
+
+        say("self draft: searching the layers to skip (spec-export self-search prints the same)")
+        result = search_skip(tmp, progress=lambda s: say(f"  {s}"))
+        skip = result.best.skip
+        say(f"self draft: skipping {format_layers(skip)} (first-token acceptance {result.best.alpha:.2f}, "
+            f"predicted {result.best.speedup:.2f}x plain at k={result.best.k})")
+    out = with_self_draft(tmp, manifest, skip)
+    say(f"self draft: {out.draft.dims.n_layers} of {manifest.target.dims.n_layers} target layers, no weights of "
+        "its own")
+    return out
 
 
 def _dims_str(src: WeightSource) -> str:

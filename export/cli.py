@@ -92,7 +92,9 @@ def _profile_option(f):  # noqa: ANN001
 @_profile_option
 @click.option("--target", required=True, help="HF model dir, .gguf file, or a known model name.")
 @click.option("--draft", default="prompt-lookup", show_default=True,
-              help="Draft model (dir, .gguf, known name), or 'prompt-lookup', or 'none'.")
+              help="Draft model (dir, .gguf, known name), 'prompt-lookup', 'none', or 'self[:LAYERS|auto]': the "
+                   "target's own layers without LAYERS (e.g. self:12-20; self or self:auto searches them, as "
+                   "self-search does), sharing its weights and KV cache (specedge form, kv rows).")
 @click.option("--k", "k", type=int, default=4, help="Draft length K, 1..16 (verify width K+1). Default: the "
               "profile's (cpu: 8), else 4.")
 @click.option("--verify-widths", default=None, callback=_widths_or_none, help="Extra, narrower verify widths, e.g. "
@@ -258,6 +260,8 @@ def info(bundle: str, verify: bool) -> None:
     """Print what is in a bundle: models, widths, sizes, hashes."""
     from specedge.runtime.manifest import EngineSet, read_manifest
 
+    from .self_draft import format_layers
+
     try:
         m = read_manifest(bundle, verify="sha256" if verify else "size")
     except SpecEdgeError as e:
@@ -274,7 +278,9 @@ def info(bundle: str, verify: bool) -> None:
                    f"/{d.n_kv_heads}, head_dim {d.head_dim}, ffn {d.ffn}, vocab {d.vocab}"
                    + (f" (lm_head: {e.head.width} ids, 0..{e.head.first - 1} + {len(e.head.extra)} added)"
                       if e.head else ""))
-        click.echo(f"{'':<11} widths: {widths}; source {e.source.get('kind')} {e.source.get('path')}")
+        where = (f"self draft: target layers {format_layers(e.layers)}, sharing the target's weights and KV cache"
+                 if e.is_self else f"source {e.source.get('kind')} {e.source.get('path')}")
+        click.echo(f"{'':<11} widths: {widths}; {where}")
         if e.quant:
             q = e.quant
             form = q.get("format", "MatMulNBits")
@@ -552,6 +558,45 @@ def plan(what: str, board: str | None, backend: str | None, precision: str | Non
         _fail(e)
     click.echo(json.dumps(p.to_json(), indent=2) if as_json else format_plan(p))
     sys.exit(1 if p.verdict()[0] == "does not fit" else 0)
+
+
+@main.command("self-search")
+@click.argument("bundle", type=click.Path())
+@click.option("--prompts", type=click.Path(dir_okay=False), default=None,
+              help="A prompts file (JSONL, as spec-run bench takes) to calibrate on instead of the built-in suites' "
+                   "first prompts (chat, code, edit, summarize).")
+@click.option("--tokens", type=click.IntRange(4, 512), default=32, show_default=True,
+              help="Tokens of the target's answer per prompt: the positions each candidate is measured at.")
+@click.option("--max-skip", type=click.FloatRange(0.05, 0.95), default=0.6, show_default=True,
+              help="Fraction of the target's layers a candidate skips at most.")
+@click.option("--threads", type=click.IntRange(1, 256), default=None, help="Threads (default: physical cores).")
+@click.option("--apply", is_flag=True, help="Give the bundle the best self draft found (its manifest then names it).")
+def self_search(bundle: str, prompts: str | None, tokens: int, max_skip: float, threads: int | None,
+                apply: bool) -> None:
+    """Search the target layers a self draft of BUNDLE skips: each layer alone, then growing sets of the least
+    missed ones, each measured for first-token acceptance on the target's own answers and timed; prints every set
+    and its predicted speed against plain decoding. The bundle must be in the specedge form (kv rows) and have no
+    draft model."""
+    from specedge.runtime.bench.suites import load_prompts
+    from specedge.runtime.manifest import read_manifest, write_manifest
+
+    from .self_draft import format_layers, with_self_draft
+    from .self_search import search_skip
+
+    try:
+        r = search_skip(bundle, load_prompts(prompts) if prompts else None, tokens, max_skip, threads, _say)
+        b = r.best
+        click.echo(f"best: --draft self:{format_layers(b.skip)}  (skips {len(b.skip)} layers; first-token "
+                   f"acceptance {b.alpha:.3f}; draft step {b.draft_s * 1e3:.1f} ms against a plain step of "
+                   f"{r.plain_s * 1e3:.1f} ms; predicted {b.speedup:.2f}x plain at k={b.k}; "
+                   f"{r.positions} calibration positions)")
+        if b.speedup <= 1.0:
+            click.echo("no set tried is predicted to beat plain decoding on this machine: auto would not choose it")
+        if apply:
+            write_manifest(bundle, with_self_draft(Path(bundle), read_manifest(bundle, verify="size"), b.skip))
+            click.echo(f"{bundle}: self draft set to self:{format_layers(b.skip)}")
+    except SpecEdgeError as e:
+        _fail(e)
 
 
 @main.command()

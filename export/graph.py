@@ -20,6 +20,7 @@ in-memory graph structure.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from onnx import TensorProto, helper
 from specedge.runtime.errors import UnsupportedModelError
 from specedge.runtime.manifest import (
     GRAPH_POSITIONS_KEY,
+    GRAPH_RESIDUALS_KEY,
     INTGEMM_FORMAT,
     ONNX_OPSET,
     QDQ_FORMAT,
@@ -474,6 +476,7 @@ def build_model_graph(
     if (not cfg.tie_embeddings or not fmt.quantized) and head_ids is None:
         del embed_f32
 
+    residuals = [x]  # the stream before each layer and after the last: where a self draft skips layers
     for i in range(d.n_layers):
         say(f"layer {i + 1}/{d.n_layers}")
         p = f"layers.{i}"
@@ -488,6 +491,7 @@ def build_model_graph(
         h = rmsnorm(x, w.add(f"{p}.mlp_norm.weight", src.get(f"l{i}.mlp_norm")))
         act = linear.epilogue(linear(h, f"{p}.mlp.gate_up", [f"l{i}.gate", f"l{i}.up"]), swiglu=d.ffn)  # [B, T, F]
         x = linear.epilogue(linear(act, f"{p}.mlp.down", [f"l{i}.down"]), residual=x)
+        residuals.append(x)
 
     say("lm_head")
     x = rmsnorm(x, w.add("final_norm.weight", src.get("final_norm")))
@@ -529,8 +533,10 @@ def build_model_graph(
     if fmt.specedge:
         opsets.append(helper.make_opsetid(SEK_DOMAIN, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specedge")
+    props = {GRAPH_RESIDUALS_KEY: json.dumps(residuals)}
     if kv_mode != "portable":  # the positions its RoPE tables hold: the runtime refuses a manifest whose S_max is more
-        helper.set_model_props(model, {GRAPH_POSITIONS_KEY: str(max_positions)})
+        props[GRAPH_POSITIONS_KEY] = str(max_positions)
+    helper.set_model_props(model, props)
     model.ir_version = 10 if fmt.qdq else 8  # 8: ONNX Runtime >= 1.14, TensorRT 10.x; 10: INT4 tensors
     onnx.save_model(model, str(onnx_path))
     onnx.checker.check_model(str(onnx_path))

@@ -296,6 +296,8 @@ class SpecDecoder:
         slot = self.slots[req.slot]
         remaining = req.params.max_new_tokens - req.generated
         t0 = time.perf_counter()
+        # rows from n-1 on are the round's to write: a self draft writes them first (the verify step rewrites them)
+        slot.rows.writing(req.tokens, req.n - 1)
         prop = drafter.propose(req.tokens[: req.n], min(k, remaining - 1), req.params, req.rng)
         guess = len(prop.tokens) == 0 and self.target.min_width >= 2
         if guess:  # a width-2 step anyway: let its second row check a free guess

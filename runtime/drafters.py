@@ -370,6 +370,26 @@ class ModelDrafter(DrafterHooks):
         return int(diff[0]) if len(diff) else m
 
 
+class SelfDrafter(ModelDrafter):
+    """The target's own layers as the draft (a bundle's self draft: ``ModelEntry.layers``), on the target's cache.
+
+    The draft's cache rows for the layers it runs are the target's, so it never catches up: between rounds the
+    target holds rows for every committed token but the last, which is exactly what a draft model would have caught
+    up on. Its steps write rows from the last committed token's position on, which the decoder has already stopped
+    counting as the target's (``CacheRows.writing`` before the proposal), and the verify step then rewrites every row
+    it verifies in every layer, so no row the draft wrote is ever read as the target's."""
+
+    def catchup_plan(self, n_tokens: int, tokens: np.ndarray | None = None) -> list[int]:
+        return []
+
+    def _adopt(self, tokens: np.ndarray) -> None:
+        self.rows = len(tokens) - 1  # the target's rows, which the decoder keeps in step (SpecDecoder._resync)
+        self.cache.owner, self.cache.rows_for = self, None
+
+    def _adoptable(self, tokens: np.ndarray) -> int:
+        return len(tokens) - 1
+
+
 def grow_proposal(prop: Proposal, take: list[Branch]) -> tuple[np.ndarray, None, np.ndarray]:
     """A chain proposal and the branches taken -> a tree proposal's (tokens, q_draft, parents) (no q: trees verify
     greedy and keyed draws only, which never read it)."""

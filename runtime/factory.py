@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .adaptive import AutoDrafter
-from .drafters import DraftCache, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter
+from .drafters import DraftCache, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, SelfDrafter
 from .errors import OptionError, SamplingParamsError
 from .manifest import (
     DEFAULT_NGRAM_MAX,
@@ -39,6 +39,8 @@ def make_drafter(kind: str | None, manifest: Manifest, draft_cache: DraftCache |
         if draft_cache is None:
             raise SamplingParamsError("this bundle has no draft model; use drafter 'prompt-lookup' or 'none'")
         head = manifest.draft.head if manifest.draft is not None else None
+        if manifest.draft is not None and manifest.draft.is_self:
+            return SelfDrafter(draft_cache, manifest.target.dims.vocab, manifest.prefill_chunk)
         return ModelDrafter(draft_cache, manifest.target.dims.vocab, manifest.prefill_chunk,
                             None if head is None else head.ids())
     if kind == "prompt-lookup":

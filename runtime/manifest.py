@@ -42,6 +42,7 @@ QDQ_FORMAT = "DequantizeLinear+MatMul"  # ModelEntry.quant["format"] of --quant-
 MAX_DIM = 1 << 22  # no model dimension (layers, heads, hidden, vocab) comes near this
 MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front
 GRAPH_POSITIONS_KEY = "specedge.max_positions"  # a graph's metadata: the positions its RoPE tables hold
+GRAPH_RESIDUALS_KEY = "specedge.residuals"  # a graph's metadata: its residual stream's names between layers (JSON)
 ONNX_OPSET = 17  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 17 has everything we use.
 
 # Graph roles and how many logit rows each needs (DESIGN.md, graph contract).
@@ -141,12 +142,21 @@ class ModelEntry:
     source: dict[str, Any] = field(default_factory=dict)
     quant: dict[str, Any] = field(default_factory=dict)  # int8/int4: MatMulNBits settings and weight error
     head: HeadRows | None = None  # draft only: its lm_head covers these ids (None: the whole vocabulary)
+    # a self draft (draft only): the target layers it runs, its weights the target's file, its KV cache the target's
+    # for those layers; ``shared``: each tensor it shares, name -> (offset, length, ONNX type, *dims) in that file
+    layers: tuple[int, ...] = ()
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.head is not None and self.head.extra and self.head.extra[-1] >= self.dims.vocab:
             raise BundleError(f"head.extra id {self.head.extra[-1]} is outside the vocabulary 0..{self.dims.vocab - 1}")
         if self.head is not None and self.head.first > self.dims.vocab:
             raise BundleError(f"head.first={self.head.first} exceeds the vocabulary {self.dims.vocab}")
+
+    @property
+    def is_self(self) -> bool:
+        """A self draft: some of the target's own layers (``layers``)."""
+        return bool(self.layers)
 
     @property
     def logits_width(self) -> int:
@@ -217,6 +227,17 @@ class Manifest:
             raise BundleError(f"unknown drafter {self.drafter!r}; allowed: {', '.join(DRAFTER_KINDS)}")
         if (self.drafter == "model") != (self.draft is not None):
             raise BundleError("drafter 'model' needs a draft model entry, and only it has one")
+        if self.target.layers or self.target.shared:
+            raise BundleError("target.layers/shared describe a self draft; the target runs all its layers")
+        d = self.draft
+        if d is not None and d.layers:
+            n = self.target.dims.n_layers
+            if list(d.layers) != sorted(set(d.layers)) or d.layers[-1] >= n or d.dims.n_layers != len(d.layers) \
+                    or d.weights != self.target.weights or self.kv_mode != ROWS_KV_MODE or d.head is not None:
+                raise BundleError(f"draft.layers {list(d.layers)}: a self draft runs increasing target layers in "
+                                  f"0..{n - 1}, as many as its dims.n_layers ({d.dims.n_layers}), from the target's "
+                                  f"weights file ({self.target.weights}; it names {d.weights}), in kv_mode rows, "
+                                  "with the target's whole head")
         if self.target.head is not None:
             raise BundleError("target.head: the target's lm_head must cover the whole vocabulary (its distribution "
                               "is the output); only a draft may have a partial head")

@@ -190,8 +190,15 @@ def plan_for_manifest(m: Manifest, backend: str, precision: str = "fp32", head: 
         models.append((role, e.dims, e.precision, max(w.T for w in e.widths), max(w.L for w in e.widths)))
     label = what or (f"{m.target.source.get('name', 'target') if isinstance(m.target.source, dict) else 'target'}"
                      f"{' + draft' if m.draft else ''}, {backend} {precision} (head {head}), S_max {m.max_context}")
-    return plan_models(models, max_context=m.max_context, backend=backend, precision=precision, head=head,
+    plan = plan_models(models, max_context=m.max_context, backend=backend, precision=precision, head=head,
                        what=label, board=board, max_batch=max_batch)
+    if m.draft is not None and m.draft.is_self:  # the target's own layers: its weights and KV cache, nothing more
+        draft = next(p for p in plan.models if p.role == "draft")
+        draft.weights = {k: 0 for k in draft.weights}
+        draft.kv = draft.new_rows = 0
+        plan.notes.append(f"the draft is the target's own {m.draft.dims.n_layers} of {m.target.dims.n_layers} layers "
+                          "(a self draft): no weights or KV cache of its own")
+    return plan
 
 
 def this_machine() -> Board | None:

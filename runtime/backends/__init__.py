@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, OptionError
 from ..manifest import ROWS_KV_MODE, Manifest, ModelEntry, width_shapes
 from .requirements import MIN_TENSORRT, tensorrt_version_problem  # noqa: F401 (re-exported: doctor, export)
 
@@ -119,13 +119,19 @@ def resolve_backend(name: str, manifest: Manifest) -> str:
 
 def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, threads: int | None = None,
                 precision: str | None = None, shared: dict | None = None, cuda_graphs: bool = True,
-                accuracy_level: int | None = None, min_width: int = 1, slots: int = 1) -> GraphRunner:
+                accuracy_level: int | None = None, min_width: int = 1, slots: int = 1,
+                weights: dict | None = None, kv_of: GraphRunner | None = None) -> GraphRunner:
     """One model's runner. precision: None/"fp32" runs the fp32 graph on ONNX Runtime; "fp16" runs the bundle's
     fp16 ONNX graphs (``spec-export build --backend onnx``); TensorRT runs the built engines (None: the only
     precision built). shared: per-decoder state the runners of one bundle share (TensorRT: stream, scratch).
     cuda_graphs: TensorRT replays each width's step as a CUDA graph (False: plain execute); other backends
     ignore it. accuracy_level: ONNX Runtime, --quant-form qdq graphs: the fused MatMulNBits' compute precision
-    instead of the bundle's (validate: 0). slots: sequences the KV cache holds (row-addressed bundles only)."""
+    instead of the bundle's (validate: 0). slots: sequences the KV cache holds (row-addressed bundles only).
+    weights, kv_of: a self draft's shared tensors and the target runner whose cache it shares (ort-cpu)."""
+    if (weights or kv_of is not None) and backend != "ort-cpu":
+        raise BackendUnavailableError(f"{bundle_dir} has a self draft (the target's own layers, sharing its weights "
+                                      f"and KV cache in host memory), which runs on ort-cpu; backend {backend} "
+                                      "cannot share them (export a draft model, or --draft prompt-lookup)")
     if slots > 1 and (backend != "ort-cpu" or manifest.kv_mode != ROWS_KV_MODE):
         raise BackendUnavailableError(
             f"max_batch {slots}: decoding several requests together needs row-addressed steps (each row names its "
@@ -147,7 +153,7 @@ def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, t
                      ("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
     return OrtRunner(bundle_dir, manifest, role, device="cpu" if backend == "ort-cpu" else "cuda",
                      threads=threads, engines=engines, providers=providers, accuracy_level=accuracy_level,
-                     min_width=min_width, slots=slots)
+                     min_width=min_width, slots=slots, weights=weights, kv_of=kv_of)
 
 
 def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: int | None = None,
@@ -160,10 +166,26 @@ def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: in
     shared: dict = {}
     target = draft = None
     try:
+        weights = None
+        if manifest.draft is not None and manifest.draft.is_self:
+            if target_slots > 1:
+                raise OptionError(f"max_batch {target_slots}: {bundle_dir}'s self draft drafts in the target's cache "
+                                  "of one sequence; load it with max_batch 1, or export a draft model "
+                                  "(or --draft prompt-lookup) to decode several requests together")
+            if backend != "ort-cpu" or precision not in (None, "fp32"):
+                raise BackendUnavailableError(
+                    f"{bundle_dir} has a self draft (the target's own layers, sharing its weights and KV cache in "
+                    f"host memory), which runs on ort-cpu in fp32; {backend} {precision or ''} cannot share them")
+            from .ort import shared_weights
+
+            weights = shared_weights(Path(bundle_dir) / str(manifest.target.weights), manifest.draft.shared)
         target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
-                             cuda_graphs=cuda_graphs, min_width=target_min_width, slots=target_slots)
+                             cuda_graphs=cuda_graphs, min_width=target_min_width, slots=target_slots,
+                             weights=weights)
         draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared,
-                             cuda_graphs=cuda_graphs) if manifest.draft else None)
+                             cuda_graphs=cuda_graphs, weights=weights, kv_of=target if weights is not None else None)
+                 if manifest.draft else None)
+        del weights  # the sessions hold them
     except BaseException:  # device memory is not left to the garbage collector
         for runner in (draft, target):
             if runner is not None:

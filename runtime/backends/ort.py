@@ -77,6 +77,31 @@ def open_session(ort: Any, path: Path, so: Any, providers: list) -> Any:
         return ort.InferenceSession(str(path), so, providers=providers)
 
 
+ONNX_NUMPY = {1: np.float32, 2: np.uint8, 3: np.int8, 5: np.int16, 6: np.int32, 7: np.int64, 10: np.float16}
+
+
+def shared_weights(path: Path, tensors: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """The tensors a self draft shares with its target (``ModelEntry.shared``: name -> (offset, length, ONNX type,
+    *dims) in the target's weights file), read once into arrays that both sessions use as their initializers
+    (``SessionOptions.add_initializer``: ONNX Runtime keeps the caller's buffer, it copies nothing). Read, not
+    mapped, for the reason :func:`open_session` gives."""
+    out = {}
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        for name, (offset, length, onnx_type, *dims) in tensors.items():
+            dtype = ONNX_NUMPY.get(onnx_type)
+            count = int(np.prod(dims, dtype=np.int64))
+            if dtype is None or count * np.dtype(dtype).itemsize != length or offset + length > size:
+                raise BundleError(f"{path.name}: the shared tensor {name} (offset {offset}, {length} bytes, ONNX type "
+                                  f"{onnx_type}, dims {dims}) does not fit the file ({size} bytes) or its type")
+            buf = np.empty(count, dtype=dtype)
+            f.seek(offset)
+            if f.readinto(memoryview(buf).cast("B")) != length:
+                raise BundleError(f"{path.name}: the shared tensor {name} was cut short")
+            out[name] = buf.reshape(dims)
+    return out
+
+
 def zero_device_cache(cuda: Any, values: list, nbytes: int) -> None:
     """Zero every cache tensor once. ONNX Runtime's device allocations are uninitialized, and the portable
     attention multiplies masked probabilities (exactly 0) by every cache row: 0 * NaN = NaN, so garbage in rows
@@ -148,12 +173,16 @@ class OrtRunner:
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, role: str, device: str = "cpu",
                  threads: int | None = None, engines: EngineSet | None = None, providers: list | None = None,
-                 accuracy_level: int | None = None, min_width: int = 1, slots: int = 1):
+                 accuracy_level: int | None = None, min_width: int = 1, slots: int = 1,
+                 weights: dict[str, np.ndarray] | None = None, kv_of: OrtRunner | None = None):
         """engines: a reduced-precision ("onnx") engine set to run instead of the fp32 graph.
         providers: ONNX Runtime execution providers (default: CUDA for device "cuda", else CPU).
         accuracy_level: for --quant-form qdq graphs, the fused MatMulNBits' compute precision instead of the
         bundle's (validate runs 0, fp32 compute: what a weight-only INT4 engine computes).
-        slots: sequences the KV cache holds (a row-addressed bundle, kv_mode rows; 1 otherwise)."""
+        slots: sequences the KV cache holds (a row-addressed bundle, kv_mode rows; 1 otherwise).
+        weights: initializers handed to the session instead of read from the graph's data (a self draft's and its
+        target's shared tensors, :func:`shared_weights`). kv_of (a self draft): the target runner whose cache rows
+        of the layers ``entry.layers`` are this model's cache (CPU)."""
         import onnxruntime as ort
 
         self.entry = manifest.models[role]
@@ -208,6 +237,11 @@ class OrtRunner:
             providers = providers or [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
         else:
             providers = providers or ["CPUExecutionProvider"]
+        self._weights = []  # the shared initializers' OrtValues: they must outlive the session
+        for name, arr in (weights or {}).items():
+            value = ort.OrtValue.ortvalue_from_numpy(arr)
+            so.add_initializer(name, value)
+            self._weights.append(value)
         path = Path(bundle_dir) / graph
         if not path.is_file():
             raise BundleError(f"{role} graph {path} is missing")
@@ -226,7 +260,14 @@ class OrtRunner:
                               f"max_context is S_max={self.max_context}: the manifest was changed; export again "
                               f"with --max-context {self.max_context}")
         kv_shape = (d.n_layers, 2, slots, d.n_kv_heads, self.max_context, d.head_dim)
-        if device == "cpu":
+        self.kv_of = kv_of
+        if kv_of is not None:  # a self draft: the target's cache of the layers it runs, the same memory
+            if device != "cpu" or kv_of.slots != slots or kv_of.kv_dtype != self.kv_dtype:
+                raise BackendUnavailableError(f"{bundle_dir} ({role}): a self draft shares its target's cache on "
+                                              "the CPU, with as many slots and the same dtype")
+            self.kv = None
+            self._kv_values = [kv_of._kv_values[2 * i + j] for i in self.entry.layers for j in range(2)]
+        elif device == "cpu":
             try:
                 self.kv = np.zeros(kv_shape, dtype=self.kv_dtype)  # owned here; see module docstring
             except MemoryError:
@@ -312,8 +353,8 @@ class OrtRunner:
     def feed(self, tokens: Sequence[int], past_len: int, all_logits: bool) -> dict[str, np.ndarray]:
         """The exact inputs (copies) the next ``step(tokens, past_len, all_logits)`` will run with: what
         validation records as a graph's real input (CPU only)."""
-        if self.device != "cpu":
-            raise ValueError("feed() reads the cache from host memory: CPU runners only")
+        if self.device != "cpu" or self.kv is None:
+            raise ValueError("feed() reads the cache from host memory: CPU runners of their own cache only")
         n = len(tokens)
         w = self._pick(n, all_logits, past_len).width
         ids = np.full((1, w.T), tokens[-1], dtype=np.int64)
@@ -410,8 +451,9 @@ class OrtRunner:
         """Copy every layer's K/V cache rows ``src`` of a slot to rows ``dst`` (rows mode, CPU): a tree's accepted
         path, written where its nodes lay in the step, moved to the positions its tokens now hold. Every source row
         is read before any is written."""
-        if not self.rows_mode or self.device != "cpu":
-            raise ValueError(f"{self.entry.graph}: moving cache rows needs a row-addressed bundle on the CPU")
+        if not self.rows_mode or self.device != "cpu" or self.kv is None:
+            raise ValueError(f"{self.entry.graph}: moving cache rows needs a row-addressed bundle on the CPU, "
+                             "its own cache")
         if len(src):
             self.kv[:, :, slot, :, list(dst)] = self.kv[:, :, slot, :, list(src)]
 
