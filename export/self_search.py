@@ -53,9 +53,10 @@ class SearchResult:
 
 def predicted_speedup(alpha: float, draft_s: float, verify_s: dict[int, float], k_max: int) -> tuple[float, int]:
     """A chain round at draft length k (1..k_max) yields 1 + a + ... + a^k tokens for k draft steps and one verify
-    step of k + 1 rows; plain decoding yields one token per step of the plain width. The best k's ratio, and k."""
+    step of k + 1 rows; plain decoding yields one token per step of the plain width. The best k's ratio (below 1:
+    slower than plain at every k), and k."""
     plain = verify_s[min(verify_s)]
-    best = (1.0, 0)
+    best = (0.0, 0)
     for k in range(1, k_max + 1):
         fits = [t for t in verify_s if t >= k + 1]
         if not fits:

@@ -399,7 +399,7 @@ def test_cuda_graphs_flag_reaches_the_runner(monkeypatch, bundle):
         raise Stop
 
     monkeypatch.setattr(decoder, "read_manifest", lambda *a, **kw: SimpleNamespace(target=SimpleNamespace(quant=None),
-                                                                               files={}))
+                                                                               draft=None, files={}))
     monkeypatch.setattr(decoder, "resolve_backend", lambda name, m: "trt")
     import specedge.runtime.backends as backends
 
