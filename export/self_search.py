@@ -97,13 +97,16 @@ class _Calibration:
         target_model = onnx.load(str(Path(bundle_dir) / manifest.target.graph), load_external_data=False)
         self.weights = shared_weights(Path(bundle_dir) / str(manifest.target.weights), external_tensors(target_model))
         self.base = base
-        self.target = OrtRunner(bundle_dir, base, "target", threads=threads, slots=len(self.seqs),
+        # one spare slot beyond the answers' for the timed steps, at the position a draft step of the first answer
+        # runs at: both models are timed attending over the same number of rows
+        self.spare = len(self.seqs)
+        self.at = min(len(self.seqs[0]), manifest.max_context - max(w.T for w in manifest.target.widths))
+        self.target = OrtRunner(bundle_dir, base, "target", threads=threads, slots=len(self.seqs) + 1,
                                 weights=self.weights)
-        # timed first: its dummy rows are then overwritten by the answers'
-        self.verify_s = _time(self.target, [w.T for w in manifest.target.widths if w.L == w.T])
         for s, seq in enumerate(self.seqs):  # every answer's rows, computed once
             for a in range(0, len(seq), manifest.prefill_chunk):
                 self.target.step(seq[a: a + manifest.prefill_chunk], a, all_logits=False, slot=s)
+        self.verify_s = _time(self.target, [w.T for w in manifest.target.widths if w.L == w.T], self.at, self.spare)
 
     @property
     def positions(self) -> int:
@@ -113,7 +116,7 @@ class _Calibration:
         """(alpha, seconds of a draft step or 0) of the self draft skipping ``skip``."""
         cand = with_self_draft(bundle_dir, self.base, skip, graph=SEARCH_GRAPH)
         try:
-            draft = OrtRunner(bundle_dir, cand, "draft", threads=threads, slots=len(self.seqs),
+            draft = OrtRunner(bundle_dir, cand, "draft", threads=threads, slots=len(self.seqs) + 1,
                               weights={n: self.weights[n] for n in cand.draft.shared}, kv_of=self.target)
         finally:
             (Path(bundle_dir) / SEARCH_GRAPH).unlink(missing_ok=True)
@@ -125,28 +128,24 @@ class _Calibration:
                 hits += int(np.argmax(draft.step(seq[j: j + 1], j, all_logits=False, slot=s)[0]) == seq[j + 1])
                 kv[layers, :, s, :, j] = saved
                 total += 1
-        step = 0.0
-        if timed:
-            s, j = 0, len(self.seqs[0]) - 1
-            saved = kv[layers, :, s, :, j].copy()
-            step = _time(draft, [1], at=j, token=self.seqs[0][j: j + 1])[1]
-            kv[layers, :, s, :, j] = saved
+        step = _time(draft, [1], self.at, self.spare)[1] if timed else 0.0
         draft.close()
         return hits / total, step
 
 
-def _time(runner: OrtRunner, widths: list[int], repeats: int = 5, at: int | None = None,
-          token: np.ndarray | None = None) -> dict[int, float]:
-    """The fastest of ``repeats`` steps at each width (in slot 0, at ``at``: the caller restores what it wrote)."""
+def _time(runner: OrtRunner, widths: list[int], at: int, slot: int, least_s: float = 0.25,
+          repeats: tuple[int, int] = (5, 200)) -> dict[int, float]:
+    """The fastest step at each width, at position ``at`` of ``slot`` (rows nobody reads), of at least ``repeats[0]``
+    and at most ``repeats[1]`` steps, more while they have taken under ``least_s`` seconds: a step of a few
+    milliseconds is timed over many."""
     out = {}
     for t in widths:
-        ids = np.zeros(t, dtype=np.int64) if token is None else token
-        pos = at if at is not None else 0
-        runner.step(ids, pos, all_logits=t > 1)
-        times = []
-        for _ in range(repeats):
+        ids = np.zeros(t, dtype=np.int64)
+        runner.step(ids, at, all_logits=t > 1, slot=slot)
+        times: list[float] = []
+        while len(times) < repeats[1] and (len(times) < repeats[0] or sum(times) < least_s):
             t0 = time.perf_counter()
-            runner.step(ids, pos, all_logits=t > 1)
+            runner.step(ids, at, all_logits=t > 1, slot=slot)
             times.append(time.perf_counter() - t0)
         out[t] = min(times)
     return out
