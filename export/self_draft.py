@@ -3,8 +3,8 @@
 The draft graph is cut from the target's (``self_draft_model``): a skipped layer's output is replaced by its
 input, the kept layers' cache inputs and outputs are renumbered 0..m-1, and every node no output needs is dropped.
 Its initializers keep their external-data references into the target's weights file, so on disk the draft is a
-graph of a few hundred kilobytes; the runtime hands both sessions the same weight buffers
-(:func:`specedge.runtime.backends.ort.shared_initializers`) and binds the kept layers' cache to the target's own
+graph of a few hundred kilobytes; the runtime reads every tensor of that file once and hands both sessions the same
+buffers (:func:`specedge.runtime.backends.ort.shared_weights`), and binds the kept layers' cache to the target's own
 (``OrtRunner(kv_of=...)``). The draft's rows in that cache are written past the committed tokens only, and the
 verify step recomputes and overwrites every row it verifies, in every layer.
 """
@@ -131,7 +131,8 @@ def external_tensors(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
 def write_self_draft(bundle_dir: Path, target_graph: str, skip: tuple[int, ...], name: str = "draft.onnx",
                      kv_mode: str = ROWS_KV_MODE) -> tuple[Path, dict[str, tuple[int, ...]]]:
     """Cut the self draft from ``bundle_dir/target_graph`` and write it next to it (its weights stay the target's
-    file): its path and the tensors it shares with the target."""
+    file): its path and every tensor of the target's weights file, which the runtime reads once and hands both
+    sessions (the draft's graph uses those of the layers it keeps; ONNX Runtime ignores the others there)."""
     if kv_mode != ROWS_KV_MODE:
         raise OptionError(f"a self draft shares the target's KV cache, which needs row-addressed steps (kv_mode "
                           f"rows, the specedge form's default); this bundle has kv_mode {kv_mode}")
@@ -139,7 +140,7 @@ def write_self_draft(bundle_dir: Path, target_graph: str, skip: tuple[int, ...],
     model = self_draft_model(target, skip)
     path = Path(bundle_dir) / name
     onnx.save_model(model, str(path))
-    return path, external_tensors(model)
+    return path, external_tensors(target)
 
 
 def self_entry(manifest: Manifest, skip: tuple[int, ...], graph: str,

@@ -143,7 +143,8 @@ class ModelEntry:
     quant: dict[str, Any] = field(default_factory=dict)  # int8/int4: MatMulNBits settings and weight error
     head: HeadRows | None = None  # draft only: its lm_head covers these ids (None: the whole vocabulary)
     # a self draft (draft only): the target layers it runs, its weights the target's file, its KV cache the target's
-    # for those layers; ``shared``: each tensor it shares, name -> (offset, length, ONNX type, *dims) in that file
+    # for those layers; ``shared``: every tensor of that file, name -> (offset, length, ONNX type, *dims), which the
+    # runtime reads once and hands both sessions
     layers: tuple[int, ...] = ()
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
 

@@ -61,16 +61,21 @@ class _Bound:
     row_parent: np.ndarray | None = None  # rows mode: [T] int64, host (-1: no parent)
 
 
-def open_session(ort: Any, path: Path, so: Any, providers: list) -> Any:
+def open_session(ort: Any, path: Path, so: Any, providers: list, given: dict[str, np.ndarray] | None = None) -> Any:
     """An InferenceSession whose weights were read, not mapped. Left to itself ONNX Runtime maps the external data
     file ``<graph>.onnx.data`` and reads the weights from the mapping for as long as the session lives: a file
     truncated under a running process (``cp`` over it) then kills that process with SIGBUS, and one zeroed in place
     silently changes its answers. Handed the file's contents, it copies what it needs while the session is made,
-    and the file is never touched again (a changed file is found by :class:`..bundle_files.FileWatch`)."""
+    and the file is never touched again (a changed file is found by :class:`..bundle_files.FileWatch`). That copy
+    is made while the mapping is also resident: a load's peak memory is about twice the weights. ``given``: the
+    file's tensors, already read and added to ``so`` as initializers (:func:`shared_weights`); when they are all of
+    it, the session is made without the file, and the load's peak is the weights once."""
     data = path.with_name(path.name + ".data")
     names = {p if isinstance(p, str) else p[0] for p in providers}
     # ONNX Runtime's TensorRT execution provider parses the model from its file itself (ort-trt): left as it was
     if not data.is_file() or not data.stat().st_size or "TensorrtExecutionProvider" in names:  # (empty: no mmap)
+        return ort.InferenceSession(str(path), so, providers=providers)
+    if given and sum(a.nbytes for a in given.values()) >= data.stat().st_size:  # every byte of it is in ``given``
         return ort.InferenceSession(str(path), so, providers=providers)
     with open(data, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
         so.add_external_initializers_from_files_in_memory([data.name], [view], [len(view)])
@@ -246,7 +251,7 @@ class OrtRunner:
         if not path.is_file():
             raise BundleError(f"{role} graph {path} is missing")
         try:
-            self.session = open_session(ort, path, so, providers)
+            self.session = open_session(ort, path, so, providers, given=weights)
         except Exception as e:  # ONNX Runtime's own exception types (InvalidGraph, Fail, ...)
             raise BundleError(f"ONNX Runtime cannot load the {role} graph {graph}: {str(e).splitlines()[0][:300]}") \
                 from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,6 +116,20 @@ def test_the_draft_has_no_weights_of_its_own(self_bundle):
     plan = plan_for_manifest(m, "ort-cpu")
     draft = next(p for p in plan.models if p.role == "draft")
     assert sum(draft.weights.values()) == 0 and draft.kv == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's mappings (Linux)")
+def test_both_sessions_take_the_weights_read_once_and_neither_maps_the_file(self_bundle):
+    m = read_manifest(self_bundle)
+    data = self_bundle / m.target.weights
+    assert sum(length for _, length, *_ in m.draft.shared.values()) == data.stat().st_size  # every tensor of it
+    dec = SpecDecoder.load(self_bundle, threads=1)
+    try:
+        assert dec.draft_runner is not None
+        maps = Path("/proc/self/maps").read_text()
+        assert str(data.resolve()) not in maps and data.name not in maps
+    finally:
+        dec.close()
 
 
 def test_spec_export_plan_shows_no_weight_bytes_for_a_self_draft(self_bundle):
