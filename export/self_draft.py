@@ -30,6 +30,7 @@ from specedge.runtime.manifest import (
     Manifest,
     ModelEntry,
     Width,
+    format_layers,
 )
 
 SELF = "self"  # --draft self[:SKIP|auto]
@@ -156,19 +157,6 @@ def self_entry(manifest: Manifest, skip: tuple[int, ...], graph: str,
         quant=t.quant, layers=kept, shared=tensors)
 
 
-def format_layers(layers: tuple[int, ...] | list[int]) -> str:
-    """(3, 5, 6, 7) -> "3,5-7": the form --draft self: takes."""
-    out, run = [], []
-    for i in sorted(layers):
-        if run and i == run[-1] + 1:
-            run.append(i)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [i]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 def with_self_draft(bundle_dir: Path, manifest: Manifest, skip: tuple[int, ...],

@@ -510,3 +510,18 @@ def read_manifest(bundle_dir: str | Path, verify: str = "sha256") -> Manifest:
     manifest = Manifest.from_json(raw)
     verify_files(bundle_dir, manifest, verify)
     return manifest
+
+
+def format_layers(layers: tuple[int, ...] | list[int]) -> str:
+    """(3, 5, 6, 7) -> "3,5-7": the form --draft self: takes."""
+    out, run = [], []
+    for i in sorted(layers):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)

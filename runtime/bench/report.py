@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import OptionError
-from ..manifest import MANIFEST_NAME
+from ..manifest import MANIFEST_NAME, format_layers
 from .analysis import best_k, ideal_speedup, paired_speedups, round_cost_in_plain_steps, spread
 
 RESULTS = "results.json"
@@ -117,7 +117,9 @@ def _trees(t: dict[str, Any] | None) -> str:
 def to_markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     m, b, plan = raw["meta"]["machine"], raw["meta"]["bundle"], raw["meta"]["plan"]
     models = "; ".join(f"{role}: {x['family']} {x['layers']}L/{x['hidden']} {x['precision']} "
-                       f"({x['weights_bytes'] / 1e9:.2f} GB weights, {x['kv_bytes'] / 1e6:.0f} MB KV)"
+                       + (f"(the target's layers {format_layers(x['self_layers'])}, its weights and KV)"
+                          if x.get("self_layers") else
+                          f"({x['weights_bytes'] / 1e9:.2f} GB weights, {x['kv_bytes'] / 1e6:.0f} MB KV)")
                        for role, x in b["models"].items())
     steps = summary["step_costs_s"]
     out = [

@@ -147,8 +147,11 @@ def bundle_info(dec: SpecDecoder) -> dict[str, Any]:
         d = e.dims
         kv_bytes = d.n_layers * 2 * d.n_kv_heads * m.max_context * d.head_dim * 4
         models[role] = {"family": e.family, "layers": d.n_layers, "hidden": d.hidden, "vocab": d.vocab,
-                        "precision": e.precision, "weights_bytes": m.files.get(e.weights, {}).get("bytes", 0),
-                        "kv_bytes": kv_bytes, "widths": [w.T for w in e.widths],
+                        "precision": e.precision,
+                        # a self draft's weights and cache are the target's: nothing of its own
+                        "weights_bytes": 0 if e.is_self else m.files.get(e.weights, {}).get("bytes", 0),
+                        "kv_bytes": 0 if e.is_self else kv_bytes, "widths": [w.T for w in e.widths],
+                        "self_layers": list(e.layers),
                         "source": str(e.source.get("path", "")) if isinstance(e.source, dict) else ""}
     return {"path": str(dec.bundle_dir), "backend": dec.backend, "precision": dec.precision, "K": m.k, "max_context": m.max_context,
             "prefill_chunk": m.prefill_chunk, "kv_mode": m.kv_mode, "drafter": m.drafter, "models": models}

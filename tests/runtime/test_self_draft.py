@@ -143,6 +143,16 @@ def test_spec_export_plan_shows_no_weight_bytes_for_a_self_draft(self_bundle):
     assert sum(v for k, v in models["target"].items() if k.startswith("weights_")) > 0
 
 
+def test_a_bench_report_names_the_layers_and_counts_no_bytes_of_its_own(dec):
+    from specedge.runtime.bench.runner import bundle_info
+
+    info = bundle_info(dec)
+    draft = info["models"]["draft"]
+    assert draft["weights_bytes"] == 0 and draft["kv_bytes"] == 0
+    assert draft["self_layers"] == [i for i in range(LAYERS) if i not in SKIP]
+    assert info["models"]["target"]["weights_bytes"] > 0 and info["models"]["target"]["self_layers"] == []
+
+
 # ---------------------------------------------------------------- exactness
 @pytest.mark.parametrize("mode", sorted(PARAMS))
 @pytest.mark.parametrize("drafter", ["model", "auto", "hybrid"])
