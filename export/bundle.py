@@ -221,6 +221,9 @@ def _add_self_draft(tmp: Path, manifest: Manifest, skip: tuple[int, ...] | None,
         skip = result.best.skip
         say(f"self draft: skipping {format_layers(skip)} (first-token acceptance {result.best.alpha:.2f}, "
             f"predicted {result.best.speedup:.2f}x plain at k={result.best.k})")
+        if result.best.speedup < 1:
+            say("self draft: no set tried is predicted to beat plain decoding on this machine: auto will not choose "
+                "it (the bundle keeps it; prompt lookup and plain rounds are still auto's)")
     out = with_self_draft(tmp, manifest, skip)
     say(f"self draft: {out.draft.dims.n_layers} of {manifest.target.dims.n_layers} target layers, no weights of "
         "its own")

@@ -308,8 +308,8 @@ def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads,
               help="Requests waiting beyond the running ones; more get 503 with Retry-After.")
 @click.option("--max-batch", type=click.IntRange(1, 48), default=None,
               help="Requests decoded together, their rounds in shared steps (each one's text what it is alone). "
-                   "Default: 4 for a bundle in the specedge form on the CPU (kv_mode rows), else 1; more than 1 "
-                   "needs such a bundle. Each costs a KV cache (spec-export plan --max-batch).")
+                   "Default: 4 for a bundle in the specedge form on the CPU (kv_mode rows) without a self draft, "
+                   "else 1; more than 1 needs such a bundle. Each costs a KV cache (spec-export plan --max-batch).")
 @click.option("--api-key", envvar="SPECEDGE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on the /v1 routes (or set SPECEDGE_API_KEY): visible ASCII "
                    "characters, no spaces; an empty key is refused.")

@@ -398,7 +398,8 @@ DEFAULT_MAX_BATCH = 4  # spec-run serve's requests decoded together, where the b
 
 def default_max_batch(bundle: str, backend: str) -> int:
     """:data:`DEFAULT_MAX_BATCH` for a row-addressed bundle (kv_mode rows) on the CPU, else 1 (its graphs take one
-    sequence a step). An unreadable bundle gives 1: loading it says what is wrong."""
+    sequence a step; a self draft shares one sequence's cache). An unreadable bundle gives 1: loading it says what is
+    wrong."""
     from pathlib import Path
 
     from .manifest import ROWS_KV_MODE, read_manifest
@@ -407,7 +408,8 @@ def default_max_batch(bundle: str, backend: str) -> int:
         m = read_manifest(Path(bundle), verify="none")
     except SpecEdgeError:
         return 1
-    return DEFAULT_MAX_BATCH if m.kv_mode == ROWS_KV_MODE and backend in ("auto", "ort-cpu") else 1
+    self_draft = m.draft is not None and m.draft.is_self
+    return DEFAULT_MAX_BATCH if m.kv_mode == ROWS_KV_MODE and backend in ("auto", "ort-cpu") and not self_draft else 1
 
 
 def _reason(reason: str | None) -> str | None:

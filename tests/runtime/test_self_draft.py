@@ -153,6 +153,12 @@ def test_a_bench_report_names_the_layers_and_counts_no_bytes_of_its_own(dec):
     assert info["models"]["target"]["weights_bytes"] > 0 and info["models"]["target"]["self_layers"] == []
 
 
+def test_serve_decodes_one_request_at_a_time_by_default_with_a_self_draft(self_bundle):
+    from specedge.runtime.server import default_max_batch
+
+    assert default_max_batch(str(self_bundle), "auto") == 1  # a self draft shares one sequence's cache
+
+
 # ---------------------------------------------------------------- exactness
 @pytest.mark.parametrize("mode", sorted(PARAMS))
 @pytest.mark.parametrize("drafter", ["model", "auto", "hybrid"])
