@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from specedge.runtime.bundle_files import file_entry
 from specedge.runtime.errors import BundleError, OptionError, UnsupportedModelError
 from specedge.runtime.manifest import (
@@ -28,6 +30,7 @@ from specedge.runtime.manifest import (
     MAX_CONTEXT,
     ONNX_OPSET,
     ROWS_KV_MODE,
+    SEK_FORMAT,
     HeadRows,
     Manifest,
     ModelEntry,
@@ -40,7 +43,7 @@ from .graph import build_model_graph
 from .install import MARKER, check_destination, install, real_destination, workspace
 from .loaders import WeightSource, load_source
 from .quant import QDQ_OPSET, WeightFormat
-from .self_draft import format_layers, is_self, parse_skip, with_self_draft
+from .self_draft import external_tensors, format_layers, is_self, parse_skip, with_self_draft
 from .tokenizer import TOKENIZER_FILE, check_same_vocab, write_tokenizer
 
 DRAFT_NO_MODEL = ("prompt-lookup", "none")
@@ -299,6 +302,9 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
                                                 batch=tuple(t for t in BATCH_WIDTHS if t <= opts.max_context)
                                                 if opts.kv_mode == ROWS_KV_MODE else ()),
         source=src.describe(), quant=quant, head=head,
+        # the specedge form's tensors, which the runtime reads itself (its kernels keep no packed copy of their own)
+        tensors=external_tensors(onnx.load(str(onnx_path), load_external_data=False))
+        if quant.get("format") == SEK_FORMAT else {},
     )
 
 

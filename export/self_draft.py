@@ -154,9 +154,7 @@ def self_entry(manifest: Manifest, skip: tuple[int, ...], graph: str,
         family=t.family, dims=dataclasses.replace(t.dims, n_layers=len(kept)), graph=graph, weights=t.weights,
         precision=t.precision, widths=(Width(ROLE_DECODE, 1, 1),),
         source={"self": f"the target's layers without {format_layers(skip)}", "skipped": list(skip)},
-        quant=t.quant, layers=kept, shared=tensors)
-
-
+        quant=t.quant, layers=kept, tensors=tensors)
 
 
 def with_self_draft(bundle_dir: Path, manifest: Manifest, skip: tuple[int, ...],

@@ -117,7 +117,7 @@ class _Calibration:
         cand = with_self_draft(bundle_dir, self.base, skip, graph=SEARCH_GRAPH)
         try:
             draft = OrtRunner(bundle_dir, cand, "draft", threads=threads, slots=len(self.seqs) + 1,
-                              weights={n: self.weights[n] for n in cand.draft.shared}, kv_of=self.target)
+                              weights={n: self.weights[n] for n in cand.draft.tensors}, kv_of=self.target)
         finally:
             (Path(bundle_dir) / SEARCH_GRAPH).unlink(missing_ok=True)
         kv, layers = self.target.kv, list(cand.draft.layers)

@@ -143,10 +143,13 @@ class ModelEntry:
     quant: dict[str, Any] = field(default_factory=dict)  # int8/int4: MatMulNBits settings and weight error
     head: HeadRows | None = None  # draft only: its lm_head covers these ids (None: the whole vocabulary)
     # a self draft (draft only): the target layers it runs, its weights the target's file, its KV cache the target's
-    # for those layers; ``shared``: every tensor of that file, name -> (offset, length, ONNX type, *dims), which the
-    # runtime reads once and hands both sessions
+    # for those layers
     layers: tuple[int, ...] = ()
-    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # every tensor of the weights file, name -> (offset, length, ONNX type, *dims): on ONNX Runtime CPU the runtime
+    # reads them once and hands them to the session as initializers (to both, for a self draft), so the file is
+    # never mapped and a load holds the weights once. Empty (other forms, bundles exported before): ONNX Runtime is
+    # handed the file's contents and copies what it needs
+    tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.head is not None and self.head.extra and self.head.extra[-1] >= self.dims.vocab:
@@ -228,17 +231,18 @@ class Manifest:
             raise BundleError(f"unknown drafter {self.drafter!r}; allowed: {', '.join(DRAFTER_KINDS)}")
         if (self.drafter == "model") != (self.draft is not None):
             raise BundleError("drafter 'model' needs a draft model entry, and only it has one")
-        if self.target.layers or self.target.shared:
-            raise BundleError("target.layers/shared describe a self draft; the target runs all its layers")
+        if self.target.layers:
+            raise BundleError("target.layers describes a self draft; the target runs all its layers")
         d = self.draft
         if d is not None and d.layers:
             n = self.target.dims.n_layers
             if list(d.layers) != sorted(set(d.layers)) or d.layers[-1] >= n or d.dims.n_layers != len(d.layers) \
-                    or d.weights != self.target.weights or self.kv_mode != ROWS_KV_MODE or d.head is not None:
+                    or d.weights != self.target.weights or self.kv_mode != ROWS_KV_MODE or d.head is not None \
+                    or not d.tensors:
                 raise BundleError(f"draft.layers {list(d.layers)}: a self draft runs increasing target layers in "
                                   f"0..{n - 1}, as many as its dims.n_layers ({d.dims.n_layers}), from the target's "
-                                  f"weights file ({self.target.weights}; it names {d.weights}), in kv_mode rows, "
-                                  "with the target's whole head")
+                                  f"weights file ({self.target.weights}; it names {d.weights}) and its tensors, in "
+                                  "kv_mode rows, with the target's whole head")
         if self.target.head is not None:
             raise BundleError("target.head: the target's lm_head must cover the whole vocabulary (its distribution "
                               "is the output); only a draft may have a partial head")

@@ -127,7 +127,8 @@ def open_runner(backend: str, bundle_dir: Path, manifest: Manifest, role: str, t
     cuda_graphs: TensorRT replays each width's step as a CUDA graph (False: plain execute); other backends
     ignore it. accuracy_level: ONNX Runtime, --quant-form qdq graphs: the fused MatMulNBits' compute precision
     instead of the bundle's (validate: 0). slots: sequences the KV cache holds (row-addressed bundles only).
-    weights, kv_of: a self draft's shared tensors and the target runner whose cache it shares (ort-cpu)."""
+    weights: the model's tensors read by :func:`.ort.shared_weights` (ort-cpu); kv_of: a self draft's target runner,
+    whose cache it shares (ort-cpu)."""
     if (weights or kv_of is not None) and backend != "ort-cpu":
         raise BackendUnavailableError(f"{bundle_dir} has a self draft (the target's own layers, sharing its weights "
                                       f"and KV cache in host memory), which runs on ort-cpu; backend {backend} "
@@ -166,7 +167,8 @@ def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: in
     shared: dict = {}
     target = draft = None
     try:
-        weights = None
+        weights = draft_weights = None
+        host = backend == "ort-cpu" and precision in (None, "fp32")  # the graphs whose tensors the manifest lists
         if manifest.draft is not None and manifest.draft.is_self:
             if target_slots > 1:
                 raise OptionError(f"max_batch {target_slots}: {bundle_dir}'s self draft drafts in the target's cache "
@@ -176,16 +178,23 @@ def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: in
                 raise BackendUnavailableError(
                     f"{bundle_dir} has a self draft (the target's own layers, sharing its weights and KV cache in "
                     f"host memory), which runs on ort-cpu in fp32; {backend} {precision or ''} cannot share them")
-            from .ort import shared_weights
+        from .ort import shared_weights
 
-            weights = shared_weights(Path(bundle_dir) / str(manifest.target.weights), manifest.draft.shared)
+        if host and (manifest.target.tensors or (manifest.draft is not None and manifest.draft.is_self)):
+            weights = shared_weights(Path(bundle_dir) / str(manifest.target.weights),
+                                     manifest.target.tensors or manifest.draft.tensors)
+        self_draft = manifest.draft is not None and manifest.draft.is_self
+        if self_draft:
+            draft_weights = weights
+        elif host and manifest.draft is not None and manifest.draft.tensors:
+            draft_weights = shared_weights(Path(bundle_dir) / str(manifest.draft.weights), manifest.draft.tensors)
         target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
                              cuda_graphs=cuda_graphs, min_width=target_min_width, slots=target_slots,
                              weights=weights)
         draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared,
-                             cuda_graphs=cuda_graphs, weights=weights, kv_of=target if weights is not None else None)
+                             cuda_graphs=cuda_graphs, weights=draft_weights, kv_of=target if self_draft else None)
                  if manifest.draft else None)
-        del weights  # the sessions hold them
+        del weights, draft_weights  # the sessions hold them
     except BaseException:  # device memory is not left to the garbage collector
         for runner in (draft, target):
             if runner is not None:

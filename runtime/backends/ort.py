@@ -68,14 +68,15 @@ def open_session(ort: Any, path: Path, so: Any, providers: list, given: dict[str
     silently changes its answers. Handed the file's contents, it copies what it needs while the session is made,
     and the file is never touched again (a changed file is found by :class:`..bundle_files.FileWatch`). That copy
     is made while the mapping is also resident: a load's peak memory is about twice the weights. ``given``: the
-    file's tensors, already read and added to ``so`` as initializers (:func:`shared_weights`); when they are all of
-    it, the session is made without the file, and the load's peak is the weights once."""
+    file's tensors, already read and added to ``so`` as initializers (:func:`shared_weights`): when they are all of
+    it (a manifest's ``ModelEntry.tensors``), the session is made without the file, and the load's peak is the weights
+    once (a tensor missing from ``given`` would be mapped by ONNX Runtime)."""
     data = path.with_name(path.name + ".data")
     names = {p if isinstance(p, str) else p[0] for p in providers}
     # ONNX Runtime's TensorRT execution provider parses the model from its file itself (ort-trt): left as it was
     if not data.is_file() or not data.stat().st_size or "TensorrtExecutionProvider" in names:  # (empty: no mmap)
         return ort.InferenceSession(str(path), so, providers=providers)
-    if given and sum(a.nbytes for a in given.values()) >= data.stat().st_size:  # every byte of it is in ``given``
+    if given:
         return ort.InferenceSession(str(path), so, providers=providers)
     with open(data, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
         so.add_external_initializers_from_files_in_memory([data.name], [view], [len(view)])
@@ -86,9 +87,9 @@ ONNX_NUMPY = {1: np.float32, 2: np.uint8, 3: np.int8, 5: np.int16, 6: np.int32, 
 
 
 def shared_weights(path: Path, tensors: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """The tensors a self draft shares with its target (``ModelEntry.shared``: name -> (offset, length, ONNX type,
-    *dims) in the target's weights file), read once into arrays that both sessions use as their initializers
-    (``SessionOptions.add_initializer``: ONNX Runtime keeps the caller's buffer, it copies nothing). Read, not
+    """A weights file's tensors (``ModelEntry.tensors``: name -> (offset, length, ONNX type, *dims)), read once
+    into arrays that sessions use as their initializers (``SessionOptions.add_initializer``: ONNX Runtime keeps the
+    caller's buffer and copies nothing; a self draft's session and its target's use the same arrays). Read, not
     mapped, for the reason :func:`open_session` gives."""
     out = {}
     size = path.stat().st_size

@@ -181,3 +181,32 @@ def test_the_tensorrt_execution_provider_keeps_reading_the_model_from_its_file(b
         so = FakeOptions()
         assert open_session(FakeOrt, bundle / "target.onnx", so, providers) == str(bundle / "target.onnx")
         assert so.given == ([([DATA], [size])] if handed else []), providers
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/self/maps"), reason="reads the process's mappings (Linux)")
+def test_the_specedge_form_reads_each_weights_file_once_and_maps_none(tiny_llama, tiny_draft, tmp_path):
+    """The specedge form's manifest lists every tensor of each weights file: the runtime reads them itself and ONNX
+    Runtime takes them as initializers, so no file is mapped, even while the session is made (a load's peak is the
+    weights once, not the mapped file and ONNX Runtime's copy at once)."""
+    from specedge.export.bundle import ExportOptions, export_bundle
+    from specedge.export.quant import WeightFormat
+    from specedge.runtime.manifest import ROWS_KV_MODE, read_manifest
+
+    opts = ExportOptions(k=4, max_context=128, prefill_chunk=16, kv_mode=ROWS_KV_MODE,
+                         weights=WeightFormat("int4", form="specedge"))
+    out = export_bundle(tiny_llama, tiny_draft, tmp_path / "b", opts).out
+    m = read_manifest(out)
+    for e in (m.target, m.draft):  # every tensor of the file: only the 64-byte alignment between them
+        spans = sorted((offset, offset + length) for offset, length, *_ in e.tensors.values())
+        ends = [0] + [end for _, end in spans]
+        assert all(0 <= a - end < 64 for (a, _), end in zip(spans, ends)), spans
+        assert 0 <= (out / e.weights).stat().st_size - ends[-1] < 64
+    dec = SpecDecoder.load(out, threads=1)
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+        assert ".onnx.data" not in maps
+        assert dec.generate("def fib(n):", PARAMS, drafter="model").token_ids == \
+            dec.generate("def fib(n):", PARAMS, drafter="none").token_ids
+    finally:
+        dec.close()

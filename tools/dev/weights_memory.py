@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""What reading the weights (the runtime's way) costs against letting ONNX Runtime map the weights file.
+"""What each way of loading the weights costs: ONNX Runtime mapping the weights file, ONNX Runtime copying the
+file's contents, and the runtime reading each tensor once.
 
     python tools/dev/weights_memory.py BUNDLE [--rounds 3] [--max-new-tokens 128]
 
-The runtime hands ONNX Runtime the contents of ``<graph>.onnx.data`` (``runtime/backends/ort.py: open_session``), so
-a file truncated or rewritten under a running decoder cannot crash it. Mapped, only the pages a step touches are
-resident (an embedding table's unused rows are not); read, every initializer is copied into ONNX Runtime's heap.
-Each mode runs in its own process, alternated round by round: load seconds, resident memory after a generation,
-peak resident memory, and plain decoding's tok/s (the best of 4 generations, a fresh prefill each).
+``read`` is the runtime's way for a bundle whose manifest lists its tensors (the specedge form): each tensor is read
+from ``<graph>.onnx.data`` into an array that ONNX Runtime takes as an initializer, and the file is never mapped.
+``copied`` is its way for other bundles: ONNX Runtime is handed the file's contents and copies what it needs while
+the session is made (the file's pages and the copies resident at once). ``mapped`` is ONNX Runtime's own: only the
+pages a step touches are resident, and a file truncated or rewritten under the process can crash it (SIGBUS), which
+is why the runtime does not do it. A bundle without a self draft. Each mode runs in its own process, alternated round
+by round: load seconds, resident memory after a generation, peak resident memory, and plain decoding's tok/s (the
+best of 4 generations, a fresh prefill each).
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ import sys
 CHILD = r"""
 import json, resource, sys, time
 import specedge.runtime.backends.ort as ortb
+if sys.argv[2] in ("mapped", "copied"):
+    ortb.shared_weights = lambda path, tensors: None  # the manifest's tensors ignored
 if sys.argv[2] == "mapped":
-    ortb.open_session = lambda ort, path, so, providers: ort.InferenceSession(str(path), so, providers=providers)
+    ortb.open_session = lambda ort, path, so, providers, given=None: ort.InferenceSession(str(path), so,
+                                                                                          providers=providers)
 from specedge.runtime import SamplingParams, SpecDecoder
 t0 = time.perf_counter()
 dec = SpecDecoder.load(sys.argv[1], threads=2)
@@ -45,9 +52,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     a = ap.parse_args()
-    got: dict[str, list[dict]] = {"mapped": [], "read": []}
+    modes = ("mapped", "copied", "read")
+    got: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(a.rounds):
-        for mode in (("mapped", "read") if r % 2 == 0 else ("read", "mapped")):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
             out = subprocess.run([sys.executable, "-W", "ignore", "-c", CHILD, a.bundle, mode,
                                   str(a.max_new_tokens)], capture_output=True, text=True, check=True)
             got[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
