@@ -320,15 +320,45 @@ def chat(bundle, system, max_new_tokens, temperature, drafter, backend, threads,
 @click.option("--drafter", type=click.Choice(["auto", "hybrid", "model", "lookup", "prompt-lookup", "off", "none"]),
               default="auto", show_default=True,
               help="The drafter of a request that names none in its 'speculation' field (see spec-run generate).")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="Serve as replicas on the Ray cluster at ADDRESS ('auto': the cluster this machine is part of; "
+                   "host:port of its head), behind one endpoint at --host:--port; a conversation's turns go to one "
+                   "replica. BUNDLE must be at the same path on every node. Needs the [ray] extra.")
+@click.option("--replicas", type=click.IntRange(1, 1024), default=1, show_default=True,
+              help="With --ray: replicas, each its own decoder.")
+@click.option("--max-replicas", type=click.IntRange(1, 1024), default=None,
+              help="With --ray: above --replicas, Ray Serve scales between the two with the load.")
+@click.option("--replica-cpus", type=click.FloatRange(0.1, 1024), default=None,
+              help="With --ray: CPUs each replica reserves (default --threads, else 1).")
+@click.option("--replica-gpus", type=click.FloatRange(0, 64), default=0, show_default=True,
+              help="With --ray: GPUs each replica reserves.")
+@click.option("--replica-resource", multiple=True, metavar="NAME=AMOUNT",
+              help="With --ray: a custom node resource each replica needs (repeatable), e.g. jetson=1 for nodes "
+                   "started with --resources '{\"jetson\": 1}'.")
 def serve(bundle, host, port, max_queue, max_batch, api_key, backend, threads, log_level, cuda_graphs,
-          drafter) -> None:
+          drafter, ray_address, replicas, max_replicas, replica_cpus, replica_gpus, replica_resource) -> None:
     """Serve BUNDLE over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics). Needs the [serve] extra."""
+    /health, /metrics). Needs the [serve] extra; --ray, the [ray] extra."""
     from .server import serve as run_server
 
     if api_key is None and "SPECEDGE_API_KEY" in os.environ:  # click reads an empty variable as unset
         api_key = os.environ["SPECEDGE_API_KEY"]  # refused as empty, not taken as "no key"
+    if ray_address is None and (replicas != 1 or max_replicas or replica_cpus or replica_gpus or replica_resource):
+        click.echo("error: --replicas, --max-replicas and --replica-* place replicas on a Ray cluster: give --ray "
+                   "ADDRESS too", err=True)
+        sys.exit(2)
     try:
+        if ray_address is not None:
+            from .openai_api import check_api_key
+            from .serve_ray import RayOptions, parse_resources, serve_on_ray
+
+            options = RayOptions(address=ray_address, replicas=replicas, max_replicas=max_replicas,
+                                 replica_cpus=replica_cpus or float(threads or 1), replica_gpus=replica_gpus,
+                                 resources=parse_resources(replica_resource))
+            serve_on_ray(bundle, options, host=host, port=port,
+                         serve_kw={"backend": backend, "threads": threads, "max_batch": max_batch,
+                                   "max_queue": max_queue, "api_key": check_api_key(api_key), "drafter": drafter})
+            return
         run_server(bundle, host=host, port=port, max_queue=max_queue, api_key=api_key, backend=backend,
                    threads=threads, log_level=log_level, cuda_graphs=cuda_graphs, drafter=drafter,
                    max_batch=max_batch)

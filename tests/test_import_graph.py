@@ -107,3 +107,15 @@ def test_the_runtime_never_imports_export():
     bad = {m: sorted(d for d in deps if d.startswith("specedge.export")) for m, deps in graph.items()
            if m.startswith("specedge.runtime")}
     assert not {m: d for m, d in bad.items() if d}
+
+
+def test_only_the_ray_deployment_imports_ray():
+    """ray is an optional extra: the rest of the package runs without it."""
+    importers = set()
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                importers.add(name)
+    assert importers == {"specedge.runtime.serve_ray"}, importers

@@ -1,0 +1,271 @@
+"""`spec-run serve --ray ADDRESS`: replicas of one bundle on a Ray cluster behind one OpenAI-compatible endpoint.
+
+Two Ray Serve deployments (the ``[ray]`` extra; nothing else in specedge imports ray):
+
+* ``SpecEdgeReplica``: one :class:`SpecDecoder` and the single-process server's :class:`~.server.Server` around it,
+  so every route, error, SSE stream, API key check, queue limit and ``/metrics`` is that server's code. A request
+  reaches it as (method, path, headers, body) and runs through the server's own ASGI app in the replica; what the
+  app sends comes back as a stream of (status, headers) then body chunks.
+* ``SpecEdgeRouter``: the HTTP ingress. It reads a request's body, takes its conversation's key
+  (:func:`affinity_key`) and forwards it with that key as Ray Serve's multiplexed model id: Ray routes an id to a
+  replica that has served it (whose decoder holds the conversation's prefix), and a new id to a lightly loaded one.
+  A replica remembers its last :data:`SESSIONS_PER_REPLICA` keys.
+
+A replica that dies fails its in-flight requests with a 503 in OpenAI's error shape (mid-stream: an SSE error event),
+and Ray starts another. ``/metrics`` and ``/health`` answer from one replica; Ray's own metrics cover the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+SESSIONS_PER_REPLICA = 64  # conversation keys a replica keeps as "held here" (Ray's multiplexed-model LRU)
+MAX_ROUTED_BODY = 64 << 20  # the router reads at most this much of a body; a replica refuses what cannot fit
+AFFINITY_HEADER = "x-specedge-session"  # a client's own conversation key, when it has one
+REPLICA_DIED = ("the replica serving this request stopped ({what}); Ray Serve starts another: retry the request")
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How the replicas are placed and scaled (``spec-run serve --ray``)."""
+
+    address: str = "auto"  # a running cluster's address ("auto": the one this machine is part of)
+    replicas: int = 1
+    max_replicas: int | None = None  # above ``replicas``: Ray Serve's autoscaling between the two
+    replica_cpus: float = 1.0  # CPUs Ray reserves for each replica (its decoder's threads by default)
+    replica_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom node resources a replica needs ("jetson": 1)
+    max_ongoing: int = 32  # requests Ray sends one replica at once (its server queues and refuses past its own limit)
+
+
+def parse_resources(items: tuple[str, ...] | list[str]) -> dict[str, float]:
+    """("jetson=1", "gpu_mem=8") -> {"jetson": 1.0, "gpu_mem": 8.0}: a replica's custom Ray resources."""
+    from .errors import OptionError
+
+    out: dict[str, float] = {}
+    for item in items:
+        name, eq, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        if not eq or not name.strip() or not value > 0:
+            raise OptionError(f"--replica-resource {item!r}: give NAME=AMOUNT with a positive amount, e.g. jetson=1")
+        out[name.strip()] = value
+    return out
+
+
+def affinity_key(body: bytes, headers: dict[str, str]) -> str:
+    """The key that sends a conversation's turns to one replica: the client's ``X-SpecEdge-Session`` header, else
+    the request's ``user`` field, else a hash of the conversation's opening (its messages up to and including the
+    first user message, which every later turn repeats; a completion's first 512 characters). '' for a body that is
+    not a JSON object (the replica answers its error)."""
+    own = headers.get(AFFINITY_HEADER, "").strip()
+    if own:
+        return "h:" + hashlib.sha256(own.encode("utf-8", "replace")).hexdigest()[:32]
+    try:
+        req = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return ""
+    if not isinstance(req, dict):
+        return ""
+    if isinstance(req.get("user"), str) and req["user"]:
+        return "u:" + hashlib.sha256(req["user"].encode("utf-8", "replace")).hexdigest()[:32]
+    opening: Any = None
+    messages = req.get("messages")
+    if isinstance(messages, list):
+        opening = []
+        for m in messages:
+            opening.append(m)
+            if isinstance(m, dict) and m.get("role") == "user":
+                break
+    elif isinstance(req.get("prompt"), str):
+        opening = req["prompt"][:512]
+    if opening is None:
+        return ""
+    blob = json.dumps(opening, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "replace")
+    return "c:" + hashlib.sha256(blob).hexdigest()[:32]
+
+
+async def run_asgi(app: Any, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes):
+    """Run one HTTP request through an ASGI ``app`` in this process: yields ("start", status, headers), then
+    ("body", bytes) for each chunk. Closing the generator early (the client left) tells the app the client
+    disconnected."""
+    sent: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await sent.put(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode("latin-1"), "root_path": "",
+             "query_string": query.encode("latin-1"), "server": ("specedge-replica", 0), "client": ("ray", 0),
+             "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]}
+    task = asyncio.ensure_future(app(scope, receive, send))
+    try:
+        while True:
+            getter = asyncio.ensure_future(sent.get())
+            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():  # the app returned (or raised) with nothing more to send
+                getter.cancel()
+                task.result()
+                return
+            message = getter.result()
+            if message["type"] == "http.response.start":
+                yield ("start", int(message["status"]),
+                       [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])])
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield ("body", bytes(message["body"]))
+                if not message.get("more_body", False):
+                    return
+    finally:
+        gone.set()
+        if not task.done():
+            try:
+                await asyncio.wait_for(task, timeout=5)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the request is over either way
+                task.cancel()
+
+
+def _error_body(status: int, message: str, code: str) -> bytes:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+def build_app(bundle: str, serve_kw: dict[str, Any], options: RayOptions) -> Any:
+    """The Ray Serve application: a router in front of ``options.replicas`` replicas of ``bundle``. serve_kw: what
+    each replica's decoder and server take (backend, threads, max_batch, max_queue, api_key, drafter, verify)."""
+    from ray import serve
+
+    @serve.deployment(name="SpecEdgeReplica", max_ongoing_requests=options.max_ongoing,
+                      ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus,
+                                         "resources": dict(options.resources)},
+                      **_scaling(options))
+    class SpecEdgeReplica:
+        def __init__(self) -> None:
+            from pathlib import Path
+
+            # absolute: the class is pickled by value into Ray's workers
+            from specedge.runtime.decoder import SpecDecoder
+            from specedge.runtime.server import Server, default_max_batch
+
+            kw = dict(serve_kw)
+            max_batch = kw.pop("max_batch", None) or default_max_batch(bundle, kw.get("backend", "auto"))
+            threads = kw.get("threads") or max(1, int(options.replica_cpus))  # the CPUs Ray gave it, not the node's
+            self.dec = SpecDecoder.load(bundle, backend=kw.get("backend", "auto"), threads=threads,
+                                        verify="size", max_batch=max_batch)
+            self.server = Server(self.dec, kw.get("model_name") or Path(bundle).resolve().name,
+                                 max_queue=kw.get("max_queue", 16), api_key=kw.get("api_key"),
+                                 drafter=kw.get("drafter", "auto"))
+
+        @serve.multiplexed(max_num_models_per_replica=SESSIONS_PER_REPLICA)
+        async def _session(self, key: str) -> str:
+            return key  # nothing to load: the decoder's cache is the conversation's prefix
+
+        async def forward(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes):
+            key = serve.get_multiplexed_model_id()
+            if key:
+                await self._session(key)  # tells Ray this replica holds the conversation
+            async for item in run_asgi(self.server.app, method, path, query, headers, body):
+                yield item
+
+    @serve.deployment(name="SpecEdgeRouter", ray_actor_options={"num_cpus": 0})
+    @serve.ingress()
+    class SpecEdgeRouter:
+        def __init__(self, replica: Any) -> None:
+            self.replica = replica
+
+        def __serve_build_asgi_app__(self) -> Any:
+            from starlette.applications import Starlette
+            from starlette.routing import Route
+
+            return Starlette(routes=[Route("/{path:path}", self.route,
+                                           methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])])
+
+        async def route(self, request: Any) -> Any:
+            from starlette.responses import Response, StreamingResponse
+
+            body = bytearray()
+            async for part in request.stream():
+                body += part
+                if len(body) > MAX_ROUTED_BODY:
+                    return Response(_error_body(413, f"the request body is over {MAX_ROUTED_BODY} bytes",
+                                                "request_too_large"), 413, media_type="application/json")
+            headers = list(request.headers.items())
+            key = affinity_key(bytes(body), dict(request.headers)) if request.method == "POST" else ""
+            handle = self.replica.options(stream=True, multiplexed_model_id=key)
+            gen = handle.forward.remote(request.method, request.url.path, request.url.query, headers, bytes(body))
+            try:
+                first = await gen.__anext__()
+            except StopAsyncIteration:
+                return Response(_error_body(502, "the replica sent no response", "bad_gateway"), 502,
+                                media_type="application/json")
+            except Exception as e:  # noqa: BLE001 - a dead or unreachable replica: the client's error, clearly
+                return Response(_error_body(503, REPLICA_DIED.format(what=type(e).__name__), "replica_unavailable"),
+                                503, media_type="application/json", headers={"Retry-After": "1"})
+            _, status, out_headers = first
+            streaming = any(k.lower() == "content-type" and v.startswith("text/event-stream")
+                            for k, v in out_headers)
+            kept = {k: v for k, v in out_headers if k.lower() not in ("content-length", "transfer-encoding")}
+
+            async def chunks():
+                try:
+                    async for item in gen:
+                        yield item[1]
+                except Exception as e:  # noqa: BLE001 - mid-response: say so in the stream, then end it
+                    msg = REPLICA_DIED.format(what=type(e).__name__)
+                    if streaming:
+                        yield b"data: " + _error_body(503, msg, "replica_unavailable") + b"\n\n"
+                finally:
+                    gen.cancel()
+
+            if streaming:
+                return StreamingResponse(chunks(), status_code=status, headers=kept)
+            data = bytearray()
+            try:
+                async for item in gen:
+                    data += item[1]
+            except Exception as e:  # noqa: BLE001
+                return Response(_error_body(503, REPLICA_DIED.format(what=type(e).__name__), "replica_unavailable"),
+                                503, media_type="application/json", headers={"Retry-After": "1"})
+            return Response(bytes(data), status_code=status, headers=kept)
+
+    return SpecEdgeRouter.bind(SpecEdgeReplica.bind())
+
+
+def _scaling(options: RayOptions) -> dict[str, Any]:
+    if options.max_replicas is not None and options.max_replicas > options.replicas:
+        return {"autoscaling_config": {"min_replicas": options.replicas, "max_replicas": options.max_replicas,
+                                       "target_ongoing_requests": 2}}
+    return {"num_replicas": options.replicas}
+
+
+def serve_on_ray(bundle: str, options: RayOptions, host: str = "127.0.0.1", port: int = 8000,
+                 serve_kw: dict[str, Any] | None = None, blocking: bool = True) -> None:
+    """Connect to the Ray cluster at ``options.address``, deploy the router and the replicas, and serve at
+    host:port (Ray Serve's HTTP proxy) until interrupted (``blocking``)."""
+    from .errors import SpecEdgeError
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise SpecEdgeError("spec-run serve --ray needs the [ray] extra: pip install 'specedge[ray]'") from None
+    ray.init(address=options.address, ignore_reinit_error=True, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(bundle, dict(serve_kw or {}), options), name="specedge", route_prefix="/",
+              blocking=blocking)

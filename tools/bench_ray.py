@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Replicas on Ray: aggregate throughput of `spec-run serve --ray` with one replica against two, in one run.
+
+    python tools/bench_ray.py BUNDLE [--prompts configs/mixed_prompts.jsonl] [--replicas 1,2] [--concurrency 4]
+        [--requests 12] [--max-new-tokens 96] [--replica-cpus 1] [--rounds 2] [--out bench-ray]
+
+Starts a local Ray cluster on loopback, one node per replica of the most replicas asked for, each node
+``--replica-cpus`` CPUs (``ray start --head`` and ``ray start --address``, as on real machines), then for every round
+and replica count (the order reversed every other round) deploys the bundle with that many replicas (one decoder
+thread per CPU), warms each replica, and sends the same ``--requests`` streaming chat requests from ``--concurrency``
+clients (``tools/bench_concurrency.py``'s load: greedy, each load's prompts salted so no replica's prefix cache
+helps). Reports per replica count the median round's aggregate tok/s (all completion tokens / the load's wall
+time), TTFT and TPOT, and the ratio to one replica; writes ``results.json`` and ``report.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_concurrency import free_port, load  # noqa: E402 - the same load generator and port picker
+
+
+def start_cluster(nodes: int, cpus: float) -> tuple[str, list[str]]:
+    ray = str(Path(sys.executable).with_name("ray"))
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    port = free_port()
+    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", str(cpus), "--disable-usage-stats"]
+    subprocess.run([ray, "start", "--head", "--port", str(port), "--include-dashboard", "false", *common],
+                   check=True, capture_output=True, env=env)
+    for _ in range(nodes - 1):
+        subprocess.run([ray, "start", "--address", f"127.0.0.1:{port}", *common], check=True, capture_output=True,
+                       env=env)
+    return f"127.0.0.1:{port}", [ray, "stop", "--force"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle")
+    ap.add_argument("--prompts", default="configs/mixed_prompts.jsonl")
+    ap.add_argument("--replicas", default="1,2")
+    ap.add_argument("--concurrency", type=int, default=4, help="clients sending requests at once")
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--replica-cpus", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="bench-ray")
+    a = ap.parse_args()
+
+    from ray import serve
+
+    from specedge.runtime.bench.runner import machine_info
+    from specedge.runtime.bench.suites import load_prompts
+    from specedge.runtime.serve_ray import RayOptions, serve_on_ray
+
+    counts = sorted({int(x) for x in a.replicas.split(",")})
+    items = load_prompts(a.prompts)
+    prompts = [p.prompt if isinstance(p.prompt, str) else p.prompt[-1]["content"] for p in items]
+    m = machine_info()
+    model = Path(a.bundle).resolve().name
+    print(f"machine: {m['cpu']} ({m['cpu_flags']}), {m['cpus']} CPUs; bundle {a.bundle}; {len(prompts)} prompts, "
+          f"{a.requests} requests from {a.concurrency} clients, max_tokens {a.max_new_tokens}; replicas "
+          f"{counts}, {a.replica_cpus} CPUs each", flush=True)
+    address, stop = start_cluster(max(counts), a.replica_cpus)
+    runs: dict[int, list[dict]] = {n: [] for n in counts}
+    port = free_port()
+    try:
+        for r in range(a.rounds):
+            for n in (counts if r % 2 == 0 else counts[::-1]):
+                t0 = time.perf_counter()
+                serve_on_ray(a.bundle, RayOptions(address=address, replicas=n, replica_cpus=a.replica_cpus),
+                             port=port, serve_kw={"max_batch": 1, "max_queue": 64}, blocking=False)
+                for i in range(2 * n):  # every replica's first request (its step costs, its warm-up)
+                    load(port, model, prompts, 1, 1, 8, {}, salt=f"warm{r}-{n}-{i}")
+                res = load(port, model, prompts, a.concurrency, a.requests, a.max_new_tokens, {},
+                           salt=f"round{r}-{n}")
+                res.pop("texts")
+                runs[n].append(res)
+                setup = time.perf_counter() - t0 - res["wall_s"]
+                print(f"round {r} replicas {n}: {res['tok_s']:.1f} tok/s aggregate, TTFT {res['ttft_mean_s']:.2f} s, "
+                      f"{len(res['errors'])} errors (deployed and warmed in {setup:.0f} s)", flush=True)
+                serve.delete("specedge")
+    finally:
+        serve.shutdown()
+        import ray
+
+        ray.shutdown()
+        subprocess.run(stop, capture_output=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    med = {n: sorted(rs, key=lambda x: x["tok_s"])[len(rs) // 2] for n, rs in runs.items()}
+    base = med[counts[0]]["tok_s"]
+    lines = [f"Machine: {m['cpu']} ({m['cpu_flags']}), {m['cpus']} CPUs. Bundle `{a.bundle}`; {a.requests} greedy "
+             f"streaming chat requests of up to {a.max_new_tokens} tokens from {a.concurrency} clients "
+             f"({a.prompts}); {a.replica_cpus} CPUs per replica; median of {a.rounds} rounds.", "",
+             "| replicas | aggregate tok/s | x the fewest | TTFT s | TPOT ms | errors |", "|---|---|---|---|---|---|"]
+    for n in counts:
+        x = med[n]
+        tpot = f"{x['tpot_mean_s'] * 1e3:.0f}" if x["tpot_mean_s"] else "-"
+        lines.append(f"| {n} | {x['tok_s']:.1f} | {x['tok_s'] / base:.2f} | {x['ttft_mean_s']:.2f} | {tpot} | "
+                     f"{len(x['errors'])} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps({"machine": m, "runs": {str(k): v for k, v in runs.items()},
+                                                  "args": vars(a)}, indent=1))
+    print("\n".join(lines))
+    print("all rounds:", {n: [round(x["tok_s"], 1) for x in rs] for n, rs in runs.items()},
+          "median ratio", round(statistics.median(x["tok_s"] for x in runs[counts[-1]]) / base, 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
