@@ -128,9 +128,16 @@ async def run_asgi(app: Any, method: str, path: str, query: str, headers: list[t
                 yield ("start", int(message["status"]),
                        [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])])
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield ("body", bytes(message["body"]))
-                if not message.get("more_body", False):
+                # what the app has sent since is taken along: each item costs the router a message, so a
+                # stream read slower than it is written goes in fewer, larger pieces
+                data, more = bytearray(message.get("body", b"")), message.get("more_body", False)
+                while more and not sent.empty():
+                    nxt = sent.get_nowait()
+                    data += nxt.get("body", b"")
+                    more = nxt.get("more_body", False)
+                if data:
+                    yield ("body", bytes(data))
+                if not more:
                     return
     finally:
         gone.set()
@@ -266,6 +273,7 @@ def serve_on_ray(bundle: str, options: RayOptions, host: str = "127.0.0.1", port
     except ImportError:
         raise SpecEdgeError("spec-run serve --ray needs the [ray] extra: pip install 'specedge[ray]'") from None
     ray.init(address=options.address, ignore_reinit_error=True, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
+    # one endpoint: the head node's proxy only (a proxy per node would cost every node a process)
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     serve.run(build_app(bundle, dict(serve_kw or {}), options), name="specedge", route_prefix="/",
               blocking=blocking)
