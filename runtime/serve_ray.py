@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+COALESCE_S = 0.025  # a replica's stream sends what its app wrote within this long as one message
 SESSIONS_PER_REPLICA = 64  # conversation keys a replica keeps as "held here" (Ray's multiplexed-model LRU)
 MAX_ROUTED_BODY = 64 << 20  # the router reads at most this much of a body; a replica refuses what cannot fit
 AFFINITY_HEADER = "x-specedge-session"  # a client's own conversation key, when it has one
@@ -114,6 +115,7 @@ async def run_asgi(app: Any, method: str, path: str, query: str, headers: list[t
              "scheme": "http", "path": path, "raw_path": path.encode("latin-1"), "root_path": "",
              "query_string": query.encode("latin-1"), "server": ("specedge-replica", 0), "client": ("ray", 0),
              "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]}
+    loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(app(scope, receive, send))
     try:
         while True:
@@ -128,11 +130,18 @@ async def run_asgi(app: Any, method: str, path: str, query: str, headers: list[t
                 yield ("start", int(message["status"]),
                        [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])])
             elif message["type"] == "http.response.body":
-                # what the app has sent since is taken along: each item costs the router a message, so a
-                # stream read slower than it is written goes in fewer, larger pieces
+                # what the app sends within COALESCE_S goes along: each item costs Ray a message between
+                # processes, and a fast model's tokens (a few ms apart) would cost more in messages than in steps
                 data, more = bytearray(message.get("body", b"")), message.get("more_body", False)
-                while more and not sent.empty():
-                    nxt = sent.get_nowait()
+                until = loop.time() + COALESCE_S
+                while more:
+                    left = until - loop.time()
+                    if left <= 0 and sent.empty():
+                        break
+                    try:
+                        nxt = sent.get_nowait() if left <= 0 else await asyncio.wait_for(sent.get(), left)
+                    except asyncio.TimeoutError:
+                        break
                     data += nxt.get("body", b"")
                     more = nxt.get("more_body", False)
                 if data:
