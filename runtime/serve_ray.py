@@ -43,6 +43,57 @@ class RayOptions:
     max_ongoing: int = 32  # requests Ray sends one replica at once (its server queues and refuses past its own limit)
 
 
+def start_local_cluster(nodes: int, cpus: int, ray: str = "ray") -> tuple[str, list[Any]]:
+    """A Ray cluster of ``nodes`` nodes of ``cpus`` CPUs on loopback (``ray start --head`` and ``ray start
+    --address``, as on real machines, each in the foreground of a process group of its own): its address and the
+    processes :func:`stop_local_cluster` stops. For tests and benchmarks on one machine; other Ray clusters on it are
+    left alone."""
+    import os
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    common = ["--block", "--node-ip-address", "127.0.0.1", "--num-cpus", str(cpus), "--disable-usage-stats"]
+    procs = [subprocess.Popen([ray, "start", "--head", "--port", str(port), "--include-dashboard", "false", *common],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)]
+    deadline = time.monotonic() + 120
+    while True:  # the head's GCS answers: the other nodes can join
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                stop_local_cluster(procs)
+                raise RuntimeError(f"the local Ray head did not start on port {port}") from None
+            time.sleep(0.2)
+    for _ in range(nodes - 1):
+        procs.append(subprocess.Popen([ray, "start", "--address", f"127.0.0.1:{port}", *common], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+    return f"127.0.0.1:{port}", procs
+
+
+def stop_local_cluster(procs: list[Any]) -> None:
+    """Stop the nodes :func:`start_local_cluster` started, the last first: each node's process group."""
+    import os
+    import signal
+    import subprocess
+
+    for p in reversed(procs):
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(p.pid, sig)
+                p.wait(wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
 def parse_resources(items: tuple[str, ...] | list[str]) -> dict[str, float]:
     """("jetson=1", "gpu_mem=8") -> {"jetson": 1.0, "gpu_mem": 8.0}: a replica's custom Ray resources."""
     from .errors import OptionError

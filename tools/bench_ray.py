@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,19 +55,6 @@ def split_load(ports: list[int], model: str, prompts: list, c: int, n: int, max_
             "tpot_mean_s": statistics.mean(tpots) if tpots else None}
 
 
-def start_cluster(nodes: int, cpus: int) -> tuple[str, list[str]]:
-    ray = str(Path(sys.executable).with_name("ray"))
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    port = free_port()
-    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", str(cpus), "--disable-usage-stats"]
-    subprocess.run([ray, "start", "--head", "--port", str(port), "--include-dashboard", "false", *common],
-                   check=True, capture_output=True, env=env)
-    for _ in range(nodes - 1):
-        subprocess.run([ray, "start", "--address", f"127.0.0.1:{port}", *common], check=True, capture_output=True,
-                       env=env)
-    return f"127.0.0.1:{port}", [ray, "stop", "--force"]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
@@ -90,7 +75,7 @@ def main() -> int:
 
     from specedge.runtime.bench.runner import machine_info
     from specedge.runtime.bench.suites import load_prompts
-    from specedge.runtime.serve_ray import RayOptions, serve_on_ray
+    from specedge.runtime.serve_ray import RayOptions, serve_on_ray, start_local_cluster, stop_local_cluster
 
     counts = sorted({int(x) for x in a.replicas.split(",")})
     items = load_prompts(a.prompts)
@@ -102,7 +87,7 @@ def main() -> int:
           f"{counts}, {a.replica_cpus} CPUs each", flush=True)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    address, stop = start_cluster(max(counts), a.replica_cpus)
+    address, nodes = start_local_cluster(max(counts), a.replica_cpus, ray=str(Path(sys.executable).with_name("ray")))
     runs: dict[int, list[dict]] = {n: [] for n in counts}
     control: dict[int, list[dict]] = {n: [] for n in counts}
     port = free_port()
@@ -148,7 +133,7 @@ def main() -> int:
         import ray
 
         ray.shutdown()
-        subprocess.run(stop, capture_output=True)
+        stop_local_cluster(nodes)
     out = out_dir
     med = {n: sorted(rs, key=lambda x: x["tok_s"])[len(rs) // 2] for n, rs in runs.items()}
     base = med[counts[0]]["tok_s"]

@@ -76,17 +76,13 @@ def test_replica_options_without_a_cluster_are_refused_with_what_to_add():
 @pytest.fixture(scope="module")
 def cluster():
     pytest.importorskip("ray.serve", reason="the [ray] extra (ray[serve]) is not installed")
-    port = _free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]
+    from specedge.runtime.serve_ray import start_local_cluster, stop_local_cluster
+
+    address, nodes = start_local_cluster(2, 1, ray=RAY)
     try:
-        subprocess.run([RAY, "start", "--head", "--port", str(port), "--include-dashboard", "false", *common],
-                       check=True, capture_output=True, env=env, timeout=120)
-        subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", *common], check=True, capture_output=True,
-                       env=env, timeout=120)
-        yield f"127.0.0.1:{port}"
+        yield address
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        stop_local_cluster(nodes)
 
 
 @pytest.fixture(scope="module")
