@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+ROUTER_MIN_ONGOING = 256  # requests the router holds at once, at the least
 COALESCE_S = 0.025  # a replica's stream sends what its app wrote within this long as one message
 SESSIONS_PER_REPLICA = 64  # conversation keys a replica keeps as "held here" (Ray's multiplexed-model LRU)
 MAX_ROUTED_BODY = 64 << 20  # the router reads at most this much of a body; a replica refuses what cannot fit
@@ -250,7 +251,10 @@ def build_app(bundle: str, serve_kw: dict[str, Any], options: RayOptions) -> Any
             async for item in run_asgi(self.server.app, method, path, query, headers, body):
                 yield item
 
-    @serve.deployment(name="SpecEdgeRouter", ray_actor_options={"num_cpus": 0})
+    # it only waits on replicas: as many requests at once as every replica may hold (Ray's default is 5)
+    @serve.deployment(name="SpecEdgeRouter", ray_actor_options={"num_cpus": 0},
+                      max_ongoing_requests=max(ROUTER_MIN_ONGOING,
+                                               options.max_ongoing * (options.max_replicas or options.replicas)))
     @serve.ingress()
     class SpecEdgeRouter:
         def __init__(self, replica: Any) -> None:

@@ -299,7 +299,10 @@ def test_a_servers_drafter_is_the_default_of_requests_that_name_none(bundles):
     try:
         body = {"model": "tiny", "prompt": "def fib(n):", "max_tokens": 6}
         status, reply, _ = s.post("/v1/completions", body)
-        assert status == 200 and reply["usage"]["specedge"]["strategies"] == {"none": 5}, reply
+        # every round plain; a plain round's free one-token guess (where width 2 costs no more than 1) may commit
+        # two tokens, so the 5 tokens after the first take 5 rounds or fewer
+        rounds = reply["usage"]["specedge"]["strategies"] if status == 200 else {}
+        assert set(rounds) == {"none"} and 3 <= rounds["none"] <= 5, reply
         status, reply, _ = s.post("/v1/completions", {**body, "speculation": {"drafter": "prompt-lookup"}})
         assert status == 200 and "none" not in reply["usage"]["specedge"]["strategies"], reply
     finally:
