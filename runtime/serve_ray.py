@@ -117,9 +117,12 @@ def affinity_key(body: bytes, headers: dict[str, str]) -> str:
     the request's ``user`` field, else a hash of the conversation's opening (its messages up to and including the
     first user message, which every later turn repeats; a completion's first 512 characters). '' for a body that is
     not a JSON object (the replica answers its error)."""
+    def digest(kind: str, text: str) -> str:
+        return kind + ":" + hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:32]
+
     own = headers.get(AFFINITY_HEADER, "").strip()
     if own:
-        return "h:" + hashlib.sha256(own.encode("utf-8", "replace")).hexdigest()[:32]
+        return digest("h", own)
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -127,7 +130,7 @@ def affinity_key(body: bytes, headers: dict[str, str]) -> str:
     if not isinstance(req, dict):
         return ""
     if isinstance(req.get("user"), str) and req["user"]:
-        return "u:" + hashlib.sha256(req["user"].encode("utf-8", "replace")).hexdigest()[:32]
+        return digest("u", req["user"])
     opening: Any = None
     messages = req.get("messages")
     if isinstance(messages, list):
@@ -140,8 +143,7 @@ def affinity_key(body: bytes, headers: dict[str, str]) -> str:
         opening = req["prompt"][:512]
     if opening is None:
         return ""
-    blob = json.dumps(opening, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "replace")
-    return "c:" + hashlib.sha256(blob).hexdigest()[:32]
+    return digest("c", json.dumps(opening, sort_keys=True, ensure_ascii=False, default=str))
 
 
 async def run_asgi(app: Any, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes):
@@ -209,9 +211,18 @@ async def run_asgi(app: Any, method: str, path: str, query: str, headers: list[t
                 task.cancel()
 
 
-def _error_body(status: int, message: str, code: str) -> bytes:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+def _replica_died(e: BaseException) -> Any:
+    """The error a request gets when its replica died or cannot be reached (OpenAI's shape, as the server's)."""
+    from .openai_api import ApiError
+
+    return ApiError(503, REPLICA_DIED.format(what=type(e).__name__), "server_error", code="replica_unavailable",
+                    headers={"Retry-After": "1"})
+
+
+def _response(e: Any) -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def build_app(bundle: str, serve_kw: dict[str, Any], options: RayOptions) -> Any:
@@ -270,12 +281,14 @@ def build_app(bundle: str, serve_kw: dict[str, Any], options: RayOptions) -> Any
         async def route(self, request: Any) -> Any:
             from starlette.responses import Response, StreamingResponse
 
+            from specedge.runtime.openai_api import ApiError
+
             body = bytearray()
             async for part in request.stream():
                 body += part
                 if len(body) > MAX_ROUTED_BODY:
-                    return Response(_error_body(413, f"the request body is over {MAX_ROUTED_BODY} bytes",
-                                                "request_too_large"), 413, media_type="application/json")
+                    return _response(ApiError(413, f"the request body is over {MAX_ROUTED_BODY} bytes",
+                                              code="request_too_large"))
             headers = list(request.headers.items())
             key = affinity_key(bytes(body), dict(request.headers)) if request.method == "POST" else ""
             handle = self.replica.options(stream=True, multiplexed_model_id=key)
@@ -283,11 +296,9 @@ def build_app(bundle: str, serve_kw: dict[str, Any], options: RayOptions) -> Any
             try:
                 first = await gen.__anext__()
             except StopAsyncIteration:
-                return Response(_error_body(502, "the replica sent no response", "bad_gateway"), 502,
-                                media_type="application/json")
+                return _response(ApiError(502, "the replica sent no response", "server_error", code="bad_gateway"))
             except Exception as e:  # noqa: BLE001 - a dead or unreachable replica: the client's error, clearly
-                return Response(_error_body(503, REPLICA_DIED.format(what=type(e).__name__), "replica_unavailable"),
-                                503, media_type="application/json", headers={"Retry-After": "1"})
+                return _response(_replica_died(e))
             _, status, out_headers = first
             streaming = any(k.lower() == "content-type" and v.startswith("text/event-stream")
                             for k, v in out_headers)
@@ -298,9 +309,8 @@ def build_app(bundle: str, serve_kw: dict[str, Any], options: RayOptions) -> Any
                     async for item in gen:
                         yield item[1]
                 except Exception as e:  # noqa: BLE001 - mid-response: say so in the stream, then end it
-                    msg = REPLICA_DIED.format(what=type(e).__name__)
                     if streaming:
-                        yield b"data: " + _error_body(503, msg, "replica_unavailable") + b"\n\n"
+                        yield ("data: " + json.dumps(_replica_died(e).body()) + "\n\n").encode()
                 finally:
                     gen.cancel()
 
@@ -311,8 +321,7 @@ def build_app(bundle: str, serve_kw: dict[str, Any], options: RayOptions) -> Any
                 async for item in gen:
                     data += item[1]
             except Exception as e:  # noqa: BLE001
-                return Response(_error_body(503, REPLICA_DIED.format(what=type(e).__name__), "replica_unavailable"),
-                                503, media_type="application/json", headers={"Retry-After": "1"})
+                return _response(_replica_died(e))
             return Response(bytes(data), status_code=status, headers=kept)
 
     return SpecEdgeRouter.bind(SpecEdgeReplica.bind())

@@ -168,8 +168,8 @@ def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: in
     target = draft = None
     try:
         weights = draft_weights = None
-        host = backend == "ort-cpu" and precision in (None, "fp32")  # the graphs whose tensors the manifest lists
-        if manifest.draft is not None and manifest.draft.is_self:
+        self_draft = manifest.draft is not None and manifest.draft.is_self
+        if self_draft:
             if target_slots > 1:
                 raise OptionError(f"max_batch {target_slots}: {bundle_dir}'s self draft drafts in the target's cache "
                                   "of one sequence; load it with max_batch 1, or export a draft model "
@@ -180,14 +180,14 @@ def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: in
                     f"host memory), which runs on ort-cpu in fp32; {backend} {precision or ''} cannot share them")
         from .ort import shared_weights
 
-        if host and (manifest.target.tensors or (manifest.draft is not None and manifest.draft.is_self)):
-            weights = shared_weights(Path(bundle_dir) / str(manifest.target.weights),
-                                     manifest.target.tensors or manifest.draft.tensors)
-        self_draft = manifest.draft is not None and manifest.draft.is_self
-        if self_draft:
-            draft_weights = weights
-        elif host and manifest.draft is not None and manifest.draft.tensors:
-            draft_weights = shared_weights(Path(bundle_dir) / str(manifest.draft.weights), manifest.draft.tensors)
+        def read(entry: ModelEntry) -> dict | None:  # the tensors the manifest lists, for the graphs that have them
+            if backend != "ort-cpu" or precision not in (None, "fp32") or not entry.tensors:
+                return None
+            return shared_weights(Path(bundle_dir) / str(entry.weights), entry.tensors)
+
+        # a self draft's tensors are its target's file (a bundle exported before lists them on the draft only)
+        weights = read(manifest.target) or (read(manifest.draft) if self_draft else None)
+        draft_weights = weights if self_draft else (read(manifest.draft) if manifest.draft else None)
         target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
                              cuda_graphs=cuda_graphs, min_width=target_min_width, slots=target_slots,
                              weights=weights)

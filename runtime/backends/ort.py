@@ -74,9 +74,8 @@ def open_session(ort: Any, path: Path, so: Any, providers: list, given: dict[str
     data = path.with_name(path.name + ".data")
     names = {p if isinstance(p, str) else p[0] for p in providers}
     # ONNX Runtime's TensorRT execution provider parses the model from its file itself (ort-trt): left as it was
-    if not data.is_file() or not data.stat().st_size or "TensorrtExecutionProvider" in names:  # (empty: no mmap)
-        return ort.InferenceSession(str(path), so, providers=providers)
-    if given:
+    # (empty: no mmap; ``given``: ONNX Runtime reads nothing of the file)
+    if not data.is_file() or not data.stat().st_size or "TensorrtExecutionProvider" in names or given:
         return ort.InferenceSession(str(path), so, providers=providers)
     with open(data, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
         so.add_external_initializers_from_files_in_memory([data.name], [view], [len(view)])
