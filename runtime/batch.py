@@ -210,7 +210,8 @@ class Batch:
         start = rows.agree(req.tokens[: req.n]) if m.reuse_prefix else 0
         rows.writing(req.tokens, start)
         m.fed, req.stats.reused_tokens = start, start
-        m.plan = feed_plan(m.slot.runner, req.n - start, start, self.dec.manifest.prefill_chunk)
+        m.plan = feed_plan(m.slot.runner, req.n - start, start, self.dec.manifest.prefill_chunk,
+                           lone_last=self.dec.target.min_width == 1)
 
     def _prefill(self, m: Member, whole: bool) -> None:
         """One step of a request's prefill (all of them if ``whole``); the last gives its first token."""

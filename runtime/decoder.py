@@ -248,7 +248,8 @@ class SpecDecoder:
             if not reuse_prefix and self.draft_cache is not None:  # nor the draft's rows: the drafter starts cold
                 self.draft_cache.forget()
             slot.rows.writing(tokens, start)
-            logits = feed(slot.runner, tokens[start: req.n], start, self.manifest.prefill_chunk)
+            logits = feed(slot.runner, tokens[start: req.n], start, self.manifest.prefill_chunk,
+                          lone_last=self.target.min_width == 1)
             slot.rows.wrote(tokens, req.n)
             stats.reused_tokens = start
             ev = self._first_token(req, logits)
@@ -287,7 +288,8 @@ class SpecDecoder:
         start = slot.rows.agree(req.tokens[: req.n])
         slot.rows.writing(req.tokens, start)
         if start < req.n - 1:
-            feed(slot.runner, req.tokens[start: req.n - 1], start, self.manifest.prefill_chunk)
+            feed(slot.runner, req.tokens[start: req.n - 1], start, self.manifest.prefill_chunk,
+                 lone_last=self.target.min_width == 1)
         slot.rows.wrote(req.tokens, req.n - 1)  # a model drafter re-adopts the draft cache itself (ModelDrafter._adopt)
         req.stats.resyncs += 1
 

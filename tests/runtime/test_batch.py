@@ -68,6 +68,35 @@ def test_a_rows_bundle_declares_batch_widths_and_decodes_alone_like_an_inplace_o
         assert alone(solo, p, PARAMS["greedy"], "none") == alone(inplace, p, PARAMS["greedy"], "none")
 
 
+def test_a_prompt_s_last_step_computes_the_one_logits_row_it_needs(rows_bundles):
+    """specedge's kernels compute a lone logits row as they compute it inside a wider step, so a prompt's last step
+    (and its shorter remainder chunks) runs the lm_head for its last row only, not for every row of its width, and
+    the first token is the same bit for bit: alone, in a batch, fed whole or after a cached prefix."""
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=2)
+    target = dec.target
+    assert target.min_width == 1  # (the form whose lone rows are exact)
+    picked, pick = [], target._pick
+
+    def recording(n, all_logits, past_len):
+        b = pick(n, all_logits, past_len)
+        picked.append((n, b.width.T, b.width.L))
+        return b
+
+    target._pick = recording
+    prompt = PROMPTS[0]
+    n = len(dec.encode_prompt(prompt))
+    assert n > 16 and n % 16 not in (0, 1)  # a chunk of 16, then a remainder of several rows
+    dec.generate(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True), drafter="none")
+    target._pick = pick
+    fed = picked[: n // 16 + 1]
+    assert sum(t for t, _, _ in fed) == n and all(L == 1 for _, _, L in fed), picked
+    ids = np.arange(5, 5 + 27, dtype=np.int64)
+    for n in (2, 5, 11, 16, 27):
+        last = target.step(ids[:n], 0, all_logits=False)[0].copy()
+        every = target.step(ids[:n], 0, all_logits=True)[n - 1]
+        assert np.array_equal(last, every), n
+
+
 @pytest.mark.parametrize("mode", ["greedy", "keyed"])
 def test_interleaved_streams_decode_together_bitwise_as_alone(rows_bundles, solo, mode):
     """Streams interleaved in one thread join one batch; each one's tokens are its tokens alone, every drafter."""

@@ -589,3 +589,26 @@ def test_accepted_counts_only_the_drafted_tokens_a_request_kept(decoders):
         s = res.stats
         assert s.rounds == 1 and s.drafted == 8  # precondition: the first round's draft was cut (no own token)
         assert s.accepted == sum(i * c for i, c in enumerate(s.accept_hist)) == len(res.token_ids) - 1, s
+
+
+def test_a_target_that_computes_a_lone_logits_row_exactly_feeds_a_prompt_s_rest_in_one_step():
+    """``lone_last``: the rest after the full chunks goes in the steps its fixed prices make cheapest, the last one
+    asking for its row's logits alone (the runner computes that row by itself); without it the rest goes in an
+    all-logits width, or the last token waits for one."""
+    from types import SimpleNamespace
+
+    from specedge.runtime.drafters import feed_plan
+
+    widths = [SimpleNamespace(T=t, L=t) for t in (1, 2, 3, 5, 9, 16, 48)] + [SimpleNamespace(T=64, L=1)]
+    runner = SimpleNamespace(entry=SimpleNamespace(widths=widths), min_width=1, max_context=2048,
+                             pads_into_cache=False)
+    assert feed_plan(runner, 40, 0, 64) == [(40, True)]
+    assert feed_plan(runner, 60, 0, 64) == [(59, False), (1, True)]
+    assert feed_plan(runner, 100, 0, 64) == [(64, False), (36, True)]
+    for n in (2, 9, 40, 49, 51, 60, 64, 100, 300):
+        plan = feed_plan(runner, n, 0, 64, lone_last=True)
+        assert sum(t for t, _ in plan) == n and not any(every for _, every in plan), (n, plan)
+    # the cheapest by its fixed prices: 51 rows as 48 + 3, not in the 64-row width; 40 in one step of 48
+    assert sorted(feed_plan(runner, 51, 0, 64, lone_last=True)) == [(3, False), (48, False)]
+    assert feed_plan(runner, 40, 0, 64, lone_last=True) == [(40, False)]
+    assert feed_plan(runner, 300, 0, 64, lone_last=True)[:4] == [(64, False)] * 4
