@@ -8,12 +8,15 @@ next turn finds its previous turn's rows), else the one used least recently. Eac
 1. runs one decode step for every request that has its first token: when one request decodes, the single-stream
    round (:meth:`SpecDecoder._round`: ``auto`` with the draft model and its k, as without a batch); when several
    do, one row-addressed step holding every request's last token and the drafts :func:`plan_rows` chose;
-2. runs one prefill step (at most ``P`` rows, the prefill chunk) of the request that joined first among those still
-   feeding their prompts, or, when no request is decoding, that request's whole prompt.
+2. feeds the prompt of the request that joined first among those still feeding theirs: when several requests
+   decode, in their step, as many of its rows as the prefill chunk ``P`` leaves (the step computes the logits of
+   the decoding rows and of the prompt's last row only: ``step_rows(logits_rows=)``); when one does (its
+   single-stream round runs steps of its own), one step of at most ``P`` rows after that round; when none does,
+   its whole prompt.
 
-So a new request waits at most for a round per chunk of its prompt, and the requests already decoding lose at
-most one chunk's step per round to it: time to first token is traded against the others' time per token at one
-chunk per round.
+So a new request's prompt goes in at about a chunk per round, and a round that carries it costs the requests
+decoding a step of about ``P`` rows instead of their own step and one of ``P`` rows: time to first token is traded
+against the others' time per token at one chunk per round.
 
 In a round of several requests drafting is prompt lookup only (a request whose drafter is ``auto``, ``hybrid`` or
 ``prompt-lookup``; the draft model runs when one request decodes): its tokens cost rows of the shared step and
@@ -122,6 +125,7 @@ class Batch:
         self.members: list[Member] = []  # in a slot, in the order they took it
         self.rounds = 0
         self.sizes: dict[int, int] = {}  # rounds per number of requests decoding in them (a histogram)
+        self.shared_prefill = 0  # rounds whose step also carried a prompt's rows
 
     # ------------------------------------------------------------------ stream
     def run(self, req: Request, drafter: Drafter, k: int, reuse_prefix: bool) -> Iterator[StreamEvent]:
@@ -179,13 +183,14 @@ class Batch:
         self._admit()
         decoding = [m for m in self.members if m.plan is None and m.req.finish is None]
         feeding = [m for m in self.members if m.plan is not None]
+        shared = False
         if len(decoding) == 1:
             self._single_round(decoding[0])
         elif decoding:
-            self._batched_round(decoding)
+            shared = self._batched_round(decoding, feeding[0] if feeding else None)
         if decoding:
             self.sizes[len(decoding)] = self.sizes.get(len(decoding), 0) + 1
-        if feeding:
+        if feeding and not shared:
             self._prefill(feeding[0], whole=not decoding)
 
     def _admit(self) -> None:
@@ -210,7 +215,12 @@ class Batch:
         start = rows.agree(req.tokens[: req.n]) if m.reuse_prefix else 0
         rows.writing(req.tokens, start)
         m.fed, req.stats.reused_tokens = start, start
-        m.plan = feed_plan(m.slot.runner, req.n - start, start, self.dec.manifest.prefill_chunk,
+        self._replan(m)
+
+    def _replan(self, m: Member) -> None:
+        """The prefill steps from the rows already fed on."""
+        assert m.slot is not None
+        m.plan = feed_plan(m.slot.runner, m.req.n - m.fed, m.fed, self.dec.manifest.prefill_chunk,
                            lone_last=self.dec.target.min_width == 1)
 
     def _prefill(self, m: Member, whole: bool) -> None:
@@ -258,9 +268,11 @@ class Batch:
         assert m.slot is not None
         return m.slot.rows.holds(m.req.tokens, m.req.n - 1)
 
-    def _batched_round(self, ms: list[Member]) -> None:
+    def _batched_round(self, ms: list[Member], feeder: Member | None = None) -> bool:
         """One row-addressed step for several requests: each one's last token and the drafted tokens plan_rows
-        chose (then free guesses in rows the width has left), verified and committed per request."""
+        chose (then free guesses in rows the width has left), verified and committed per request; and, with a
+        ``feeder`` (a request feeding its prompt), as many of its prompt's rows as the prefill chunk leaves, its first
+        token if they are the last. Whether the feeder's rows rode in the step."""
         dec = self.dec
         target, costs = dec.target, dec._costs
         for m in ms:
@@ -302,10 +314,26 @@ class Batch:
         greedy = all(m.req.params.greedy for m in ms) and target.has_argmax
         for m in ms:
             m.slot.rows.writing(m.req.tokens, m.req.n - 1)
+        decode_rows, fed, last = len(ids), 0, False
+        if feeder is not None and self.dec.manifest.prefill_chunk > decode_rows and target.device == "cpu":
+            req, slot = feeder.req, feeder.slot
+            assert slot is not None
+            if not slot.rows.holds(req.tokens, feeder.fed):  # its rows were written over (a timing): start again
+                self._plan_prefill(feeder)
+            fed = min(self.dec.manifest.prefill_chunk - decode_rows, req.n - feeder.fed)
+            last = feeder.fed + fed == req.n
+            ids += req.tokens[feeder.fed: feeder.fed + fed].tolist()
+            slots += [req.slot] * fed
+            positions += range(feeder.fed, feeder.fed + fed)
         t1 = time.perf_counter()
-        out = target.step_rows(ids, slots, positions, ids_only=greedy)
+        if fed:  # logits for the decoding rows and the prompt's last row only (its first token's)
+            out = target.step_rows(ids, slots, positions, ids_only=greedy and not last,
+                                   logits_rows=[*range(decode_rows), *([len(ids) - 1] if last else [])])
+            greedy = greedy and not last
+        else:
+            out = target.step_rows(ids, slots, positions, ids_only=greedy)
         t2 = time.perf_counter()
-        if costs is not None:
+        if costs is not None and not fed:
             costs.observe_target(len(ids), t2 - t1)
         at = 0
         for m, p, n, guess in zip(ms, props, take, guessed):
@@ -329,3 +357,22 @@ class Batch:
         t3 = time.perf_counter()
         for m in ms:
             m.req.stats.time_host_s += (t3 - t2) / len(ms)
+        if fed:
+            self.shared_prefill += 1
+            self._fed(feeder, fed, out[decode_rows] if last else None)
+        return bool(fed)
+
+    def _fed(self, m: Member, n: int, logits: np.ndarray | None) -> None:
+        """n more of a request's prompt rows are in its slot; with the last one's logits, its first token."""
+        assert m.slot is not None
+        req = m.req
+        m.fed += n
+        m.slot.rows.wrote(req.tokens, m.fed)
+        if logits is None:
+            self._replan(m)
+            return
+        m.plan = None
+        ev = self.dec._first_token(req, logits)
+        m.t_first = time.perf_counter()
+        req.stats.ttft_s = m.t_first - m.t_join
+        self._emit(m, ev)

@@ -38,6 +38,7 @@ from ..manifest import (
     INTGEMM_FORMAT,
     QDQ_FORMAT,
     ROLE_PREFILL,
+    ROLE_VERIFY,
     ROWS_KV_MODE,
     SEK_FORMAT,
     EngineSet,
@@ -300,9 +301,13 @@ class OrtRunner:
         # never use these; which logits a prompt's last step may take from them is feed_plan's ``lone_last``.
         self._lone = ({w.T: self._bind(Width(ROLE_PREFILL, w.T, 1)) for w in self.entry.widths
                        if w.L == w.T > 1} if device == "cpu" else {})
+        self._by_rows: dict[tuple[int, int], _Bound] = {}  # (T, L): step_rows with logits_rows (made as asked)
+        self._rows_logits: np.ndarray | None = None  # their one logits buffer
 
     # ------------------------------------------------------------------ binding
-    def _bind(self, w: Width) -> _Bound:
+    def _bind(self, w: Width, logits_into: np.ndarray | None = None) -> _Bound:
+        """Buffers for one width, bound once; ``logits_into`` (CPU): a [1, >= L, V] buffer whose leading rows take
+        the logits, shared with other bindings."""
         ort, d = self._ort, self.entry.dims
         io = self.session.io_binding()
         ids = np.zeros((1, w.T), dtype=np.int64)
@@ -322,7 +327,8 @@ class OrtRunner:
         for name, val in zip(names, self._kv_values):
             io.bind_ortvalue_input(f"past_key_values.{name}", val)
         if self.device == "cpu":
-            logits = np.zeros((1, w.L, self.entry.logits_width), dtype=np.float32)
+            logits = (np.zeros((1, w.L, self.entry.logits_width), dtype=np.float32) if logits_into is None
+                      else logits_into[:, : w.L])
             io.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
             logits_dev = None
         else:
@@ -419,7 +425,8 @@ class OrtRunner:
         return logits[0, last:last + 1]
 
     def step_rows(self, tokens: Sequence[int], slots: Sequence[int], positions: Sequence[int],
-                  ids_only: bool = False, parents: Sequence[int] | None = None) -> np.ndarray:
+                  ids_only: bool = False, parents: Sequence[int] | None = None,
+                  logits_rows: Sequence[int] | None = None) -> np.ndarray:
         """Row-addressed step (rows mode): row i is token ``tokens[i]`` of the sequence in slot ``slots[i]`` at
         position ``positions[i]``; it attends to its slot's rows 0..positions[i], the step's own rows included
         (every row's K/V is written first). Returns logits [n, V] (a view valid until the next step), or with
@@ -429,14 +436,19 @@ class OrtRunner:
         ``parents`` (tree rows): row i's token follows row ``parents[i]``'s (an earlier row of its slot at a lower
         position; -1: none). Such a row writes cache row ``positions[i]`` but is the token at its root's position plus
         its depth, and attends to its root's rows and its ancestors' only: its logits are those of the same tokens
-        decoded as a chain. :meth:`move_rows` then puts an accepted path's rows where the chain would have them."""
+        decoded as a chain. :meth:`move_rows` then puts an accepted path's rows where the chain would have them.
+
+        ``logits_rows`` (CPU): the rows whose logits (or ids) the step returns, in that order, and the only rows it
+        runs the lm_head for: a prompt's rows in a step with other requests' decoding rows need their last row's at
+        most. Each is bitwise the row's logits in a step that computes every row's (the kernels compute a row the
+        same whatever else the lm_head's step holds, a lone row included)."""
         n = len(tokens)
         if not self.rows_mode:
             raise ValueError(f"{self.entry.graph} is not row-addressed (kv_mode rows)")
         if ids_only and not self.has_argmax:
             raise ValueError(f"{self.entry.graph} has no next_ids output (export with --device-argmax)")
         assert 0 < n == len(slots) == len(positions), (n, len(slots), len(positions))
-        b = self._pick(n, True, 0)
+        b = self._pick(n, True, 0) if logits_rows is None else self._rows_binding(n, logits_rows)
         assert b.row_pos is not None
         b.input_ids[0, :n], b.input_ids[0, n:] = tokens, tokens[-1]
         b.past_len[:n], b.past_len[n:] = slots, -1
@@ -449,11 +461,34 @@ class OrtRunner:
         if self.device == "cuda":
             b.binding.synchronize_inputs()
         self.session.run_with_iobinding(b.binding)
+        m = n if logits_rows is None else b.width.L
         if ids_only:
             ids = b.ids if self.device == "cpu" else b.ids.numpy()
-            return ids[0, :n]
+            return ids[0, :m]
         logits = b.logits if self.device == "cpu" else b.logits_dev.numpy()
-        return logits[0, :n]
+        return logits[0, :m]
+
+    def _rows_binding(self, n: int, rows: Sequence[int]) -> _Bound:
+        """The binding of a step of n rows that returns the logits of ``rows`` only: the smallest declared width that
+        holds n rows, with as many logits rows as asked for (made at first use; every such binding writes its logits
+        into one buffer of the widest width's, a view valid until the next step, as every step's logits are)."""
+        if self.device != "cpu":
+            raise ValueError(f"{self.entry.graph}: logits_rows needs the CPU (its bindings are made as steps ask)")
+        if not len(rows) or min(rows) < 0 or max(rows) >= n:
+            raise ValueError(f"logits_rows {list(rows)} must name rows of the step's {n}, at least one")
+        T = min((w.T for w in self.entry.widths if w.T >= max(n, self.min_width)), default=None)
+        if T is None:
+            raise ValueError(f"no width of {self.entry.graph} takes {n} rows; widths "
+                             f"{[w.T for w in self.entry.widths]}")
+        key = (T, len(rows))
+        b = self._by_rows.get(key)
+        if b is None:
+            if self._rows_logits is None:
+                widest = max(w.T for w in self.entry.widths)
+                self._rows_logits = np.zeros((1, widest, self.entry.logits_width), dtype=np.float32)
+            b = self._by_rows[key] = self._bind(Width(ROLE_VERIFY, T, len(rows)), logits_into=self._rows_logits)
+        b.logits_at[0, :] = rows
+        return b
 
     def step_tree(self, tokens: Sequence[int], positions: Sequence[int], parents: Sequence[int],
                   ids_only: bool = False, slot: int = 0) -> np.ndarray:
@@ -489,4 +524,5 @@ class OrtRunner:
     def close(self) -> None:
         self._bound.clear()
         self._lone.clear()
+        self._by_rows.clear()
         self.session = None  # type: ignore[assignment]

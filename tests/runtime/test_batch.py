@@ -97,6 +97,60 @@ def test_a_prompt_s_last_step_computes_the_one_logits_row_it_needs(rows_bundles)
         assert np.array_equal(last, every), n
 
 
+def test_a_row_addressed_step_computes_the_logits_of_the_rows_asked_for(rows_bundles):
+    """``step_rows(logits_rows=)``: a prompt's rows and other requests' decoding rows in one step, the logits of the
+    rows asked for only, each bitwise what the step computes for it with every row's logits."""
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=3)
+    target = dec.target
+    ids = np.arange(7, 7 + 20, dtype=np.int64)
+    for slot in (0, 1):
+        target.step(ids, 0, all_logits=False, slot=slot)
+    tokens = [*ids[:2], *ids[5:15]]  # two decoding rows, then ten rows of a prompt in slot 2
+    slots, positions = [0, 1] + [2] * 10, [20, 20, *range(10)]
+    every = target.step_rows(tokens, slots, positions).copy()
+    for s in (0, 1):  # the decoding rows' K/V were written again: the same bits, so the same cache
+        target.step(ids, 0, all_logits=False, slot=s)
+    some = target.step_rows(tokens, slots, positions, logits_rows=[0, 1, 11])
+    assert some.shape == (3, every.shape[1])
+    assert np.array_equal(some, every[[0, 1, 11]])
+    with pytest.raises(ValueError, match="logits_rows"):
+        target.step_rows(tokens, slots, positions, logits_rows=[0, 12])
+
+
+@pytest.mark.parametrize("mode", ["greedy", "keyed"])
+def test_a_prompt_rides_in_the_steps_of_the_requests_decoding(rows_bundles, solo, mode):
+    """A request that joins while others decode feeds its prompt in their rounds' steps, as many rows a round as the
+    prefill chunk leaves, with no step of its own; every request's tokens are still its tokens alone."""
+    params = PARAMS[mode]
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    want = [alone(solo, p, params, "none") for p in prompts]
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=3)
+    streams = [dec.stream(p, params, drafter="none") for p in prompts[:2]]
+    got = [next(s).token_ids for s in streams] + [[]]
+    got[0] += next(streams[0]).token_ids  # both decoding now
+    own_steps, step = [], dec.target.step
+
+    def recording(tokens, past_len, all_logits, ids_only=False, slot=0):
+        own_steps.append((slot, past_len, len(tokens)))
+        return step(tokens, past_len, all_logits, ids_only, slot)
+
+    dec.target.step = recording
+    streams.append(dec.stream(prompts[2], params, drafter="none"))
+    n = len(dec.encode_prompt(prompts[2]))
+    assert n > 2 * dec.manifest.prefill_chunk - 4  # several rounds' worth of rows
+    live = [0, 1, 2]
+    while live:
+        for i in list(live):
+            try:
+                got[i] += next(streams[i]).token_ids
+            except StopIteration:
+                live.remove(i)
+    assert got == want
+    assert dec.batch.shared_prefill >= 3, dec.batch.shared_prefill
+    # the third prompt's rows took no step of their own (its steps past the prompt: decoding alone at the end)
+    assert not [s for s in own_steps if s[0] == 2 and s[1] < n - 1], own_steps
+
+
 @pytest.mark.parametrize("mode", ["greedy", "keyed"])
 def test_interleaved_streams_decode_together_bitwise_as_alone(rows_bundles, solo, mode):
     """Streams interleaved in one thread join one batch; each one's tokens are its tokens alone, every drafter."""
