@@ -9,14 +9,15 @@ next turn finds its previous turn's rows), else the one used least recently. Eac
    round (:meth:`SpecDecoder._round`: ``auto`` with the draft model and its k, as without a batch); when several
    do, one row-addressed step holding every request's last token and the drafts :func:`plan_rows` chose;
 2. feeds the prompt of the request that joined first among those still feeding theirs: when several requests
-   decode, in their step, as many of its rows as the prefill chunk ``P`` leaves (the step computes the logits of
-   the decoding rows and of the prompt's last row only: ``step_rows(logits_rows=)``); when one does (its
-   single-stream round runs steps of its own), one step of at most ``P`` rows after that round; when none does,
-   its whole prompt.
+   decode, in their step, as many of its rows as the prefill chunk ``P`` leaves beside theirs, where that is at
+   least half of ``P`` (the step computes the logits of the decoding rows and of the prompt's last row only:
+   ``step_rows(logits_rows=)``); else (their rows take more than half of ``P``, or one request decodes: its
+   single-stream round runs steps of its own) one step of at most ``P`` rows of it after their round; when none
+   decodes, its whole prompt.
 
-So a new request's prompt goes in at about a chunk per round, and a round that carries it costs the requests
-decoding a step of about ``P`` rows instead of their own step and one of ``P`` rows: time to first token is traded
-against the others' time per token at one chunk per round.
+So a new request's prompt goes in at half a chunk to a chunk per round, and a round that carries it costs the
+requests decoding a step of ``P`` rows at most instead of their own step and one of ``P`` rows: time to first
+token is traded against the others' time per token at one chunk per round.
 
 In a round of several requests drafting is prompt lookup only (a request whose drafter is ``auto``, ``hybrid`` or
 ``prompt-lookup``; the draft model runs when one request decodes): its tokens cost rows of the shared step and
@@ -221,7 +222,7 @@ class Batch:
         """The prefill steps from the rows already fed on."""
         assert m.slot is not None
         m.plan = feed_plan(m.slot.runner, m.req.n - m.fed, m.fed, self.dec.manifest.prefill_chunk,
-                           lone_last=self.dec.target.min_width == 1)
+                           lone_last=self.dec.width1_exact)
 
     def _prefill(self, m: Member, whole: bool) -> None:
         """One step of a request's prefill (all of them if ``whole``); the last gives its first token."""
@@ -315,7 +316,8 @@ class Batch:
         for m in ms:
             m.slot.rows.writing(m.req.tokens, m.req.n - 1)
         decode_rows, fed, last = len(ids), 0, False
-        if feeder is not None and self.dec.manifest.prefill_chunk > decode_rows and target.device == "cpu":
+        # the prompt rides along where the chunk leaves it at least half its rows (else its own step: a chunk)
+        if feeder is not None and 2 * decode_rows <= self.dec.manifest.prefill_chunk and target.device == "cpu":
             req, slot = feeder.req, feeder.slot
             assert slot is not None
             if not slot.rows.holds(req.tokens, feeder.fed):  # its rows were written over (a timing): start again

@@ -249,7 +249,7 @@ class SpecDecoder:
                 self.draft_cache.forget()
             slot.rows.writing(tokens, start)
             logits = feed(slot.runner, tokens[start: req.n], start, self.manifest.prefill_chunk,
-                          lone_last=self.target.min_width == 1)
+                          lone_last=self.width1_exact)
             slot.rows.wrote(tokens, req.n)
             stats.reused_tokens = start
             ev = self._first_token(req, logits)
@@ -289,7 +289,7 @@ class SpecDecoder:
         slot.rows.writing(req.tokens, start)
         if start < req.n - 1:
             feed(slot.runner, req.tokens[start: req.n - 1], start, self.manifest.prefill_chunk,
-                 lone_last=self.target.min_width == 1)
+                 lone_last=self.width1_exact)
         slot.rows.wrote(req.tokens, req.n - 1)  # a model drafter re-adopts the draft cache itself (ModelDrafter._adopt)
         req.stats.resyncs += 1
 

@@ -440,10 +440,10 @@ def feed_plan(runner: GraphRunner, n: int, past_len: int, prefill_chunk: int,
               cost=None, last_any: bool = False, lone_last: bool = False) -> list[tuple[int, bool]]:  # noqa: ANN001
     """The steps ``feed`` runs for n tokens at past_len: (tokens taken, all_logits) per step, in order.
 
-    ``lone_last`` (a target whose kernels compute every row the same in any step, a lone logits row included:
-    ``min_width`` 1): the chunking cannot change a bit of the result, so after the full chunks the rest goes in the
-    steps :func:`lone_row_cost` prices cheapest, the last one asking for its last row's logits alone (the runner
-    computes that row by itself: an ONNX Runtime width with one logits row).
+    ``lone_last`` (a target whose kernels compute every row the same in any step, a lone logits row included: the
+    specedge form, ``factory.width1_exact``): the chunking cannot change a bit of the result, so after the full
+    chunks the rest goes in the steps :func:`lone_row_cost` prices cheapest, the last one asking for its last row's
+    logits alone (the runner computes that row by itself: an ONNX Runtime width with one logits row).
 
     ``last_any`` (a draft model's catch-up with its first draw: ``ModelDrafter.propose``): the last token may ride
     in any width, its logits read from that step's last real row (a width with one logits row computes the row it is

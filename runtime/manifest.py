@@ -55,7 +55,7 @@ DRAFTER_KINDS = ("model", "prompt-lookup", "none")
 ROWS_KV_MODE = "rows"
 KV_MODES = ("portable", "ort-inplace", ROWS_KV_MODE)  # see specedge.export.attention
 # The row budgets of a row-addressed target besides its verify widths: a round of several requests packs every
-# request's last token and draft into one step of the smallest of these that holds them (logits at every row). Every
+# request's last token and draft into one step of the smallest of these that holds them (logits at its rows). Every
 # width up to 8 rows: a padding row costs what a real one does (Qwen2.5-Coder-1.5B on 2 EPYC Zen 4 cores: 4 users'
 # rows 41-45 ms at width 4, 51 ms at width 5), and a chain of k tokens then runs in k + 1 rows too.
 BATCH_WIDTHS = (2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48)

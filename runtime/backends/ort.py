@@ -357,8 +357,10 @@ class OrtRunner:
         self._keepalive = getattr(self, "_keepalive", []) + [host_inputs]
         return _Bound(w, io, ids, past, at, logits, logits_dev, present, next_ids, row_pos, row_parent)
 
-    def _pick(self, n: int, all_logits: bool, past_len: int) -> _Bound:
-        bound = [*self._bound.values(), *([] if all_logits else self._lone.values())]
+    def _pick(self, n: int, all_logits: bool, past_len: int, lone: bool = True) -> _Bound:
+        """The binding a step of n tokens runs in: the smallest width that holds them (with every row's logits if
+        asked; else, with ``lone``, preferring the width's last-row-only twin)."""
+        bound = [*self._bound.values(), *(self._lone.values() if lone and not all_logits else [])]
         fits = [b for b in bound if b.width.T >= max(n, self.min_width)
                 and (not all_logits or b.width.L == b.width.T)
                 and (not self.pads_into_cache or past_len + b.width.T <= self.max_context)]
@@ -375,7 +377,7 @@ class OrtRunner:
         if self.device != "cpu" or self.kv is None:
             raise ValueError("feed() reads the cache from host memory: CPU runners of their own cache only")
         n = len(tokens)
-        w = self._pick(n, all_logits, past_len).width
+        w = self._pick(n, all_logits, past_len, lone=False).width  # a declared width: what an engine is built for
         ids = np.full((1, w.T), tokens[-1], dtype=np.int64)
         ids[0, :n] = tokens
         at = np.arange(w.T, dtype=np.int64)[None] if w.L == w.T else np.array([[n - 1]], dtype=np.int64)
@@ -430,8 +432,9 @@ class OrtRunner:
         """Row-addressed step (rows mode): row i is token ``tokens[i]`` of the sequence in slot ``slots[i]`` at
         position ``positions[i]``; it attends to its slot's rows 0..positions[i], the step's own rows included
         (every row's K/V is written first). Returns logits [n, V] (a view valid until the next step), or with
-        ``ids_only`` their argmax ids [n]. Each row's result is bitwise what the same row computes in any other
-        step of width >= 2 (the kernels are row-invariant there), whatever else the step holds.
+        ``ids_only`` their argmax ids [n]; with ``logits_rows``, those rows' only. Each row's result is bitwise what
+        the same row computes in any other step of width >= 2 (the kernels are row-invariant there), whatever else
+        the step holds.
 
         ``parents`` (tree rows): row i's token follows row ``parents[i]``'s (an earlier row of its slot at a lower
         position; -1: none). Such a row writes cache row ``positions[i]`` but is the token at its root's position plus

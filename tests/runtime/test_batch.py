@@ -95,6 +95,9 @@ def test_a_prompt_s_last_step_computes_the_one_logits_row_it_needs(rows_bundles)
         last = target.step(ids[:n], 0, all_logits=False)[0].copy()
         every = target.step(ids[:n], 0, all_logits=True)[n - 1]
         assert np.array_equal(last, every), n
+    # what validation records as a step's inputs stays a declared width's (an engine is built for those)
+    recorded = target.feed(ids[:5], 0, all_logits=False)
+    assert recorded["logits_at"].shape == (1, 5) and recorded["input_ids"].shape == (1, 5)
 
 
 def test_a_row_addressed_step_computes_the_logits_of_the_rows_asked_for(rows_bundles):
