@@ -46,13 +46,22 @@ from typing import Any
 import numpy as np
 
 from .cache_rows import CacheRows
-from .drafters import Drafter, Proposal, feed_plan
+from .drafters import Drafter, ModelDrafter, Proposal, SelfDrafter, feed, feed_plan
 from .errors import OptionError
 from .policy import Acceptance
 from .request import Request, StreamEvent, commit
 from .sampling import accept_argmax, verify_round
 
 LOOKUP_DRAFTERS = ("auto", "hybrid", "prompt-lookup")  # drafters whose requests draft by prompt lookup in a batch
+MODEL_DRAFTERS = ("auto", "hybrid", "model")  # ... and whose requests a draft model drafts for in a batch
+BATCH_DRAFT_MAX = 4  # tokens a batched round drafts with the draft model at most
+CATCH_UP_ALONG = 8  # committed tokens a request's draft may be behind and catch up on inside the batched draft step
+
+
+def draft_model_of(drafter: Drafter) -> ModelDrafter | None:
+    """The draft model a request's drafter drafts with (None: none, or a self draft, which drafts alone)."""
+    d = drafter if isinstance(drafter, ModelDrafter) else getattr(drafter, "model", None)
+    return None if d is None or isinstance(d, SelfDrafter) else d
 
 
 @dataclass(eq=False)
@@ -79,7 +88,8 @@ class Member:
     slot: Slot | None = None
     plan: list[tuple[int, bool]] | None = None  # the prefill steps left (tokens, all_logits); None: decoding
     fed: int = 0  # prompt tokens whose rows are in the slot
-    acceptance: Acceptance = field(default_factory=Acceptance)  # its drafts' acceptance in batched rounds
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its lookup drafts' acceptance in batched rounds
+    model_acceptance: Acceptance | None = None  # its draft model's in batched rounds (from the decoder's, at first)
     batched: dict[str, int] = field(default_factory=dict)  # rounds it ran in shared steps, per strategy
     t_join: float = 0.0
     t_first: float | None = None
@@ -206,8 +216,14 @@ class Batch:
             slot.member, m.slot, req.slot = m, slot, slot.index
             self.members.append(m)
             self._plan_prefill(m)
-            if not m.reuse_prefix and self.dec.draft_cache is not None:  # the drafter starts cold
-                self.dec.draft_cache.forget()
+            caches = self.dec.draft_caches
+            d = draft_model_of(m.drafter)
+            if d is not None and len(caches) > 1 and d.cache is not caches[slot.index]:
+                # its draft model drafts in the slot's own cache (the rows a previous turn there left, adopted)
+                d.cache = caches[slot.index]
+                d.runner, d.clock, d.rows = d.cache.runner, d.cache.clock, 0
+            if not m.reuse_prefix and caches:  # the drafter starts cold
+                caches[slot.index if len(caches) > 1 else 0].forget()
 
     def _plan_prefill(self, m: Member) -> None:
         """Where the prompt's prefill starts (the rows the slot holds already) and the steps it takes from there."""
@@ -295,7 +311,11 @@ class Batch:
             fits = [t for t in widths if t >= rows]  # no timings (no request drafts): the width's rows
             return float(fits[0]) if fits else float("inf")
 
-        take = plan_rows([m.acceptance.alpha for m in ms], [len(p.tokens) for p in props], step_time, budget)
+        drafted = self._draft_model_rows(ms, props, step_time)  # members the draft model drafted for
+        alphas = [m.model_acceptance.alpha if i in drafted and m.model_acceptance is not None else m.acceptance.alpha
+                  for i, m in enumerate(ms)]
+        take = plan_rows(alphas, [len(p.tokens) for p in props], step_time, budget)
+        drafted_members = {ms[i] for i in drafted}
         rows = len(ms) + sum(take)
         width = min(t for t in widths if t >= rows)
         spare = width - rows
@@ -345,13 +365,17 @@ class Batch:
             at += n + 1
             acc, nxt = (accept_argmax(rows_out, drafts) if greedy else
                         verify_round(rows_out, drafts, None, req.params, req.rng, req.n))
+            model = draft_model_of(m.drafter) if m in drafted_members else None
+            if model is not None:
+                model.commit(0 if guess else acc)  # its cache keeps the rows of the drafts accepted
             ev = commit(req, dec.manifest.tokenizer.eos_ids, [*drafts[:acc].tolist(), nxt])
             m.slot.rows.wrote(req.tokens, req.n - 1)
             if not guess:
-                m.acceptance.update(n, acc)
+                (m.model_acceptance if model is not None else m.acceptance).update(n, acc)
             st.record_round(0 if guess else n, 0 if guess else min(acc, len(ev.token_ids)),
                             guessed=acc if guess else None)
-            name = "batch-prompt-lookup" if n and not guess else "batch-none"
+            name = ("batch-none" if not n or guess else "batch-model" if model is not None
+                    else "batch-prompt-lookup")
             m.batched[name] = m.batched.get(name, 0) + 1
             st.time_draft_s += (t1 - t0) / len(ms)
             st.time_verify_s += t2 - t1
@@ -363,6 +387,92 @@ class Batch:
             self.shared_prefill += 1
             self._fed(feeder, fed, out[decode_rows] if last else None)
         return bool(fed)
+
+    def _draft_model_rows(self, ms: list[Member], props: list[Proposal], step_time: Callable[[int], float]) -> set[int]:
+        """Draft with the draft model, in shared draft steps, for the requests of a batched round that lookup found
+        nothing for and whose drafter drafts with a model (greedy or keyed: their output never depends on the draft),
+        as many tokens each as raise the round's predicted tokens per second (none without timings); their
+        proposals replace ``props``'. The indices of the requests drafted for."""
+        dec, costs = self.dec, self.dec._costs
+        if costs is None or len(dec.draft_caches) < 2 or not costs.draft_widths:
+            return set()
+        chosen = []
+        for i, m in enumerate(ms):
+            req = m.req
+            room = min(m.k, req.params.max_new_tokens - req.generated - 1, BATCH_DRAFT_MAX)
+            if (len(props[i].tokens) or room < 1 or m.drafter.name not in MODEL_DRAFTERS
+                    or draft_model_of(m.drafter) is None
+                    or not (req.params.greedy or req.params.sampler == "keyed")):
+                continue
+            if m.model_acceptance is None:
+                m.model_acceptance = Acceptance()
+                m.model_acceptance.reseed(costs.model_acceptance.alpha, 4.0)
+            chosen.append((i, room))
+        if not chosen:
+            return set()
+        widths = sorted(costs.draft_widths)
+
+        def draft_step(rows: int) -> float:
+            fits = [t for t in widths if t >= rows]
+            return costs.draft_widths[fits[0]] if fits else float("inf")
+
+        behind = sum(max(0, min(CATCH_UP_ALONG, ms[i].req.n - 1 - draft_model_of(ms[i].drafter)._adoptable(
+            ms[i].req.tokens[: ms[i].req.n]))) for i, _ in chosen)
+        rows = len(ms) + sum(len(p.tokens) for p in props)
+        tokens = float(len(ms))
+        best_k, best_rate = 0, tokens / step_time(rows)
+        for k in range(1, max(room for _, room in chosen) + 1):
+            takers = [i for i, room in chosen if room >= k]
+            rows += len(takers)
+            tokens += sum(ms[i].model_acceptance.alpha ** k for i in takers)  # type: ignore[union-attr]
+            seconds = step_time(rows) + draft_step(len(chosen) + behind) + (k - 1) * draft_step(len(chosen))
+            if tokens / seconds > best_rate:
+                best_k, best_rate = k, tokens / seconds
+        if not best_k:
+            return set()
+        drafts = self._draft_together([(ms[i], min(room, best_k)) for i, room in chosen])
+        for (i, _), d in zip(chosen, drafts):
+            props[i] = Proposal(d, None)
+        return {i for i, _ in chosen}
+
+    def _draft_together(self, todo: list[tuple[Member, int]]) -> list[np.ndarray]:
+        """k draft tokens for each (request, k), every request in its draft slot: the first draw's step carries each
+        one's catch-up (up to CATCH_UP_ALONG tokens; a request further behind catches up in its own steps first),
+        then one row per request still drafting per step."""
+        dec = self.dec
+        draft = dec.draft_runner
+        models = [draft_model_of(m.drafter) for m, _ in todo]
+        ids: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        last_rows = []
+        for (m, _), d in zip(todo, models):
+            req, n = m.req, m.req.n
+            assert d is not None and m.slot is not None
+            tokens = req.tokens[:n]
+            d._adopt(tokens)
+            if n - 1 - d.rows > CATCH_UP_ALONG:  # a long way behind (its prompt): its own steps
+                feed(d.runner, tokens[d.rows: n - 1], d.rows, dec.manifest.prefill_chunk, d.clock)
+                d.rows = n - 1
+                d.cache.rows_for = tokens[: n - 1]
+            ids += tokens[d.rows: n].tolist()
+            slots += [m.slot.index] * (n - d.rows)
+            positions += range(d.rows, n)
+            last_rows.append(len(ids) - 1)
+        out = draft.step_rows(ids, slots, positions, logits_rows=last_rows)
+        drafts = [np.zeros(k, dtype=np.int64) for _, k in todo]
+        for j in range(max(k for _, k in todo)):
+            live = [i for i, (_, k) in enumerate(todo) if k > j]
+            if j:
+                out = draft.step_rows([int(drafts[i][j - 1]) for i in live], [todo[i][0].req.slot for i in live],
+                                      [todo[i][0].req.n - 1 + j for i in live], logits_rows=list(range(len(live))))
+            for r, i in enumerate(live if j else range(len(todo))):
+                if todo[i][1] > j:
+                    m = todo[i][0]
+                    drafts[i][j] = models[i].draw(out[r], m.req.params, m.req.n + j)  # type: ignore[union-attr]
+        for (m, k), d in zip(todo, models):
+            d.drafted_together(m.req.tokens[: m.req.n], k)  # type: ignore[union-attr]
+        return drafts
 
     def _fed(self, m: Member, n: int, logits: np.ndarray | None) -> None:
         """n more of a request's prompt rows are in its slot; with the last one's logits, its first token."""

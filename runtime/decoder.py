@@ -26,7 +26,7 @@ from .backends import GraphRunner, SlotView, close_shared, open_runners, resolve
 from .batch import Batch, Slot
 from .bundle_files import FileWatch
 from .cache_rows import CacheRows
-from .drafters import DraftCache, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, feed
+from .drafters import DraftCache, Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter, Proposal, StepClock, feed
 from .errors import BundleError, OptionError
 from .factory import check_load_options, draft_length, make_drafter, plain_width, warn_about_form, width1_exact
 from .manifest import DEFAULT_NGRAM_MAX, Manifest, read_manifest
@@ -59,7 +59,12 @@ class SpecDecoder:
         # the bundle's files as they were read: a request finds any replaced or rewritten since (FileWatch.check)
         self.files = files if files is not None else FileWatch(bundle_dir, manifest.files)
         self.target, self.draft_runner, self.codec = target, draft, codec
-        self.draft_cache = None if draft is None else DraftCache(draft)  # the draft's rows, owner and step clock
+        # the draft's rows, owner and step clock: one per slot of a draft model's pool (max_batch > 1), one clock
+        n_draft = getattr(draft, "slots", 1) if draft is not None else 0
+        clock = StepClock()
+        self.draft_caches = [DraftCache(SlotView(draft, i) if n_draft > 1 else draft, clock=clock)
+                             for i in range(n_draft)]
+        self.draft_cache = self.draft_caches[0] if self.draft_caches else None
         # Batch invariance: the target never runs a width-1 step (GraphRunner.min_width), so every logits row is
         # computed by the same kernels whatever the drafter, k or auto's choice; a round with nothing to verify
         # carries a free one-token guess instead of running alone.

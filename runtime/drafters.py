@@ -327,6 +327,28 @@ class ModelDrafter(DrafterHooks):
         self.branches = [b for b in self.branches if b.depth <= kept]
         return Proposal(draft[:kept], None if q is None else q[:kept])
 
+    def draw(self, raw: np.ndarray, params: SamplingParams, position: int) -> int:
+        """The token ``propose`` draws from the draft's logits row ``raw`` for sequence position ``position``, greedy or
+        keyed (a batched round's draws: :mod:`.batch`)."""
+        logits = self._logits_for_target(raw)
+        if params.greedy:
+            j = int(np.argmax(logits))
+            return j if self.head_ids is None else int(self.head_ids[j])
+        probs = process_logits(logits[None], params.temperature, params.top_k, params.top_p)[0]
+        if self.head_ids is not None:
+            full = np.zeros(self.target_vocab)
+            full[self.head_ids] = probs
+            probs = full
+        return keyed_sample(probs, params.seed, position)
+
+    def drafted_together(self, tokens: np.ndarray, k: int) -> None:
+        """A batched round drafted k tokens for these committed tokens in this drafter's cache, the last committed
+        token's row and d_1..d_{k-1}'s written: the state ``propose`` leaves, for :meth:`commit`."""
+        n = len(tokens)
+        self.cache.owner, self.cache.rows_for = self, tokens[: n - 1]
+        self._base, self._k, self.rows = n, k, n - 1 + k
+        self.confidences, self.branches, self.dropped, self.last_was_stopper = [], [], None, False
+
     def _runner_ups(self, logits: np.ndarray, conf: float, q: np.ndarray | None, noise: np.ndarray | None,
                     depth: int, drawn: int, count: int) -> list[Branch]:
         """The ``count`` best tokens after the drawn one at this depth, with the draft's probability for each:

@@ -154,7 +154,7 @@ def plan_models(models: list[tuple[str, ModelDims, str, int, int]], *, max_conte
                 precision: str, head: str, what: str, board: Board | None = None, max_batch: int = 1) -> Plan:
     """models: (role, dims, exported weight format, t_max, l_max). backend: trt | ort-cuda | ort-trt | ort-cpu.
     precision: the engine precision on a GPU (fp16/bf16; fp32 = the exported graphs as they are). head: fp32 |
-    low (the lm_head in the engine precision). max_batch: sequences the target's KV cache holds (requests decoded
+    low (the lm_head in the engine precision). max_batch: sequences each model's KV cache holds (requests decoded
     together: one cache each)."""
     gpu = backend != "ort-cpu"
     out = []
@@ -168,13 +168,13 @@ def plan_models(models: list[tuple[str, ModelDims, str, int, int]], *, max_conte
             head_fmt = "int8" if fmt in ("int8", "int4") else fmt
             emb, scale, act, kvb = ("fp16" if fmt in ("int8", "int4") else "fp32"), 4.0, 4, 4
         kv, new = kv_bytes(d, max_context, kvb, t_max)
-        if role == "target":
-            kv *= max_batch
+        kv *= max_batch  # a draft model too drafts in a slot of its own per request decoded together
         out.append(ModelPlan(role, weight_bytes(d, linear, head_fmt, emb, scale), kv, new,
                              scratch_bytes(d, max_context, t_max, l_max, act)))
     notes = ["scratch and process are estimates; `spec-export build` reports TensorRT's real scratch per engine"]
     if max_batch > 1:
-        notes.append(f"the target's KV holds {max_batch} sequences (max_batch {max_batch}: requests decoded together)")
+        notes.append(f"the target's KV, and a draft model's, hold {max_batch} sequences (max_batch {max_batch}: "
+                     "requests decoded together)")
     if gpu and board is not None and board.unified:
         notes.append("unified memory: engine files are memory-mapped while loading (page cache, reclaimable); a "
                      "TensorRT build needs about twice the weights plus its workspace on top of the OS")

@@ -191,8 +191,11 @@ def open_runners(backend: str, bundle_dir: Path, manifest: Manifest, threads: in
         target = open_runner(backend, bundle_dir, manifest, "target", threads, precision, shared,
                              cuda_graphs=cuda_graphs, min_width=target_min_width, slots=target_slots,
                              weights=weights)
+        # a draft model of a row-addressed bundle holds as many sequences as the target: each request decoded
+        # together drafts in its own slot, and their draws share one draft step (runtime/batch.py)
         draft = (open_runner(backend, bundle_dir, manifest, "draft", threads, precision, shared,
-                             cuda_graphs=cuda_graphs, weights=draft_weights, kv_of=target if self_draft else None)
+                             cuda_graphs=cuda_graphs, weights=draft_weights, kv_of=target if self_draft else None,
+                             slots=1 if self_draft else target_slots)
                  if manifest.draft else None)
         del weights, draft_weights  # the sessions hold them
     except BaseException:  # device memory is not left to the garbage collector

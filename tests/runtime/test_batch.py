@@ -155,6 +155,58 @@ def test_a_prompt_rides_in_the_steps_of_the_requests_decoding(rows_bundles, solo
 
 
 @pytest.mark.parametrize("mode", ["greedy", "keyed"])
+def test_the_draft_model_drafts_for_requests_together_in_shared_steps(rows_bundles, solo, mode, monkeypatch):
+    """Requests decoded together whose drafter is the draft model draft in shared draft steps, each in a draft slot
+    of its own; each one's tokens are still its tokens alone. (Drafting and verify rows are priced free here, so
+    that every round drafts as far as it may: the output must not depend on it.)"""
+    params = PARAMS[mode]
+    prompts, drafters = PROMPTS[:4], ["model", "auto", "model", "hybrid"]
+    want = [alone(solo, p, params, d) for p, d in zip(prompts, drafters)]
+    dec = SpecDecoder.load(rows_bundles["model"], max_batch=3)
+    assert dec.draft_runner.slots == 3 and len(dec.draft_caches) == 3
+    costs = dec.cost_model()
+    costs.draft_widths = {t: 1e-9 for t in costs.draft_widths}
+    monkeypatch.setattr(costs, "verify_time", lambda rows: 1e-3)
+    streams = [dec.stream(p, params, drafter=d) for p, d in zip(prompts, drafters)]
+    got, stats = [[] for _ in streams], [None] * len(streams)
+    live, rng = list(range(len(streams))), random.Random(1)
+    while live:
+        i = rng.choice(live)
+        try:
+            ev = next(streams[i])
+        except StopIteration:
+            live.remove(i)
+            continue
+        got[i] += ev.token_ids
+        stats[i] = ev.stats or stats[i]
+    assert got == want
+    assert sum(st.strategies.get("batch-model", 0) for st in stats) >= 20, [st.strategies for st in stats]
+    assert sum(st.accepted for st in stats) > 0  # (some drafts were right: the draft's rows were the right ones)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "keyed"])
+def test_drafts_drawn_together_are_the_drafts_drawn_alone(rows_bundles, solo, mode):
+    """The shared draft steps draw for each request what its draft model alone would propose from its committed
+    tokens (the draft's kernels compute each row the same in any step): the right slot, rows and positions."""
+    params = PARAMS[mode]
+    dec = SpecDecoder.load(rows_bundles["model"], max_batch=2)
+    streams = [dec.stream(p, params, drafter="model") for p in PROMPTS[:2]]
+    for s in streams:
+        next(s)  # prompts fed, first tokens committed
+    next(streams[0])  # and one round each: the draft caches hold rows, a token or more behind
+    members = list(dec.batch.members)
+    with dec._lock:
+        together = dec.batch._draft_together([(m, 3) for m in members])
+    for m, drafts in zip(members, together):
+        solo.draft_cache.forget()
+        alone_drafter = solo.make_drafter("model")
+        prop = alone_drafter.propose(m.req.tokens[: m.req.n].copy(), 3, params, None)
+        assert drafts.tolist() == prop.tokens.tolist()
+    for s in streams:
+        s.close()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "keyed"])
 def test_interleaved_streams_decode_together_bitwise_as_alone(rows_bundles, solo, mode):
     """Streams interleaved in one thread join one batch; each one's tokens are its tokens alone, every drafter."""
     params = PARAMS[mode]
