@@ -19,11 +19,16 @@ So a new request's prompt goes in at half a chunk to a chunk per round, and a ro
 requests decoding a step of ``P`` rows at most instead of their own step and one of ``P`` rows: time to first
 token is traded against the others' time per token at one chunk per round.
 
-In a round of several requests drafting is prompt lookup only (a request whose drafter is ``auto``, ``hybrid`` or
-``prompt-lookup``; the draft model runs when one request decodes): its tokens cost rows of the shared step and
-nothing to draft. :func:`plan_rows` verifies a request's drafted tokens where the step's predicted tokens per
-second, from the decoder's measured step costs and each request's running acceptance, gains by them; rows left
+In a round of several requests a request drafts by prompt lookup where its drafter is ``auto``, ``hybrid`` or
+``prompt-lookup`` and lookup finds a match (its tokens cost rows of the shared step and nothing to draft); a
+request whose drafter drafts with a model (``auto``, ``hybrid``, ``model``; greedy or keyed) and that lookup found
+nothing for drafts with the draft model, in a draft slot of its own (the draft's cache is a pool of as many slots as
+the target's): every such request's draws share one draft step per depth, the first also carrying each one's
+catch-up (:meth:`Batch._draft_together`), to the depth the step costs predict pays most (0: none; at most
+``BATCH_DRAFT_MAX``). :func:`plan_rows` then verifies a request's drafted tokens where the step's predicted tokens
+per second, from the decoder's measured step costs and each request's running acceptance, gains by them; rows left
 over in the chosen width carry more drafted tokens, then free one-token guesses (:meth:`SpecDecoder._free_guess`).
+Trees and the classic sampler's model drafts stay with single-stream rounds.
 
 Exactness: the kernels compute every row of a step of width >= 2 the same whatever else the step holds, and each
 request keeps its own sampling state (its seed, its positions), so a request's tokens are bitwise those it gets
