@@ -61,6 +61,10 @@ LOOKUP_DRAFTERS = ("auto", "hybrid", "prompt-lookup")  # drafters whose requests
 MODEL_DRAFTERS = ("auto", "hybrid", "model")  # ... and whose requests a draft model drafts for in a batch
 BATCH_DRAFT_MAX = 4  # tokens a batched round drafts with the draft model at most
 CATCH_UP_ALONG = 8  # committed tokens a request's draft may be behind and catch up on inside the batched draft step
+# the predicted tokens per second a batched round's model drafts must add to run: a draft step of 1-4 rows costs a
+# third of a target step and a round's host work is not priced (measured on 2 EPYC Zen 4 cores: drafting wherever it
+# predicted any gain served 4 users 10-30 % slower than none, docs/benchmarks.md)
+BATCH_DRAFT_MARGIN = 1.15
 
 
 def draft_model_of(drafter: Drafter) -> ModelDrafter | None:
@@ -402,13 +406,25 @@ class Batch:
         if costs is None or len(dec.draft_caches) < 2 or not costs.draft_widths:
             return set()
         chosen = []
+        along, apart = 0, 0.0  # catch-up rows the first draft step carries; seconds of the catch-ups fed apart
         for i, m in enumerate(ms):
             req = m.req
             room = min(m.k, req.params.max_new_tokens - req.generated - 1, BATCH_DRAFT_MAX)
-            if (len(props[i].tokens) or room < 1 or m.drafter.name not in MODEL_DRAFTERS
-                    or draft_model_of(m.drafter) is None
+            model = draft_model_of(m.drafter)
+            if (len(props[i].tokens) or room < 1 or m.drafter.name not in MODEL_DRAFTERS or model is None
                     or not (req.params.greedy or req.params.sampler == "keyed")):
                 continue
+            tokens = req.tokens[: req.n]
+            behind = req.n - 1 - model._adoptable(tokens)
+            if behind > CATCH_UP_ALONG:  # far behind: its own catch-up steps first
+                seconds = costs.catchup_time(model.catchup_plan(req.n, tokens))
+                if seconds > 0.25 * step_time(len(ms)):
+                    # a draft that has not seen the prompt (150 tokens of the 0.5B Qwen: 0.26 s on 2 cores, rounds'
+                    # worth of time): it catches up when its request decodes alone
+                    continue
+                apart += seconds
+            else:
+                along += max(0, behind)
             if m.model_acceptance is None:
                 m.model_acceptance = Acceptance()
                 m.model_acceptance.reseed(costs.model_acceptance.alpha, 4.0)
@@ -421,8 +437,6 @@ class Batch:
             fits = [t for t in widths if t >= rows]
             return costs.draft_widths[fits[0]] if fits else float("inf")
 
-        behind = sum(max(0, min(CATCH_UP_ALONG, ms[i].req.n - 1 - draft_model_of(ms[i].drafter)._adoptable(
-            ms[i].req.tokens[: ms[i].req.n]))) for i, _ in chosen)
         rows = len(ms) + sum(len(p.tokens) for p in props)
         tokens = float(len(ms))
         best_k, best_rate = 0, tokens / step_time(rows)
@@ -430,8 +444,8 @@ class Batch:
             takers = [i for i, room in chosen if room >= k]
             rows += len(takers)
             tokens += sum(ms[i].model_acceptance.alpha ** k for i in takers)  # type: ignore[union-attr]
-            seconds = step_time(rows) + draft_step(len(chosen) + behind) + (k - 1) * draft_step(len(chosen))
-            if tokens / seconds > best_rate:
+            seconds = step_time(rows) + apart + draft_step(len(chosen) + along) + (k - 1) * draft_step(len(chosen))
+            if tokens / seconds > best_rate * (1.0 if best_k else BATCH_DRAFT_MARGIN):
                 best_k, best_rate = k, tokens / seconds
         if not best_k:
             return set()
@@ -443,7 +457,7 @@ class Batch:
     def _draft_together(self, todo: list[tuple[Member, int]]) -> list[np.ndarray]:
         """k draft tokens for each (request, k), every request in its draft slot: the first draw's step carries each
         one's catch-up (up to CATCH_UP_ALONG tokens; a request further behind catches up in its own steps first),
-        then one row per request still drafting per step."""
+        then one row per request still drafting per step (the decision never hands it one further behind)."""
         dec = self.dec
         draft = dec.draft_runner
         models = [draft_model_of(m.drafter) for m, _ in todo]

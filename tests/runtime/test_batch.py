@@ -180,7 +180,7 @@ def test_the_draft_model_drafts_for_requests_together_in_shared_steps(rows_bundl
         got[i] += ev.token_ids
         stats[i] = ev.stats or stats[i]
     assert got == want
-    assert sum(st.strategies.get("batch-model", 0) for st in stats) >= 20, [st.strategies for st in stats]
+    assert sum(st.strategies.get("batch-model", 0) for st in stats) >= 4, [st.strategies for st in stats]
     assert sum(st.accepted for st in stats) > 0  # (some drafts were right: the draft's rows were the right ones)
 
 
