@@ -52,6 +52,23 @@ def alone(dec, prompt, params, drafter):
     return dec.generate(prompt, params, drafter=drafter).token_ids
 
 
+def drain(streams, rng=None):
+    """Read every stream to its end, an event at a time: round-robin, or in ``rng``'s random order. Each stream's
+    tokens and its final event's stats."""
+    got, stats = [[] for _ in streams], [None] * len(streams)
+    live = list(range(len(streams)))
+    while live:
+        for i in ([rng.choice(live)] if rng is not None else list(live)):
+            try:
+                ev = next(streams[i])
+            except StopIteration:
+                live.remove(i)
+                continue
+            got[i] += ev.token_ids
+            stats[i] = ev.stats or stats[i]
+    return got, stats
+
+
 PARAMS = {"greedy": SamplingParams(max_new_tokens=24, ignore_eos=True),
           "keyed": SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)}
 
@@ -167,18 +184,7 @@ def test_the_draft_model_drafts_for_requests_together_in_shared_steps(rows_bundl
     costs = dec.cost_model()
     costs.draft_widths = {t: 1e-9 for t in costs.draft_widths}
     monkeypatch.setattr(costs, "verify_time", lambda rows: 1e-3)
-    streams = [dec.stream(p, params, drafter=d) for p, d in zip(prompts, drafters)]
-    got, stats = [[] for _ in streams], [None] * len(streams)
-    live, rng = list(range(len(streams))), random.Random(1)
-    while live:
-        i = rng.choice(live)
-        try:
-            ev = next(streams[i])
-        except StopIteration:
-            live.remove(i)
-            continue
-        got[i] += ev.token_ids
-        stats[i] = ev.stats or stats[i]
+    got, stats = drain([dec.stream(p, params, drafter=d) for p, d in zip(prompts, drafters)], random.Random(1))
     assert got == want
     assert sum(st.strategies.get("batch-model", 0) for st in stats) >= 4, [st.strategies for st in stats]
     assert sum(st.accepted for st in stats) > 0  # (some drafts were right: the draft's rows were the right ones)
@@ -258,19 +264,7 @@ def test_batched_drafts_accepted_and_rejected_commit_exactly(rows_bundles, solo,
     monkeypatch.setattr(batch, "plan_rows", lambda alphas, drafted, step_time, budget: list(drafted))
     monkeypatch.setattr(batch.Member, "lookup", property(lambda m: Oracle(futures, 0.25, m.req.n)))
     dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=4)
-    streams = [dec.stream(p, params, drafter="prompt-lookup") for p in PROMPTS[:4]]
-    got, stats = [[] for _ in streams], []
-    live = list(range(4))
-    while live:
-        for i in list(live):
-            try:
-                ev = next(streams[i])
-            except StopIteration:
-                live.remove(i)
-                continue
-            got[i] += ev.token_ids
-            if ev.finished:
-                stats.append(ev.stats)
+    got, stats = drain([dec.stream(p, params, drafter="prompt-lookup") for p in PROMPTS[:4]])
     assert got == want
     assert sum(s.accepted for s in stats) > 20 and sum(s.drafted - s.accepted for s in stats) > 5
     assert all(s.strategies.get("batch-prompt-lookup") for s in stats)
