@@ -295,6 +295,24 @@ PLANTS = {
     "a prefill resumes past rows written over": (
         "runtime/batch.py", "            if not slot.rows.holds(req.tokens, m.fed):", "            if False:",
         ["tests/runtime/test_batch.py"]),
+    "a prompt's rows in a shared step sit one position late": (
+        "runtime/batch.py", "positions += range(feeder.fed, feeder.fed + fed)",
+        "positions += range(feeder.fed + 1, feeder.fed + fed + 1)", ["tests/runtime/test_batch.py"]),
+    "a prompt's first token from the last decoding row": (
+        "runtime/batch.py", "out[decode_rows] if last else None", "out[decode_rows - 1] if last else None",
+        ["tests/runtime/test_batch.py"]),
+    "batched drafts fed one position late": (
+        "runtime/batch.py", "[todo[i][0].req.n - 1 + j for i in live]", "[todo[i][0].req.n + j for i in live]",
+        ["tests/runtime/test_batch.py"]),
+    "batched keyed drafts drawn with the next position's noise": (
+        "runtime/batch.py", "m.req.params, m.req.n + j)", "m.req.params, m.req.n + j + 1)",
+        ["tests/runtime/test_batch.py"]),
+    "a lone logits row is the step's first": (
+        "runtime/backends/ort.py", "            b.logits_at[0, 0] = n - 1", "            b.logits_at[0, 0] = 0",
+        ["tests/runtime/test_batch.py"]),
+    "a step's logits rows in the wrong order": (
+        "runtime/backends/ort.py", "        b.logits_at[0, :] = rows", "        b.logits_at[0, :] = list(rows)[::-1]",
+        ["tests/runtime/test_batch.py"]),
 }
 
 
@@ -303,7 +321,8 @@ FAST = ("sample from p instead of the residual at a rejection", "every draft pos
         "bonus token drawn from the wrong row", "process_logits ignores top-p", "process_logits ignores top-k",
         "process_logits ignores the temperature", "the keyed sampler ignores the seed",
         "the target's rows counted before an interrupted prefill wrote them", "the sampled hash is not checked",
-        "a batched round reads the rows of the request before it", "a new request takes a busy slot")
+        "a batched round reads the rows of the request before it", "a new request takes a busy slot",
+        "a prompt's rows in a shared step sit one position late", "batched drafts fed one position late")
 
 
 def stale(root: Path) -> list[str]:
