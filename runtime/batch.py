@@ -256,19 +256,11 @@ class Batch:
         while m.plan:
             if not slot.rows.holds(req.tokens, m.fed):  # its rows were written over (a timing): start again
                 self._plan_prefill(m)
-            take, all_logits = m.plan[0]
+            take, all_logits = m.plan.pop(0)
             logits = slot.runner.step(req.tokens[m.fed: m.fed + take], m.fed, all_logits=all_logits)
-            m.fed += take
-            slot.rows.wrote(req.tokens, m.fed)
-            m.plan.pop(0)
-            if not m.plan:
-                m.plan = None
-                ev = self.dec._first_token(req, logits[take - 1] if all_logits else logits[0])
-                m.t_first = time.perf_counter()
-                req.stats.ttft_s = m.t_first - m.t_join
-                self._emit(m, ev)
-                return
-            if not whole:
+            last = not m.plan
+            self._fed(m, take, (logits[take - 1] if all_logits else logits[0]) if last else None)
+            if last or not whole:
                 return
 
     def _emit(self, m: Member, ev: StreamEvent) -> None:
@@ -395,6 +387,8 @@ class Batch:
         if fed:
             self.shared_prefill += 1
             self._fed(feeder, fed, out[decode_rows] if last else None)
+            if not last:
+                self._replan(feeder)
         return bool(fed)
 
     def _draft_model_rows(self, ms: list[Member], props: list[Proposal], step_time: Callable[[int], float]) -> set[int]:
@@ -417,7 +411,11 @@ class Batch:
             tokens = req.tokens[: req.n]
             behind = req.n - 1 - model._adoptable(tokens)
             if behind > CATCH_UP_ALONG:  # far behind: its own catch-up steps first
-                seconds = costs.catchup_time(model.catchup_plan(req.n, tokens))
+                # priced as prefill chunks (not the cheapest plan feed will find: that search, every round for every
+                # request far behind, cost 0.1-0.35 ms each)
+                chunk = dec.manifest.prefill_chunk
+                rest = [behind % chunk] if behind % chunk else []
+                seconds = costs.catchup_time([chunk] * (behind // chunk) + rest)
                 if seconds > 0.25 * step_time(len(ms)):
                     # a draft that has not seen the prompt (150 tokens of the 0.5B Qwen: 0.26 s on 2 cores, rounds'
                     # worth of time): it catches up when its request decodes alone
@@ -500,7 +498,6 @@ class Batch:
         m.fed += n
         m.slot.rows.wrote(req.tokens, m.fed)
         if logits is None:
-            self._replan(m)
             return
         m.plan = None
         ev = self.dec._first_token(req, logits)

@@ -301,6 +301,8 @@ class OrtRunner:
         # never use these; which logits a prompt's last step may take from them is feed_plan's ``lone_last``.
         self._lone = ({w.T: self._bind(Width(ROLE_PREFILL, w.T, 1)) for w in self.entry.widths
                        if w.L == w.T > 1} if device == "cpu" else {})
+        # what a step picks from, made once: every declared width; with a last-row-only step, their lone twins too
+        self._picks = {True: list(self._bound.values()), False: [*self._bound.values(), *self._lone.values()]}
         self._by_rows: dict[tuple[int, int], _Bound] = {}  # (T, L): step_rows with logits_rows (made as asked)
         self._rows_logits: np.ndarray | None = None  # their one logits buffer
 
@@ -360,8 +362,7 @@ class OrtRunner:
     def _pick(self, n: int, all_logits: bool, past_len: int, lone: bool = True) -> _Bound:
         """The binding a step of n tokens runs in: the smallest width that holds them (with every row's logits if
         asked; else, with ``lone``, preferring the width's last-row-only twin)."""
-        bound = [*self._bound.values(), *(self._lone.values() if lone and not all_logits else [])]
-        fits = [b for b in bound if b.width.T >= max(n, self.min_width)
+        fits = [b for b in self._picks[all_logits or not lone] if b.width.T >= max(n, self.min_width)
                 and (not all_logits or b.width.L == b.width.T)
                 and (not self.pads_into_cache or past_len + b.width.T <= self.max_context)]
         if not fits:
@@ -527,5 +528,6 @@ class OrtRunner:
     def close(self) -> None:
         self._bound.clear()
         self._lone.clear()
+        self._picks.clear()
         self._by_rows.clear()
         self.session = None  # type: ignore[assignment]

@@ -35,14 +35,14 @@ def main() -> None:
     a = ap.parse_args()
     dec = SpecDecoder.load(a.bundle, threads=a.threads)
     target = dec.target
-    lone = dict(target._lone)
+    lone = target._picks[False]  # the widths a last-row step picks from, lone twins included
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
 
     def every_row_feed(*args, **kw):  # noqa: ANN002, ANN003, ANN202
         return feed(*args, **{**kw, "lone_last": False})
 
     def prefill(use_lone: bool, p) -> tuple[float, list[int]]:  # noqa: ANN001
-        target._lone = lone if use_lone else {}
+        target._picks[False] = lone if use_lone else target._picks[True]
         decoder_module.feed = feed if use_lone else every_row_feed
         best, ids = float("inf"), []
         for _ in range(a.repeats):
@@ -62,7 +62,7 @@ def main() -> None:
         n = len(dec.encode_prompt(p.prompt, chat=not p.raw))
         print(f"| {p.suite}-{p.id} | {n} | {got[False][0] * 1e3:.0f} | {got[True][0] * 1e3:.0f} | {ratio:.2f} | "
               f"{'yes' if got[True][1] == got[False][1] else 'NO'} |")
-    target._lone, decoder_module.feed = lone, feed
+    target._picks[False], decoder_module.feed = lone, feed
     print(f"\nmedian lone / every row: {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
 
 
