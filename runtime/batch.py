@@ -15,6 +15,9 @@ next turn finds its previous turn's rows), else the one used least recently. Eac
    single-stream round runs steps of its own) one step of at most ``P`` rows of it after their round; when none
    decodes, its whole prompt.
 
+Before each step of a prompt's prefill, rows another slot holds for a longer prefix of it (a shared system prompt)
+are copied into its slot rather than computed (:meth:`Batch._borrow`; its draft's likewise at its first token).
+
 So a new request's prompt goes in at half a chunk to a chunk per round, and a round that carries it costs the
 requests decoding a step of ``P`` rows at most instead of their own step and one of ``P`` rows: time to first
 token is traded against the others' time per token at one chunk per round.
@@ -50,7 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from .cache_rows import CacheRows
+from .backends import copies_rows
+from .cache_rows import CacheRows, common_prefix
 from .drafters import Drafter, ModelDrafter, Proposal, SelfDrafter, feed, feed_plan
 from .errors import OptionError
 from .policy import Acceptance
@@ -146,6 +150,7 @@ class Batch:
         self.rounds = 0
         self.sizes: dict[int, int] = {}  # rounds per number of requests decoding in them (a histogram)
         self.shared_prefill = 0  # rounds whose step also carried a prompt's rows
+        self.borrowed = 0  # prompt rows copied from another slot's cache instead of computed (target)
 
     # ------------------------------------------------------------------ stream
     def run(self, req: Request, drafter: Drafter, k: int, reuse_prefix: bool) -> Iterator[StreamEvent]:
@@ -243,6 +248,45 @@ class Batch:
         m.fed, req.stats.reused_tokens = start, start
         self._replan(m)
 
+    def _borrow(self, m: Member) -> None:
+        """Before a step of a request's prefill: where another slot's rows agree with its prompt further than the
+        rows it has fed, copy them into its slot and go on after them. A system prompt or a conversation's prefix
+        that another request holds is copied, not computed again: a row's K/V are a function of its tokens and
+        position alone, whichever step and slot computed them. (Looked for at every step, not only when the request
+        takes its slot: requests that arrive together take theirs before any has fed its prompt.)"""
+        assert m.slot is not None and m.plan is not None
+        target, req = self.dec.target, m.req
+        if not m.reuse_prefix or not copies_rows(target):
+            return
+        prompt = req.tokens[: req.n]
+        best, src = max(((s.rows.agree(prompt), s) for s in self.dec.slots if s is not m.slot),
+                        key=lambda a: a[0], default=(0, None))
+        if src is None or best <= m.fed:
+            return
+        target.copy_slot_rows(src.index, m.slot.index, m.fed, best)
+        m.slot.rows.wrote(req.tokens, best)
+        self.borrowed += best - m.fed
+        req.stats.reused_tokens += best - m.fed
+        m.fed = best
+        self._replan(m)
+
+    def _borrow_draft(self, m: Member) -> None:
+        """When a request has its first token: the same for its draft model's cache, the rows another slot's draft
+        cache holds for a longer prefix of its prompt, copied (its drafter adopts them at its first draft)."""
+        assert m.slot is not None
+        caches, runner = self.dec.draft_caches, self.dec.draft_runner
+        if not m.reuse_prefix or draft_model_of(m.drafter) is None or len(caches) < 2 or not copies_rows(runner):
+            return
+        prompt, mine = m.req.tokens[: m.req.n], caches[m.slot.index]
+        own = common_prefix(mine.rows_for, prompt)
+        best, src = max(((common_prefix(c.rows_for, prompt), i) for i, c in enumerate(caches) if c is not mine),
+                        default=(0, -1))
+        if best <= own:
+            return
+        mine.forget()  # claims nothing while its rows are written
+        runner.copy_slot_rows(src, m.slot.index, 0, best)
+        mine.rows_for = prompt[:best]  # the request's committed tokens: never rewritten, so a view will do
+
     def _replan(self, m: Member) -> None:
         """The prefill steps from the rows already fed on."""
         assert m.slot is not None
@@ -256,6 +300,7 @@ class Batch:
         while m.plan:
             if not slot.rows.holds(req.tokens, m.fed):  # its rows were written over (a timing): start again
                 self._plan_prefill(m)
+            self._borrow(m)
             take, all_logits = m.plan.pop(0)
             logits = slot.runner.step(req.tokens[m.fed: m.fed + take], m.fed, all_logits=all_logits)
             last = not m.plan
@@ -343,6 +388,7 @@ class Batch:
             assert slot is not None
             if not slot.rows.holds(req.tokens, feeder.fed):  # its rows were written over (a timing): start again
                 self._plan_prefill(feeder)
+            self._borrow(feeder)
             fed = min(self.dec.manifest.prefill_chunk - decode_rows, req.n - feeder.fed)
             last = feeder.fed + fed == req.n
             ids += req.tokens[feeder.fed: feeder.fed + fed].tolist()
@@ -500,6 +546,7 @@ class Batch:
         if logits is None:
             return
         m.plan = None
+        self._borrow_draft(m)
         ev = self.dec._first_token(req, logits)
         m.t_first = time.perf_counter()
         req.stats.ttft_s = m.t_first - m.t_join

@@ -13,6 +13,16 @@ from __future__ import annotations
 import numpy as np
 
 
+def common_prefix(held: np.ndarray | None, ids: np.ndarray) -> int:
+    """How many leading tokens of ``ids`` the rows for ``held`` serve, keeping at least the last token of ``ids`` to
+    feed (its step gives the next token's logits): where a prefill of ``ids`` over those rows starts."""
+    if held is None:
+        return 0
+    m = min(len(held), len(ids) - 1)
+    diff = np.flatnonzero(held[:m] != ids[:m])
+    return int(diff[0]) if len(diff) else m
+
+
 class CacheRows:
     def __init__(self) -> None:
         self.of: np.ndarray | None = None  # the tokens the rows are for (an array the request owns)
@@ -21,11 +31,7 @@ class CacheRows:
     def agree(self, ids: np.ndarray) -> int:
         """How many leading tokens of ``ids`` already have their rows here, keeping at least the last token to
         feed: where a prefill of ``ids`` can start."""
-        if self.of is None:
-            return 0
-        m = min(self.count, len(ids) - 1)
-        diff = np.flatnonzero(self.of[:m] != ids[:m])
-        return int(diff[0]) if len(diff) else m
+        return common_prefix(None if self.of is None else self.of[: self.count], ids)
 
     def holds(self, tokens: np.ndarray, count: int) -> bool:
         """Whether the rows are those of ``tokens[:count]`` (an array of committed tokens, by identity)."""

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from .backends import GraphRunner
+from .cache_rows import common_prefix
 from .manifest import DEFAULT_NGRAM_MAX
 from .sampling import SamplingParams, keyed_exponentials, keyed_sample, process_logits, sample
 from .trees import TREE_DEPTH, Branch, best_branches, grow, reach_of, sibling_odds, trie
@@ -384,12 +385,7 @@ class ModelDrafter(DrafterHooks):
         cache last, the leading rows that agree with them."""
         if self.cache.owner is self:
             return self.rows
-        prev = self.cache.rows_for
-        if prev is None:
-            return 0
-        m = min(len(prev), len(tokens) - 1)
-        diff = np.flatnonzero(prev[:m] != tokens[:m])
-        return int(diff[0]) if len(diff) else m
+        return common_prefix(self.cache.rows_for, tokens)
 
 
 class SelfDrafter(ModelDrafter):

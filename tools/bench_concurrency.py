@@ -3,7 +3,7 @@
 
     python tools/bench_concurrency.py BUNDLE --gguf TARGET [--draft-gguf DRAFT] [--concurrency 1,2,4,8]
         [--prompts FILE | --suites code,chat,edit,summarize,json] [--requests 16] [--max-new-tokens 128]
-        [--threads 2] [--rounds 2] [--drafter auto] [--baseline-bundle B] [--no-llama] [--out DIR]
+        [--system FILE] [--threads 2] [--rounds 2] [--drafter auto] [--baseline-bundle B] [--no-llama] [--out DIR]
 
 TARGET and DRAFT are the GGUF files llama-server runs (the bundle's own sources: a name `spec-export fetch` knows or
 a path). Each system is a server process of its own on loopback. Every server starts (one at a time) and is warmed
@@ -20,12 +20,15 @@ At every concurrency c the same ``--requests`` streaming chat requests are sent 
 ``--max-new-tokens``; request i is prompt i of the list, cycled), by c clients each sending its share one after
 another (client u: requests u, u+c, u+2c, ...): every system and concurrency decodes the same requests. Per
 request, from the client: time to first token (request sent -> first content chunk), time per output token
-((last chunk - first chunk) / (tokens - 1), tokens from the response's usage).
+((last chunk - first chunk) / (tokens - 1), tokens from the response's usage). With ``--system FILE`` every
+request's messages start with that file's text as a system message, as an application's fixed instructions do.
 Per system and concurrency: aggregate tok/s (all completion tokens / wall time of the whole load), mean TTFT and
-TPOT. Every load starts its messages with a salt of its own, so no prompt is found in a server's prefix cache: each
-load pays for its prompts as new requests do. Last, a check: the same requests (one salt) alone and at the most
-concurrency, on ``specedge`` and on the llama-servers with that many slots: does each text stay what it is alone
-(specedge: every request's tokens are its tokens alone; llama-server's batched kernels give no such promise)? Writes
+TPOT. Every load starts its messages with a salt of its own (the system message's, with ``--system``), so no prompt
+is found in a server's prefix cache from an earlier load: each load pays for its prompts as new requests do, and
+within a load a server may reuse what its requests share. Last, a check: the same requests (one salt) alone and at
+the most concurrency, on ``specedge`` and on the llama-servers with that many slots: does each text stay what it is
+alone (specedge: every request's tokens are its tokens alone; llama-server's batched kernels give no such promise)?
+Writes
 ``results.json``, ``report.md`` and, with matplotlib, ``concurrency.png`` to ``--out`` (default bench-concurrency/).
 """
 
@@ -122,18 +125,22 @@ class ServerProcess:
 
 
 def load(port: int, model: str, prompts: list[Any], c: int, n: int, max_tokens: int,
-         extra: dict, salt: str = "") -> dict[str, Any]:
+         extra: dict, salt: str = "", system: str = "") -> dict[str, Any]:
     """n requests sent by c users, each sending its share one after another; their results and the wall time.
-    ``salt`` starts every message (``[salt]`` and a space): a load with a salt of its own finds none of its prompts in a
-    server's prefix cache, so it pays for every prompt as new requests do."""
+    ``salt`` starts every message (``[salt]`` and a space; the ``system`` message, where there is one): a load with a
+    salt of its own finds none of its prompts in a server's prefix cache, so it pays for every prompt as new requests
+    do."""
     results: list[list[dict]] = [[] for _ in range(c)]
     errors: list[str] = []
 
     def user(u: int) -> None:
         for j in range(u, n, c):
             i = j % len(prompts)
-            text = f"[{salt}] {prompts[i]}" if salt else prompts[i]
-            body = {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
+            first = system or prompts[i]
+            first = f"[{salt}] {first}" if salt else first
+            messages = ([{"role": "system", "content": first}, {"role": "user", "content": prompts[i]}] if system
+                        else [{"role": "user", "content": first}])
+            body = {"model": model, "messages": messages, "temperature": 0,
                     "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}, **extra}
             try:
                 r = post_stream(port, body)
@@ -170,6 +177,8 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--prompts", default=None, help="a JSONL prompts file (spec-run bench's format)")
     ap.add_argument("--suites", default="code,chat,edit,summarize,json")
+    ap.add_argument("--system", default=None, help="a text file: every request's system message (an application's "
+                                                   "fixed instructions)")
     ap.add_argument("--requests", type=int, default=16, help="requests sent at every concurrency")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -191,6 +200,10 @@ def main() -> int:
     levels = sorted({int(x) for x in a.concurrency.split(",")})
     items = load_prompts(a.prompts) if a.prompts else suite_prompts(a.suites.split(","))
     prompts = [p.prompt if isinstance(p.prompt, str) else p.prompt[-1]["content"] for p in items]
+    try:
+        system = Path(a.system).read_text().strip() if a.system else ""
+    except OSError as e:
+        ap.error(f"cannot read --system {a.system}: {e.strerror}")
     man = read_manifest(Path(a.bundle), verify="none")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -250,13 +263,14 @@ def main() -> int:
             extra = {"speculation": {"drafter": a.drafter}} if ours else {}
             model = Path(a.baseline_bundle if name == "baseline-1" else a.bundle).resolve().name if ours else "m"
             servers.append((name, cs, srv, model, extra))
-            load(port, model, prompts[:1], 1, 1, 16, extra)  # warm-up (specedge: auto's step timings)
+            load(port, model, prompts[:1], 1, 1, 16, extra, system=system)  # warm-up (specedge: auto's step timings)
         for rnd in range(a.rounds):
             for c in levels:
                 for name, cs, srv, model, extra in (servers if rnd % 2 == 0 else servers[::-1]):
                     if c not in cs:
                         continue
-                    r = load(srv.port, model, prompts, c, a.requests, a.max_new_tokens, extra, salt=f"{rnd}.{c}")
+                    r = load(srv.port, model, prompts, c, a.requests, a.max_new_tokens, extra, salt=f"{rnd}.{c}",
+                             system=system)
                     r["system"], r["round"] = name, rnd
                     runs.setdefault((name, c), []).append(r)
                     print(f"  round {rnd + 1} {name} c={c}: {r['tok_s']:.1f} tok/s aggregate, per user "
@@ -268,8 +282,9 @@ def main() -> int:
         check = min(a.requests, 2 * max(levels))
         for name, cs, srv, model, extra in servers:
             if max(cs) == max(levels) and len(cs) == 1 or name == "specedge":
-                one = load(srv.port, model, prompts, 1, check, a.max_new_tokens, extra, salt="check")
-                many = load(srv.port, model, prompts, max(levels), check, a.max_new_tokens, extra, salt="check")
+                one = load(srv.port, model, prompts, 1, check, a.max_new_tokens, extra, salt="check", system=system)
+                many = load(srv.port, model, prompts, max(levels), check, a.max_new_tokens, extra, salt="check",
+                            system=system)
                 same = sum(one["texts"][k] == t for k, t in many["texts"].items())
                 checks[name] = f"{same}/{len(many['texts'])}"
                 print(f"  {name}: {checks[name]} texts at {max(levels)} users as alone", flush=True)
@@ -298,7 +313,8 @@ def report(results: list[dict], m: dict, a: argparse.Namespace, out: Path) -> No
 
     single = base("specedge-1") or base("specedge")
     lines = [f"machine: {m['cpu']}, {m['cpus']} CPUs, flags {m['cpu_flags']}; bundle {a.bundle}; "
-             f"{a.requests} requests at every concurrency, max_tokens {a.max_new_tokens}, {a.threads} threads", "",
+             f"{a.requests} requests at every concurrency, max_tokens {a.max_new_tokens}, {a.threads} threads"
+             + (f"; every request's system message: {Path(a.system).name}" if a.system else ""), "",
              "| system | users | aggregate tok/s | x specedge-1 alone | per-user tok/s | TPOT ms | TTFT s | "
              "texts as alone |", "|---|---|---|---|---|---|---|---|"]
     for r in results:

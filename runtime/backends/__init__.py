@@ -74,6 +74,11 @@ def tree_rows(runner: GraphRunner) -> bool:
     return bool(getattr(runner, "rows_mode", False)) and getattr(runner, "device", None) == "cpu"
 
 
+def copies_rows(runner: GraphRunner | None) -> bool:
+    """Whether a runner copies cache rows between its slots (``copy_slot_rows``): a pool of its own on the CPU."""
+    return tree_rows(runner) and getattr(runner, "kv", None) is not None and getattr(runner, "slots", 1) > 1
+
+
 def tensorrt_installed() -> bool:
     return importlib.util.find_spec("tensorrt") is not None
 

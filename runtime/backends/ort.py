@@ -509,6 +509,17 @@ class OrtRunner:
         if len(src):
             self.kv[:, :, slot, :, list(dst)] = self.kv[:, :, slot, :, list(src)]
 
+    def copy_slot_rows(self, src: int, dst: int, start: int, stop: int) -> None:
+        """Copy every layer's K/V cache rows ``start .. stop - 1`` of slot ``src`` into slot ``dst`` (rows mode, CPU,
+        the runner's own cache): a sequence's rows for tokens another slot holds already (a shared system prompt)."""
+        if not self.rows_mode or self.device != "cpu" or self.kv is None:
+            raise ValueError(f"{self.entry.graph}: copying cache rows between slots needs a row-addressed bundle on "
+                             "the CPU, its own cache")
+        if not (0 <= src < self.slots and 0 <= dst < self.slots and 0 <= start <= stop <= self.max_context):
+            raise ValueError(f"{self.entry.graph}: rows {start}..{stop} of slots {src} -> {dst} are outside the "
+                             f"cache ({self.slots} slots of {self.max_context} rows)")
+        self.kv[:, :, dst, :, start:stop] = self.kv[:, :, src, :, start:stop]
+
     def _commit_rows(self, b: _Bound, past_len: int, n: int) -> None:
         if self.pads_into_cache or self.rows_mode:
             return  # written in place by the graph

@@ -330,6 +330,57 @@ def test_prefix_reuse_finds_the_slot_that_holds_the_previous_turn(rows_bundles):
     assert follow.stats.reused_tokens >= first.stats.prompt_tokens
 
 
+def recorded_rows(runner):
+    """Record the (slot, position) of every row ``runner``'s steps compute, single-sequence steps and
+    row-addressed ones alike."""
+    rows, step, step_rows = [], runner.step, runner.step_rows
+
+    def one(tokens, past_len, all_logits, ids_only=False, slot=0):
+        rows.extend((slot, past_len + i) for i in range(len(tokens)))
+        return step(tokens, past_len, all_logits, ids_only, slot)
+
+    def many(tokens, slots, positions, *args, **kwargs):
+        rows.extend(zip(slots, positions))
+        return step_rows(tokens, slots, positions, *args, **kwargs)
+
+    runner.step, runner.step_rows = one, many
+    return rows
+
+
+SHARED = "You are a careful assistant: answer in one short line, exactly. " * 2
+
+
+@pytest.mark.parametrize("mode", ["greedy", "keyed"])
+def test_a_prompt_prefix_another_slot_holds_is_copied_not_computed(rows_bundles, solo, mode):
+    """A request whose prompt starts as another slot's request did (a shared system prompt) takes those rows from
+    that slot, the target's and the draft's, instead of computing them again; its tokens are still its tokens
+    alone, and its draft model drafts from the copied rows what it drafts alone."""
+    params = PARAMS[mode]
+    prompts = [SHARED + "Name a colour.", SHARED + "Name a bird."]
+    want = [alone(solo, p, params, "model") for p in prompts]
+    dec = SpecDecoder.load(rows_bundles["model"], max_batch=2)
+    first = dec.stream(prompts[0], params, drafter="model")
+    got = [next(first).token_ids, []]
+    got[0] += next(first).token_ids  # a round decoded: its draft cache holds the prompt's rows too
+    target_rows, draft_rows = recorded_rows(dec.target), recorded_rows(dec.draft_runner)
+    second = dec.stream(prompts[1], params, drafter="model")
+    got[1] += next(second).token_ids
+    a, b = (np.asarray(dec.encode_prompt(p)) for p in prompts)
+    shared = int(np.flatnonzero(a[: len(b)] != b[: len(a)])[0])  # the tokens the two prompts start with
+    [mb] = [m for m in dec.batch.members if m.slot.index == 1]
+    reused = mb.req.stats.reused_tokens
+    assert reused >= shared and dec.batch.borrowed == reused, (reused, shared, dec.batch.borrowed)
+    assert not [r for r in target_rows if r[0] == 1 and r[1] < reused], target_rows
+    with dec._lock:  # its draft model, drafting alone from the rows copied into its slot
+        prop = mb.drafter.propose(mb.req.tokens[: mb.req.n].copy(), 3, params, None)
+    solo.draft_cache.forget()
+    assert prop.tokens.tolist() == solo.make_drafter("model").propose(mb.req.tokens[: mb.req.n].copy(), 3, params,
+                                                                      None).tokens.tolist()
+    assert not [r for r in draft_rows if r[0] == 1 and r[1] < reused - 1], draft_rows
+    rest, _ = drain([first, second])
+    assert [g + r for g, r in zip(got, rest)] == want
+
+
 def test_rows_written_over_during_a_prefill_start_that_prefill_again(rows_bundles, solo, monkeypatch):
     """The step timings (SpecDecoder.time_steps) write dummy rows in slot 0 between rounds: a request feeding its
     prompt there, one chunk a round beside a decoding one, starts its prefill again."""
@@ -516,12 +567,15 @@ def test_the_concurrency_benchmark_sends_the_same_requests_at_every_concurrency(
             r["system"] = "specedge"
             runs.append(r)
         salted = [tool.load(s.port, "tiny", PROMPTS[:3], c, 3, 12, {}, salt="x") for c in (1, 3)]
+        told = [tool.load(s.port, "tiny", PROMPTS[:3], c, 3, 12, {}, salt="x", system="Answer briefly.")
+                for c in (1, 3)]
     finally:
         s.close()
     assert [r["requests"] for r in runs] == [5, 5] and not runs[0]["errors"]
     assert runs[0]["texts"] == runs[1]["texts"] and runs[1]["tokens"] > 5
     assert salted[0]["texts"] == salted[1]["texts"] != {k: runs[0]["texts"][k] for k in salted[0]["texts"]}
-    args = argparse.Namespace(bundle="b", requests=5, max_new_tokens=12, threads=2)
+    assert told[0]["texts"] == told[1]["texts"] != salted[0]["texts"]  # (the system message reached the model)
+    args = argparse.Namespace(bundle="b", requests=5, max_new_tokens=12, threads=2, system=None)
     runs[1]["texts_as_alone"] = "5/5"
     tool.report(runs, {"cpu": "cpu", "cpus": 2, "cpu_flags": "avx2"}, args, tmp_path)
     assert "| specedge | 2 |" in (tmp_path / "report.md").read_text() and "5/5" in (tmp_path / "report.md").read_text()

@@ -313,6 +313,12 @@ PLANTS = {
     "a step's logits rows in the wrong order": (
         "runtime/backends/ort.py", "        b.logits_at[0, :] = rows", "        b.logits_at[0, :] = list(rows)[::-1]",
         ["tests/runtime/test_batch.py"]),
+    "a prompt's rows copied from another slot one short": (
+        "runtime/batch.py", "target.copy_slot_rows(src.index, m.slot.index, start, best)",
+        "target.copy_slot_rows(src.index, m.slot.index, start, best - 1)", ["tests/runtime/test_batch.py"]),
+    "a draft's rows copied from another slot without the first": (
+        "runtime/batch.py", "runner.copy_slot_rows(src, m.slot.index, 0, best)",
+        "runner.copy_slot_rows(src, m.slot.index, 1, best)", ["tests/runtime/test_batch.py"]),
 }
 
 
@@ -322,7 +328,8 @@ FAST = ("sample from p instead of the residual at a rejection", "every draft pos
         "process_logits ignores the temperature", "the keyed sampler ignores the seed",
         "the target's rows counted before an interrupted prefill wrote them", "the sampled hash is not checked",
         "a batched round reads the rows of the request before it", "a new request takes a busy slot",
-        "a prompt's rows in a shared step sit one position late", "batched drafts fed one position late")
+        "a prompt's rows in a shared step sit one position late", "batched drafts fed one position late",
+        "a prompt's rows copied from another slot one short")
 
 
 def stale(root: Path) -> list[str]:
