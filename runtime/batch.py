@@ -37,14 +37,17 @@ Exactness: the kernels compute every row of a step of width >= 2 the same whatev
 request keeps its own sampling state (its seed, its positions), so a request's tokens are bitwise those it gets
 decoded alone, whichever requests shared its rounds.
 
-Threads: every stream of the batch advances it. Reading a stream whose request has no event waiting runs one round
-for every request (under the decoder's lock, never across a yield); the events each round produces wait in their
+Threads: every stream of the batch advances it. A request joins the waiting line under a lock of its own, at once
+(the streams running rounds take the decoder's lock again round after round: behind it a join could wait for
+seconds). Reading a stream whose request has no event waiting runs one round for every request (under the decoder's
+lock, never across a yield); the events each round produces wait in their
 request's queue, which its stream reads without the lock. A paused stream keeps its slot and its request keeps
 decoding; a closed one leaves at once.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -145,7 +148,8 @@ class Batch:
 
     def __init__(self, dec: Any):  # a SpecDecoder (not imported: it imports this module)
         self.dec = dec
-        self.waiting: deque[Member] = deque()  # joined, no slot yet (arrival order)
+        self.waiting: deque[Member] = deque()  # joined, no slot yet (arrival order); under _joins
+        self._joins = threading.Lock()  # a request joins under this lock alone, never waiting for a round
         self.members: list[Member] = []  # in a slot, in the order they took it
         self.rounds = 0
         self.sizes: dict[int, int] = {}  # rounds per number of requests decoding in them (a histogram)
@@ -158,7 +162,7 @@ class Batch:
         m = Member(req, drafter, k, reuse_prefix)
         joined = False
         try:
-            with dec._lock:
+            with self._joins:  # not the round lock: the streams running rounds take that one again and again
                 if dec.target is None:
                     raise OptionError("this decoder is closed; load the bundle again")
                 m.t_join = time.perf_counter()
@@ -191,8 +195,9 @@ class Batch:
                         dec._lock.release()
 
     def _leave(self, m: Member) -> None:
-        if m in self.waiting:
-            self.waiting.remove(m)
+        with self._joins:
+            if m in self.waiting:
+                self.waiting.remove(m)
         if m in self.members:
             self.members.remove(m)
         if m.slot is not None and m.slot.member is m:
@@ -203,7 +208,9 @@ class Batch:
         """One round for every request in the batch: admit waiting ones to free slots, one decode step for those
         decoding, one prefill step (see the module docstring)."""
         self.rounds += 1
-        for m in [m for m in (*self.waiting, *self.members) if m.closed]:
+        with self._joins:
+            closed = [m for m in (*self.waiting, *self.members) if m.closed]
+        for m in closed:
             self._leave(m)
         self._admit()
         decoding = [m for m in self.members if m.plan is None and m.req.finish is None]
@@ -220,8 +227,11 @@ class Batch:
 
     def _admit(self) -> None:
         free = [s for s in self.dec.slots if s.member is None]
-        while self.waiting and free:
-            m = self.waiting.popleft()
+        while free:
+            with self._joins:
+                if not self.waiting:
+                    return
+                m = self.waiting.popleft()
             req = m.req
             # the free slot whose rows agree longest with the prompt; else the least recently used
             slot = max(free, key=lambda s: ((s.rows.agree(req.tokens[: req.n]) if m.reuse_prefix else 0),

@@ -307,6 +307,27 @@ def test_a_closed_stream_leaves_the_batch_and_frees_its_slot(rows_bundles, solo)
     assert not dec.batch.members
 
 
+def test_a_request_joins_the_batch_while_a_round_holds_the_lock(rows_bundles, solo):
+    """A new request joins the waiting line at once, not when the streams running rounds let go of the round lock
+    (they take it again round after round: a join behind them waited for seconds, uncounted in its time to first
+    token); its first round then admits it."""
+    params = PARAMS["greedy"]
+    dec = SpecDecoder.load(rows_bundles["lookup"], max_batch=2)
+    stream, got = dec.stream(PROMPTS[1], params, drafter="none"), []
+    with dec._lock:  # a round in progress
+        reader = threading.Thread(target=lambda: got.append(next(stream)))
+        reader.start()
+        for _ in range(500):
+            if dec.batch.waiting:
+                break
+            threading.Event().wait(0.01)
+        assert [m.req for m in dec.batch.waiting] and not got
+    reader.join(timeout=60)
+    assert got and got[0].token_ids
+    rest, _ = drain([stream])
+    assert got[0].token_ids + rest[0] == alone(solo, PROMPTS[1], params, "none")
+
+
 def test_a_stream_closed_while_a_round_holds_the_lock_leaves_at_the_next_round(rows_bundles, solo):
     """(The garbage collector can finalize a stream inside a round, on the thread that holds the lock.)"""
     params = PARAMS["greedy"]
