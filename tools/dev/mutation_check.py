@@ -314,8 +314,11 @@ PLANTS = {
         "runtime/backends/ort.py", "        b.logits_at[0, :] = rows", "        b.logits_at[0, :] = list(rows)[::-1]",
         ["tests/runtime/test_batch.py"]),
     "a prompt's rows copied from another slot one short": (
-        "runtime/batch.py", "target.copy_slot_rows(src.index, m.slot.index, start, best)",
-        "target.copy_slot_rows(src.index, m.slot.index, start, best - 1)", ["tests/runtime/test_batch.py"]),
+        "runtime/batch.py", "target.copy_slot_rows(src.index, m.slot.index, m.fed, best)",
+        "target.copy_slot_rows(src.index, m.slot.index, m.fed, best - 1)", ["tests/runtime/test_batch.py"]),
+    "a request joins the batch behind the rounds' lock": (
+        "runtime/batch.py", "with self._joins:  # not the round lock", "with dec._lock:  # not the round lock",
+        ["tests/runtime/test_batch.py"]),
     "a draft's rows copied from another slot without the first": (
         "runtime/batch.py", "runner.copy_slot_rows(src, m.slot.index, 0, best)",
         "runner.copy_slot_rows(src, m.slot.index, 1, best)", ["tests/runtime/test_batch.py"]),
