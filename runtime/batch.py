@@ -293,8 +293,8 @@ class Batch:
                         default=(0, -1))
         if best <= own:
             return
-        mine.forget()  # claims nothing while its rows are written
-        runner.copy_slot_rows(src, m.slot.index, 0, best)
+        mine.forget()  # claims nothing while its rows are written (those before `own` agree already: kept)
+        runner.copy_slot_rows(src, m.slot.index, own, best)
         mine.rows_for = prompt[:best]  # the request's committed tokens: never rewritten, so a view will do
 
     def _replan(self, m: Member) -> None:

@@ -320,8 +320,8 @@ PLANTS = {
         "runtime/batch.py", "with self._joins:  # not the round lock", "with dec._lock:  # not the round lock",
         ["tests/runtime/test_batch.py"]),
     "a draft's rows copied from another slot without the first": (
-        "runtime/batch.py", "runner.copy_slot_rows(src, m.slot.index, 0, best)",
-        "runner.copy_slot_rows(src, m.slot.index, 1, best)", ["tests/runtime/test_batch.py"]),
+        "runtime/batch.py", "runner.copy_slot_rows(src, m.slot.index, own, best)",
+        "runner.copy_slot_rows(src, m.slot.index, own + 1, best)", ["tests/runtime/test_batch.py"]),
 }
 
 
