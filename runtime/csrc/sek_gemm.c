@@ -801,21 +801,130 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
     }
 }
 
+/* AVX2 without VNNI, SEK_HALF_FROM rows or more: the weights stay in registers and the rows stream past them. A tile's
+ * 8-column half of 4 chunks (32 values of k for 4-bit levels, 16 for 6-bit ones) is unpacked once into 8 (4)
+ * registers; then each row in turn takes its dot products with them into one int16 sum and adds that, widened, to
+ * its int32 sums in memory. Nothing a row holds outlives its own few instructions, so any number of rows runs in one
+ * pass without spilling, and no chunk is unpacked twice -- where whole tiles in register-resident passes of SEK_R2
+ * rows unpacked every chunk again from the 6th row on and kept five rows' sums on the stack. The price: a row's
+ * activations are broadcast once per half (two loads a chunk, not one), which the load ports take beside the
+ * multiplies. */
+#define SEK_HALF_FROM 6 /* five rows run as fast in one register pass (tools/dev/kernel_rows.c) */
+#define SEK_RH 16 /* rows per pass (a 64-row prefill chunk: 4 passes), for the stack's per-row sums */
+/* The int16 pairs (v, v) in each 32-bit lane, for the 8 int8 values at p: a vpmaddwd against them multiplies a
+ * column's two pair sums by its own v and adds them, an exact int32. */
+static inline __attribute__((always_inline)) __m256i pairs256(const int8_t *p) {
+    const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(x, x), _mm_unpacklo_epi16(x, x));
+}
+/* G 4-bit chunks from chunk j0 of one tile half (bp) against m rows: out[r * ostride + 0..7] += mul * the rows'
+ * exact integer dot products with them. A row's int16 sum of 2G pair sums is at most 2G * 2 * 15 * 127 < 2^15. */
+static inline __attribute__((always_inline)) void q4_rows256(const uint8_t *bp, int64_t j0, const int G,
+                                                            const int8_t *ab, int64_t K, int64_t m, __m256i mul,
+                                                            int32_t *out, int64_t ostride) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    __m256i lo[4], hi[4];
+    SEK_UNROLL
+    for (int g = 0; g < G; g++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + (j0 + g) * 64));
+        lo[g] = _mm256_and_si256(v, mask);
+        hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    }
+#pragma GCC unroll 2
+    for (int64_t r = 0; r < m; r++) {
+        SEK_MCA_BEGIN("avx2_q4_row");
+        const int8_t *a = ab + r * K + 8 * j0;
+        __m256i p[4];
+        SEK_UNROLL
+        for (int g = 0; g < G; g++) {
+            int32_t a0, a1;
+            four_pair(a + 8 * g, &a0, &a1);
+            p[g] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[g], _mm256_set1_epi32(a0)),
+                                    _mm256_maddubs_epi16(hi[g], _mm256_set1_epi32(a1)));
+        }
+        const __m256i s16 = G == 4 ? _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]))
+                                   : _mm256_add_epi16(p[0], p[1]);
+        __m256i *o = (__m256i *)(out + r * ostride);
+        _mm256_storeu_si256(o, _mm256_add_epi32(_mm256_loadu_si256(o), _mm256_madd_epi16(s16, mul)));
+        SEK_MCA_END("avx2_q4_row");
+    }
+}
+/* out[r * ostride + 0..7] += mul * the exact integer dot products of block b for m rows (qa, row stride K), columns
+ * 8h..8h+7 of a tile, 4- or 6-bit levels; mul: the columns' integer block scales as pairs256 gives them (two-level
+ * scales) or ones. The integers are dots256's -- the same pair sums, int16 sums of at most 4 chunks of 4-bit levels,
+ * one 6-bit pair sum of two chunks at a time -- times the scale in vpmaddwd rather than in a vpmulld after it: a
+ * column's sum over 16 values of 6-bit levels is at most 16 * 63 * 127 and over 32 of 4-bit ones 32 * 15 * 127,
+ * times |sc| <= 128 far below 2^31, and so the same int32. */
+static inline __attribute__((always_inline)) void dots_rows256(const sek_weights *w, const int8_t *qa, int64_t K,
+                                                              int64_t b, int64_t m, int64_t tile, int h, __m256i mul,
+                                                              int32_t *out, int64_t ostride) {
+    const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
+    const uint8_t *bp = w->b + (tile * nb + b) * bstride + 32 * h;
+    const int8_t *ab = qa + b * blk;
+    if (w->bits == 4) {
+        const int64_t nch = blk / 8; /* even: blk is a multiple of 16 */
+        int64_t j0 = 0;
+        for (; j0 + 4 <= nch; j0 += 4) q4_rows256(bp, j0, 4, ab, K, m, mul, out, ostride);
+        if (j0 < nch) q4_rows256(bp, j0, 2, ab, K, m, mul, out, ostride);
+        return;
+    }
+    const __m256i m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30), m0c = _mm256_set1_epi8(0x0c),
+                  m03 = _mm256_set1_epi8(0x03);
+    for (int64_t hh = 0; hh < blk / 16; hh++) { /* 6-bit */
+        const uint8_t *c0 = bp + 3 * hh * 64;
+        const __m256i xx = _mm256_loadu_si256((const __m256i *)c0), yy = _mm256_loadu_si256((const __m256i *)(c0 + 64)),
+                      zz = _mm256_loadu_si256((const __m256i *)(c0 + 128));
+        const __m256i lo0 = _mm256_and_si256(xx, m63), hi0 = _mm256_and_si256(yy, m63), lo1 = _mm256_and_si256(zz, m63);
+        const __m256i hi1 = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(xx, 2), m30),
+                                                            _mm256_and_si256(_mm256_srli_epi16(yy, 4), m0c)),
+                                            _mm256_and_si256(_mm256_srli_epi16(zz, 6), m03));
+#pragma GCC unroll 2
+        for (int64_t r = 0; r < m; r++) {
+            SEK_MCA_BEGIN("avx2_q6_row");
+            const int8_t *a = ab + r * K + 16 * hh;
+            int32_t a0, a1, a2, a3;
+            four_pair(a, &a0, &a1);
+            four_pair(a + 8, &a2, &a3);
+            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_set1_epi32(a0)),
+                                                _mm256_maddubs_epi16(hi0, _mm256_set1_epi32(a1)));
+            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, _mm256_set1_epi32(a2)),
+                                                _mm256_maddubs_epi16(hi1, _mm256_set1_epi32(a3)));
+            __m256i *o = (__m256i *)(out + r * ostride);
+            _mm256_storeu_si256(o, _mm256_add_epi32(_mm256_loadu_si256(o),
+                                                    _mm256_add_epi32(_mm256_madd_epi16(p0, mul), _mm256_madd_epi16(p1, mul))));
+            SEK_MCA_END("avx2_q6_row");
+        }
+    }
+}
+
 /* R rows x one tile (two 8-column halves). */
 static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, const sek_weights *w, float *y,
                                                            int64_t ldy, int64_t r0, const int R, int64_t tile,
-                                                           const int vnni) {
+                                                           const int vnni, const int half) {
     const int64_t nb = w->k / w->blk, K = x->k;
     const int8_t *qa = x->qa + r0 * K;
     const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
-    __m256 yv[SEK_R2][2];
+    __m256 yv[SEK_RH][2];
     SEK_UNROLL
     for (int r = 0; r < R; r++) yv[r][0] = yv[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i acc[SEK_R2][2];
-        SEK_UNROLL
-        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-        dots256(w, qa, K, b, R, tile, acc, vnni);
+        __m256i acc[SEK_RH][2];
+        if (half) { /* one 8-column half at a time, the sums through memory (dots_rows256) */
+            int32_t ih[SEK_RH][SEK_TILE] __attribute__((aligned(32)));
+            memset(ih, 0, sizeof ih[0] * R);
+            const int64_t bstride = w->blk * SEK_TILE * w->bits / 8;
+            prefetch_block(w->b + (tile * nb + b) * bstride, bstride);
+            SEK_UNROLL
+            for (int h = 0; h < 2; h++) dots_rows256(w, qa, K, b, R, tile, h, _mm256_set1_epi16(1), ih[0] + 8 * h, SEK_TILE);
+            SEK_UNROLL
+            for (int r = 0; r < R; r++)
+                SEK_UNROLL
+                for (int h = 0; h < 2; h++) acc[r][h] = _mm256_load_si256((const __m256i *)(ih[r] + 8 * h));
+        } else {
+            SEK_UNROLL
+            for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+            dots256(w, qa, K, b, R, tile, acc, vnni);
+        }
         SEK_UNROLL
         for (int h = 0; h < 2; h++) {
             __m256 s, zs;
@@ -837,18 +946,27 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
 /* Two-level scales: tile_sb_scalar's arithmetic for R rows of one tile (the integer sums in memory: 16 registers). */
 static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x, const sek_weights *w, float *y,
                                                               int64_t ldy, int64_t r0, const int R, int64_t tile,
-                                                              const int vnni) {
+                                                              const int vnni, const int half) {
     const int64_t nb = w->k / w->blk, per = w->sblk / w->blk, nsb = w->k / w->sblk, K = x->k;
     const int8_t *qa = x->qa + r0 * K;
     const int16_t *bsum = x->bsum + r0 * nb;
     const float *sa = x->sa + r0 * nsb;
     const int8_t *mv = w->mn ? w->mn : w->sc;
-    float yv[SEK_R2][SEK_TILE] __attribute__((aligned(32)));
-    int32_t i1[SEK_R2][SEK_TILE] __attribute__((aligned(32)));
-    memset(yv, 0, sizeof yv);
+    float yv[SEK_RH][SEK_TILE] __attribute__((aligned(32)));
+    int32_t i1[SEK_RH][SEK_TILE] __attribute__((aligned(32)));
+    memset(yv, 0, sizeof yv[0] * R);
     for (int64_t sb = 0; sb < nsb; sb++) {
-        memset(i1, 0, sizeof i1);
+        memset(i1, 0, sizeof i1[0] * R);
         for (int64_t b = sb * per; b < (sb + 1) * per; b++) {
+            if (half) { /* the block's scales in its products' vpmaddwd (dots_rows256) */
+                const int64_t bstride = w->blk * SEK_TILE * w->bits / 8;
+                prefetch_block(w->b + (tile * nb + b) * bstride, bstride);
+                SEK_UNROLL
+                for (int h = 0; h < 2; h++)
+                    dots_rows256(w, qa, K, b, R, tile, h, pairs256(w->sc + blk_off(w, tile, b) + 8 * h), i1[0] + 8 * h,
+                                 SEK_TILE);
+                continue;
+            }
             __m256i acc[SEK_R2][2];
             SEK_UNROLL
             for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
@@ -866,18 +984,22 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
         const int64_t so = (tile * nsb + sb) * SEK_TILE;
         SEK_UNROLL
         for (int h = 0; h < 2; h++) {
-            __m256i mm[SEK_R2];
+            __m256i m2[SEK_BLK_MAX / 32], mm[SEK_RH]; /* M: blocks in pairs, one vpmaddwd per pair */
+            const int64_t b0 = sb * per, npair = per / 2;
+            for (int64_t q = 0; q < npair; q++) {
+                const __m128i m0 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b0 + 2 * q) + 8 * h)));
+                const __m128i m1 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b0 + 2 * q + 1) + 8 * h)));
+                m2[q] = _mm256_set_m128i(_mm_unpackhi_epi16(m0, m1), _mm_unpacklo_epi16(m0, m1));
+            }
             SEK_UNROLL
-            for (int r = 0; r < R; r++) mm[r] = _mm256_setzero_si256();
-            for (int64_t b = sb * per; b < (sb + 1) * per; b += 2) { /* M: blocks in pairs, one vpmaddwd per pair */
-                const __m128i m0 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b) + 8 * h)));
-                const __m128i m1 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b + 1) + 8 * h)));
-                const __m256i m2 = _mm256_set_m128i(_mm_unpackhi_epi16(m0, m1), _mm_unpacklo_epi16(m0, m1));
-                SEK_UNROLL
-                for (int r = 0; r < R; r++) {
-                    const uint32_t pair = (uint32_t)(uint16_t)bsum[r * nb + b] | (uint32_t)(uint16_t)bsum[r * nb + b + 1] << 16;
-                    mm[r] = _mm256_add_epi32(mm[r], _mm256_madd_epi16(m2, _mm256_set1_epi32((int32_t)pair)));
+            for (int r = 0; r < R; r++) {
+                __m256i acc = _mm256_setzero_si256();
+                for (int64_t q = 0; q < npair; q++) {
+                    const int16_t *bs = bsum + r * nb + b0 + 2 * q;
+                    const uint32_t pair = (uint32_t)(uint16_t)bs[0] | (uint32_t)(uint16_t)bs[1] << 16;
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(m2[q], _mm256_set1_epi32((int32_t)pair)));
                 }
+                mm[r] = acc;
             }
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + so + 8 * h)));
             const __m256 dmv = w->mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->dmin + so + 8 * h))) : dv;
@@ -902,22 +1024,33 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
     for (int r = 0; r < R; r++) memcpy(y + (r0 + r) * ldy + tile * SEK_TILE, yv[r], sizeof yv[r]);
 }
 
-/* Tiles [t0, t1), the rows in passes of up to SEK_R2. */
+/* Tiles [t0, t1). The rows go in passes of up to SEK_R2 whole tiles, or, on AVX2 without VNNI from SEK_HALF_FROM rows
+ * on (4- and 6-bit levels), in as few passes of up to SEK_RH rows streamed past each half tile's levels as hold
+ * them, of sizes that differ by one at most. */
 static inline __attribute__((always_inline)) void tiles_avx2_any(const sek_rows *x, const sek_weights *w, float *y,
                                                                 int64_t ldy, int64_t t0, int64_t t1, const int vnni) {
-    const int sb = w->sc != NULL, per = SEK_R2;
+    const int sb = w->sc != NULL, half = !vnni && w->bits != 8 && x->m >= SEK_HALF_FROM;
+    const int64_t passes = half ? (x->m + SEK_RH - 1) / SEK_RH : (x->m + SEK_R2 - 1) / SEK_R2;
     for (int64_t t = t0; t < t1; t++)
-        for (int64_t r0 = 0; r0 < x->m; r0 += per) {
-            const int R = x->m - r0 < per ? (int)(x->m - r0) : per;
-#define SEK_CASE(RR)                                      \
-    case RR:                                              \
-        if (sb)                                           \
-            tile_sb_avx2(x, w, y, ldy, r0, RR, t, vnni);  \
-        else                                              \
-            tile_avx2(x, w, y, ldy, r0, RR, t, vnni);     \
+        for (int64_t p = 0, r0 = 0; p < passes; p++) {
+            const int R = half ? (int)(x->m / passes + (p < x->m % passes)) : (x->m - r0 < SEK_R2 ? (int)(x->m - r0) : SEK_R2);
+#define SEK_CASE(RR, H)                                      \
+    case RR:                                                 \
+        if (sb)                                              \
+            tile_sb_avx2(x, w, y, ldy, r0, RR, t, vnni, H);  \
+        else                                                 \
+            tile_avx2(x, w, y, ldy, r0, RR, t, vnni, H);     \
         break;
-            switch (R) { SEK_CASE(1) SEK_CASE(2) SEK_CASE(3) SEK_CASE(4) SEK_CASE(5) }
+            if (half) { /* the rows' count a variable: their sums live in memory (dots_rows256) */
+                if (sb)
+                    tile_sb_avx2(x, w, y, ldy, r0, R, t, 0, 1);
+                else
+                    tile_avx2(x, w, y, ldy, r0, R, t, 0, 1);
+            } else {
+                switch (R) { SEK_CASE(1, 0) SEK_CASE(2, 0) SEK_CASE(3, 0) SEK_CASE(4, 0) SEK_CASE(5, 0) }
+            }
 #undef SEK_CASE
+            r0 += R;
         }
 }
 static void tiles_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1) {

@@ -681,7 +681,7 @@ def _isa_check(cc: list[str], flags: list[str], exe, runner: list[str] = ()) -> 
 
 
 def test_every_isa_path_of_this_cpu_equals_the_c_reference_in_every_weight_format(tmp_path):
-    """tools/dev/sek_isa_check.c on this CPU: every path this build has, at 1..12 rows, bitwise the portable reference
+    """tools/dev/sek_isa_check.c on this CPU: every path this build has, at 1..20 rows, bitwise the portable reference
     (one- and two-level scales, 4/6/8-bit, zero points as bytes and as fp32 products, a partial last block, extreme
     activation blocks), and every row the same alone as among the others."""
     from specedge.runtime.kernels import _march, compiler
@@ -701,7 +701,7 @@ def _has_avx_vnni() -> bool:
 def test_the_avx_vnni_path_computes_the_same_bits_as_this_cpu(tmp_path):
     """The AVX-VNNI path (vpdpbusd on 256-bit registers, for CPUs without AVX-512: Intel Alder Lake and its
     N-series), in a build for such a CPU (-march=alderlake: AVX2 + AVX-VNNI, 16 vector registers): it equals the
-    reference at 1..12 rows in every weight format, and the reference's outputs are this CPU's native build's. The
+    reference at 1..20 rows in every weight format, and the reference's outputs are this CPU's native build's. The
     whole kernel library builds for it without warnings."""
     from pathlib import Path
 

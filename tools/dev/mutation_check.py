@@ -99,6 +99,9 @@ PLANTS = {
     "specedge kernel: a 6-bit level's low bits taken from the wrong place (AVX2)": (
         "runtime/csrc/sek_gemm.c", "_mm256_and_si256(_mm256_srli_epi16(z, 6), m03)",
         "_mm256_and_si256(_mm256_srli_epi16(z, 4), m03)", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: a 6-bit level's low bits taken from the wrong place (AVX2 streamed rows)": (
+        "runtime/csrc/sek_gemm.c", "_mm256_and_si256(_mm256_srli_epi16(zz, 6), m03)",
+        "_mm256_and_si256(_mm256_srli_epi16(zz, 4), m03)", ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: two-level block mins scaled by d instead of dmin (AVX512)": (
         "runtime/csrc/sek_gemm.c",
         "const __m512 dmv = w->mn ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->dmin + so))) : dv;",
@@ -116,8 +119,12 @@ PLANTS = {
     "specedge kernel: the one-tile pass for short matrices steps two tiles (every other tile never computed)": (
         "runtime/csrc/sek_gemm.c", "for (int64_t t = t0; t < t1; t += wide_sb || single ? 1 : 2) {",
         "for (int64_t t = t0; t < t1; t += wide_sb ? 1 : 2) {", ["tests/runtime/test_sek_kernel.py"]),
-    "specedge kernel: the 5-row ymm passes take six rows, and a six-row pass computes nothing": (
-        "runtime/csrc/sek_gemm.c", "per = SEK_R2;", "per = SEK_R2 + 1;", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: the AVX2 streamed-row passes drop the rows that do not divide evenly": (
+        "runtime/csrc/sek_gemm.c", "(int)(x->m / passes + (p < x->m % passes))", "(int)(x->m / passes)",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: an AVX2 streamed row adds its third chunk's products twice and its fourth's never": (
+        "runtime/csrc/sek_gemm.c", "_mm256_add_epi16(p[2], p[3]))", "_mm256_add_epi16(p[2], p[2]))",
+        ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: the AVX2 4-bit loop dots a chunk's high nibbles with the low nibbles' activations": (
         "runtime/csrc/sek_gemm.c", "_mm256_maddubs_epi16(hi[h], va1)));",
         "_mm256_maddubs_epi16(hi[h], va0)));", ["tests/runtime/test_sek_kernel.py"]),
