@@ -83,6 +83,15 @@ class AutoDrafter(DrafterHooks):
     # row: ~0.13 ms for Qwen's 151,936 logits, so not every round's; see ``wants_confidence``)
     CONF_WINDOW = 64
     clock = staticmethod(time.perf_counter)  # the request's pace is timed with it (tests set their own)
+    # The guard on what the rounds really did: once a request has run GUARD_ROUNDS rounds of a drafter, the drafter is
+    # chosen only while those rounds, timed whole by the decoder (drafting, the verify step, the host's work; a
+    # draft's catch-up left out, which its plan prices), committed more tokens per second than plain rounds do on
+    # this machine (``CostModel.plain_pace``). Each older round weighs GUARD_DECAY of the one after it, so a run of
+    # good rounds lifts the bar as fast as bad ones set it; a barred drafter is still re-probed like an idle one.
+    # The estimates decide() works from miss what they do not model (a wide step's real cost on this CPU, the
+    # host's work per round, a draft step slower than timed at load), and they alone let auto run below plain.
+    GUARD_ROUNDS = 3
+    GUARD_DECAY = 0.75
 
     def __init__(self, costs: CostModel, lookup: PromptLookupDrafter, model: ModelDrafter | None,
                  mode: str = "auto", probe_every: int = 16):
@@ -127,9 +136,12 @@ class AutoDrafter(DrafterHooks):
         self._copied = 0  # tokens of this request's text its lookup proposals matched (run or not: ``_learn_lookup``)
         self._streak = 0  # model rounds in a row so far
         self._sure = [0, 0]  # this request's committed tokens the target was sure of (TargetSplit.SURE), and all
+        self._paced: dict[str, tuple[float, float, int]] = {}  # drafter -> its rounds' (seconds, tokens) decayed, count
+        self._round_catchup = 0.0  # seconds the last round's draft spent catching up (left out of its pace)
 
     def propose(self, tokens, k, params, rng) -> Proposal:  # noqa: ANN001
         self._candidates = []
+        self._round_catchup = 0.0
         if k <= 0:  # the last token of a request: nothing to draft
             self._last = ("none", 0)
             self.rounds["none"] = self.rounds.get("none", 0) + 1
@@ -163,9 +175,13 @@ class AutoDrafter(DrafterHooks):
         d = decide(self.costs, self.alpha["prompt-lookup"].alpha, len(look.tokens), alpha_model, k, self.mode,
                    model_overhead=catchup, horizon=horizon, gap=gap, pace=pace,
                    margin=PROMPT_MARGIN if behind_prompt else MODEL_MARGIN)
+        if self.mode == "auto" and d.kind != "none" and self.losing(d.kind):  # below plain: plain (re-probes try it)
+            d = Decision("none", 0, self.costs.rate_plain(), 1.0 + self.costs.guess_alpha)
         self._probing = False
         if d.kind == "prompt-lookup":
             self._probe_left = 0
+        if self._probe_left > 0 and self.mode == "auto" and self.losing("model"):
+            self._probe_left = 0  # the probe's rounds ran below plain on the wall clock: it ends, however they passed
         if self._probe_left > 0 and self.model is not None:  # a draft-model probe runs PROBE_ROUNDS rounds
             self._probe_left -= 1
             if d.kind != "model":  # (once the estimate itself says draft, the rounds are no longer probes)
@@ -220,7 +236,8 @@ class AutoDrafter(DrafterHooks):
             keep = None if self._probing else (lambda conf: self.gate.acceptance(conf) >= threshold)
             prop = self.model.propose(tokens, d.k, params, rng, keep=keep, keep_last=self._worth_verifying,
                                       branches=min(self.tree, self.BRANCHES_PER_DEPTH))
-            self.costs.observe_catchup(plan, self.model.time_catch_up - t0)
+            self._round_catchup = self.model.time_catch_up - t0
+            self.costs.observe_catchup(plan, self._round_catchup)
             self.costs.model_tried = True
             self._confs = self.model.confidences
             if self.model.step_time is not None:
@@ -383,6 +400,21 @@ class AutoDrafter(DrafterHooks):
             self.costs.target_split.record(confs[:n], min(len(confs) - 1, n))
         self._sure[0] += sum(c > TargetSplit.SURE for c in confs)
         self._sure[1] += len(confs)
+
+    def losing(self, kind: str) -> bool:
+        """Whether this request's rounds of ``kind`` have committed fewer tokens per second than plain rounds run at
+        (the guard: GUARD_ROUNDS)."""
+        seconds, tokens, rounds = self._paced.get(kind, (0.0, 0.0, 0))
+        return rounds >= self.GUARD_ROUNDS and seconds > 0 and tokens / seconds < self.costs.measured_plain_rate()
+
+    def observe_round(self, seconds: float, tokens: int) -> None:
+        kind = self._last[0]
+        if kind == "none":
+            self.costs.observe_plain_round(seconds, tokens)
+            return
+        s, t, n = self._paced.get(kind, (0.0, 0.0, 0))
+        g = self.GUARD_DECAY
+        self._paced[kind] = (g * s + max(0.0, seconds - self._round_catchup), g * t + tokens, n + 1)
 
     def commit(self, n_accepted: int) -> None:
         kind, n = self._last

@@ -339,6 +339,7 @@ class SpecDecoder:
         st.time_draft_s += t1 - t0
         st.time_verify_s += t2 - t1
         st.time_host_s += t3 - t2
+        drafter.observe_round(t3 - t0, len(ev.token_ids))
         return ev
 
     def _tree_round(self, req: Request, drafter: Drafter, prop: Proposal, t0: float, t1: float) -> StreamEvent:
@@ -373,6 +374,7 @@ class SpecDecoder:
         st.time_draft_s += t1 - t0
         st.time_verify_s += t2 - t1
         st.time_host_s += t3 - t2
+        drafter.observe_round(t3 - t0, len(ev.token_ids))
         return ev
 
     def _free_guess(self, req: Request) -> Any:

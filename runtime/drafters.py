@@ -58,6 +58,10 @@ class Drafter(Protocol):
         """The round accepted ``depth`` of the proposal's chain (a tree's spine) and the target's token after them is
         ``token`` (for a tree, the branch the path took there, or the round's next token)."""
 
+    def observe_round(self, seconds: float, tokens: int) -> None:
+        """The round that ``commit`` ended took ``seconds`` of wall time (drafting, the verify step, the host's work)
+        and committed ``tokens`` tokens."""
+
 
 class DrafterHooks:
     """What a drafter that needs none of the optional hooks of :class:`Drafter` does with them."""
@@ -72,6 +76,9 @@ class DrafterHooks:
         return None
 
     def observe_next(self, depth: int, token: int) -> None:
+        pass
+
+    def observe_round(self, seconds: float, tokens: int) -> None:
         pass
 
 

@@ -58,6 +58,7 @@ class CostModel:
     gate: ConfidenceGate = field(default_factory=lambda: ConfidenceGate())
     target_split: TargetSplit = field(default_factory=lambda: TargetSplit())
     branch_odds: BranchOdds = field(default_factory=lambda: BranchOdds())  # tree branches' hits (:mod:`.trees`)
+    plain_pace: float | None = None  # tokens per second plain rounds have run at, whole rounds on the wall clock
 
     def verify_time(self, n: int) -> float:
         """Time of the target step that n tokens run in (the smallest width >= n)."""
@@ -114,6 +115,17 @@ class CostModel:
 
     def rate_plain(self) -> float:
         return (1.0 + self.guess_alpha) / self.verify_time(1)
+
+    def observe_plain_round(self, seconds: float, tokens: int) -> None:
+        """A plain round took ``seconds`` on the wall clock (its step and the host's work) and committed ``tokens``:
+        ``plain_pace`` moves (1 - decay) of the way to that round's tokens per second."""
+        if seconds > 0 and tokens > 0:
+            r = tokens / seconds
+            self.plain_pace = r if self.plain_pace is None else self.decay * self.plain_pace + (1 - self.decay) * r
+
+    def measured_plain_rate(self) -> float:
+        """Tokens per second of a plain round as measured whole (``plain_pace``), else as its step predicts."""
+        return self.plain_pace if self.plain_pace is not None else self.rate_plain()
 
     def rate_lookup(self, alpha: float, m: int) -> float:
         return expected_tokens_per_round(alpha, m) / self.verify_time(m + 1)

@@ -760,3 +760,52 @@ def test_auto_adds_a_branch_while_it_pays_and_stops_when_branches_never_hit():
     assert prop.parents is not None
     auto.tree = 0
     assert auto.propose(tokens, 8, params, rng).parents is None
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_drafter_whose_rounds_run_below_plain_on_the_wall_clock_is_set_aside(slow):
+    """The estimates say the draft pays (cheap steps, every draft accepted), but the decoder times each round whole:
+    where the model rounds really commit fewer tokens per second than plain rounds run at (a wide step dearer than
+    its timing, host work the model leaves out), auto goes plain after GUARD_ROUNDS of them and stays there but for
+    its re-probes; where they run as predicted it drafts on."""
+    c = costs()
+    c.model_tried = True
+    c.model_acceptance = Acceptance(successes=95, failures=5)
+    model = ScriptedModel()
+    auto = AutoDrafter(c, PromptLookupDrafter(), model, probe_every=16)
+    tokens = np.arange(10, 40, dtype=np.int64)  # lookup has nothing
+    params, rng = SamplingParams(max_new_tokens=10_000), np.random.default_rng(0)
+    c.observe_plain_round(0.1, 1)  # plain rounds: 10 tok/s
+    kinds = []
+    for _ in range(60):
+        prop = auto.propose(tokens, 8, params, rng)
+        kind = auto._last[0]
+        kinds.append(kind)
+        n = len(prop.tokens)
+        auto.commit(n)
+        # a model round of n drafts committed n + 1 tokens in 0.25 s (predicted ~0.28 s): 36 tok/s; slow, 2.5 s: 3.6
+        auto.observe_round((2.5 if slow else 0.25) if kind == "model" else 0.1, n + 1 if kind == "model" else 1)
+    model_rounds = kinds.count("model")
+    if slow:
+        assert kinds[:AutoDrafter.GUARD_ROUNDS] == ["model"] * AutoDrafter.GUARD_ROUNDS
+        assert auto.losing("model") and model_rounds <= AutoDrafter.GUARD_ROUNDS + 6, "".join(k[0] for k in kinds)
+    else:
+        assert model_rounds == 60 and not auto.losing("model")
+
+
+def test_the_guard_leaves_a_drafts_catch_up_out_of_its_rounds_pace_and_hybrid_alone():
+    """A round's catch-up (the draft feeding a prompt) is an investment its plan prices, not the pace of the round:
+    it is left out. And hybrid, which never decodes plainly while it has a drafter, is not barred."""
+    c = costs()
+    auto = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel())
+    c.observe_plain_round(0.1, 1)
+    auto._last = ("model", 4)
+    for _ in range(AutoDrafter.GUARD_ROUNDS):
+        auto._round_catchup = 2.0  # 2 s of catch-up in a 2.2 s round that committed 5 tokens
+        auto.observe_round(2.2, 5)
+    assert not auto.losing("model")  # 5 tokens in 0.2 s of the round's own work
+    hybrid = AutoDrafter(c, PromptLookupDrafter(), ScriptedModel(), mode="hybrid")
+    hybrid._paced["model"] = (10.0, 1.0, 5)  # far below plain
+    tokens = np.arange(10, 40, dtype=np.int64)
+    hybrid.propose(tokens, 8, SamplingParams(), np.random.default_rng(0))
+    assert hybrid._last[0] == "model"

@@ -326,6 +326,12 @@ PLANTS = {
     "a request joins the batch behind the rounds' lock": (
         "runtime/batch.py", "with self._joins:  # not the round lock", "with dec._lock:  # not the round lock",
         ["tests/runtime/test_batch.py"]),
+    "auto bars a drafter whose rounds run faster than plain, not slower": (
+        "runtime/adaptive.py", "tokens / seconds < self.costs.measured_plain_rate()",
+        "tokens / seconds > self.costs.measured_plain_rate()", ["tests/runtime/test_adaptive.py"]),
+    "auto's guard counts a draft's catch-up in its rounds' pace": (
+        "runtime/adaptive.py", "max(0.0, seconds - self._round_catchup)", "seconds",
+        ["tests/runtime/test_adaptive.py"]),
     "a draft's rows copied from another slot without the first": (
         "runtime/batch.py", "runner.copy_slot_rows(src, m.slot.index, own, best)",
         "runner.copy_slot_rows(src, m.slot.index, own + 1, best)", ["tests/runtime/test_batch.py"]),
@@ -339,7 +345,8 @@ FAST = ("sample from p instead of the residual at a rejection", "every draft pos
         "the target's rows counted before an interrupted prefill wrote them", "the sampled hash is not checked",
         "a batched round reads the rows of the request before it", "a new request takes a busy slot",
         "a prompt's rows in a shared step sit one position late", "batched drafts fed one position late",
-        "a prompt's rows copied from another slot one short")
+        "a prompt's rows copied from another slot one short",
+        "auto bars a drafter whose rounds run faster than plain, not slower")
 
 
 def stale(root: Path) -> list[str]:
