@@ -801,15 +801,15 @@ static inline __attribute__((always_inline)) void dots256(const sek_weights *w, 
     }
 }
 
-/* AVX2 without VNNI, SEK_HALF_FROM rows or more: the weights stay in registers and the rows stream past them. A tile's
- * 8-column half of 4 chunks (32 values of k for 4-bit levels, 16 for 6-bit ones) is unpacked once into 8 (4)
- * registers; then each row in turn takes its dot products with them into one int16 sum and adds that, widened, to
- * its int32 sums in memory. Nothing a row holds outlives its own few instructions, so any number of rows runs in one
- * pass without spilling, and no chunk is unpacked twice -- where whole tiles in register-resident passes of SEK_R2
- * rows unpacked every chunk again from the 6th row on and kept five rows' sums on the stack. The price: a row's
- * activations are broadcast once per half (two loads a chunk, not one), which the load ports take beside the
- * multiplies. */
-#define SEK_HALF_FROM 6 /* five rows run as fast in one register pass (tools/dev/kernel_rows.c) */
+/* AVX2 without VNNI, SEK_HALF_FROM rows or more: the weights stay in registers and the rows stream past them. Two
+ * chunks of a tile, both 8-column halves (16 values of k for 4-bit levels and for 6-bit ones), are unpacked once into
+ * 8 registers; then each row in turn broadcasts its activations once for both halves, takes its dot products with
+ * them into one int16 sum per half and adds those, widened, to its int32 sums in memory. Nothing a row holds
+ * outlives its own few instructions, so any number of rows runs in one pass without spilling, and no chunk is
+ * unpacked twice -- where whole tiles in register-resident passes of SEK_R2 rows unpacked every chunk again from the
+ * 6th row on and kept five rows' sums on the stack. A row's vector work per chunk is then what the multiplies need
+ * and little more: 2 broadcasts, 4 vpmaddubsw, 1 vpmaddwd and 4 adds (tools/dev/kernel_rows.c). */
+#define SEK_HALF_FROM 2 /* from two rows on, faster than register passes of whole tiles (tools/dev/kernel_rows.c) */
 #define SEK_RH 16 /* rows per pass (a 64-row prefill chunk: 4 passes), for the stack's per-row sums */
 /* The int16 pairs (v, v) in each 32-bit lane, for the 8 int8 values at p: a vpmaddwd against them multiplies a
  * column's two pair sums by its own v and adds them, an exact int32. */
@@ -817,81 +817,95 @@ static inline __attribute__((always_inline)) __m256i pairs256(const int8_t *p) {
     const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
     return _mm256_set_m128i(_mm_unpackhi_epi16(x, x), _mm_unpacklo_epi16(x, x));
 }
-/* G 4-bit chunks from chunk j0 of one tile half (bp) against m rows: out[r * ostride + 0..7] += mul * the rows'
- * exact integer dot products with them. A row's int16 sum of 2G pair sums is at most 2G * 2 * 15 * 127 < 2^15. */
+/* G 4-bit chunks from chunk j0 of one tile (bp: its block's first chunk), both 8-column halves, against m rows:
+ * out[r * ostride + 8h + 0..7] += mul[h] * the rows' exact integer dot products with half h. A row's two
+ * broadcasts of each chunk's activations serve both halves. A row's int16 sum of 2G pair sums is at most
+ * 2G * 2 * 15 * 127 < 2^15. */
 static inline __attribute__((always_inline)) void q4_rows256(const uint8_t *bp, int64_t j0, const int G,
-                                                            const int8_t *ab, int64_t K, int64_t m, __m256i mul,
+                                                            const int8_t *ab, int64_t K, int64_t m, const __m256i *mul,
                                                             int32_t *out, int64_t ostride) {
     const __m256i mask = _mm256_set1_epi8(15);
-    __m256i lo[4], hi[4];
+    __m256i lo[2][2], hi[2][2];
     SEK_UNROLL
-    for (int g = 0; g < G; g++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + (j0 + g) * 64));
-        lo[g] = _mm256_and_si256(v, mask);
-        hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-    }
-#pragma GCC unroll 2
+    for (int g = 0; g < G; g++)
+        SEK_UNROLL
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + (j0 + g) * 64 + 32 * h));
+            lo[g][h] = _mm256_and_si256(v, mask);
+            hi[g][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
+    const __m256i mul0 = mul[0], mul1 = mul[1];
     for (int64_t r = 0; r < m; r++) {
         SEK_MCA_BEGIN("avx2_q4_row");
         const int8_t *a = ab + r * K + 8 * j0;
-        __m256i p[4];
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0;
         SEK_UNROLL
         for (int g = 0; g < G; g++) {
             int32_t a0, a1;
             four_pair(a + 8 * g, &a0, &a1);
-            p[g] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[g], _mm256_set1_epi32(a0)),
-                                    _mm256_maddubs_epi16(hi[g], _mm256_set1_epi32(a1)));
+            const __m256i va0 = _mm256_set1_epi32(a0), va1 = _mm256_set1_epi32(a1);
+            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[g][0], va0), _mm256_maddubs_epi16(hi[g][0], va1));
+            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[g][1], va0), _mm256_maddubs_epi16(hi[g][1], va1));
+            s0 = g ? _mm256_add_epi16(s0, p0) : p0;
+            s1 = g ? _mm256_add_epi16(s1, p1) : p1;
         }
-        const __m256i s16 = G == 4 ? _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]))
-                                   : _mm256_add_epi16(p[0], p[1]);
         __m256i *o = (__m256i *)(out + r * ostride);
-        _mm256_storeu_si256(o, _mm256_add_epi32(_mm256_loadu_si256(o), _mm256_madd_epi16(s16, mul)));
+        _mm256_storeu_si256(o, _mm256_add_epi32(_mm256_loadu_si256(o), _mm256_madd_epi16(s0, mul0)));
+        _mm256_storeu_si256(o + 1, _mm256_add_epi32(_mm256_loadu_si256(o + 1), _mm256_madd_epi16(s1, mul1)));
         SEK_MCA_END("avx2_q4_row");
     }
 }
-/* out[r * ostride + 0..7] += mul * the exact integer dot products of block b for m rows (qa, row stride K), columns
- * 8h..8h+7 of a tile, 4- or 6-bit levels; mul: the columns' integer block scales as pairs256 gives them (two-level
- * scales) or ones. The integers are dots256's -- the same pair sums, int16 sums of at most 4 chunks of 4-bit levels,
- * one 6-bit pair sum of two chunks at a time -- times the scale in vpmaddwd rather than in a vpmulld after it: a
- * column's sum over 16 values of 6-bit levels is at most 16 * 63 * 127 and over 32 of 4-bit ones 32 * 15 * 127,
- * times |sc| <= 128 far below 2^31, and so the same int32. */
+/* out[r * ostride + 0..15] += mul[h] * the exact integer dot products of block b for m rows (qa, row stride K) with
+ * a tile's two 8-column halves h, 4- or 6-bit levels; mul: the columns' integer block scales as pairs256 gives them
+ * (two-level scales) or ones. The integers are dots256's -- the same pair sums, int16 sums of at most 2 chunks of
+ * 4-bit levels, one 6-bit pair sum of two chunks at a time -- times the scale in vpmaddwd rather than in a vpmulld
+ * after it: a column's sum over 16 values of 6-bit levels is at most 16 * 63 * 127 and over 16 of 4-bit ones
+ * 16 * 15 * 127, times |sc| <= 128 far below 2^31, and so the same int32. */
 static inline __attribute__((always_inline)) void dots_rows256(const sek_weights *w, const int8_t *qa, int64_t K,
-                                                              int64_t b, int64_t m, int64_t tile, int h, __m256i mul,
+                                                              int64_t b, int64_t m, int64_t tile, const __m256i *mul,
                                                               int32_t *out, int64_t ostride) {
     const int64_t nb = w->k / w->blk, blk = w->blk, bstride = blk * SEK_TILE * w->bits / 8;
-    const uint8_t *bp = w->b + (tile * nb + b) * bstride + 32 * h;
+    const uint8_t *bp = w->b + (tile * nb + b) * bstride;
     const int8_t *ab = qa + b * blk;
     if (w->bits == 4) {
-        const int64_t nch = blk / 8; /* even: blk is a multiple of 16 */
-        int64_t j0 = 0;
-        for (; j0 + 4 <= nch; j0 += 4) q4_rows256(bp, j0, 4, ab, K, m, mul, out, ostride);
-        if (j0 < nch) q4_rows256(bp, j0, 2, ab, K, m, mul, out, ostride);
+        for (int64_t j0 = 0; j0 < blk / 8; j0 += 2) q4_rows256(bp, j0, 2, ab, K, m, mul, out, ostride); /* blk % 16 == 0 */
         return;
     }
     const __m256i m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30), m0c = _mm256_set1_epi8(0x0c),
                   m03 = _mm256_set1_epi8(0x03);
+    const __m256i mul0 = mul[0], mul1 = mul[1];
     for (int64_t hh = 0; hh < blk / 16; hh++) { /* 6-bit */
-        const uint8_t *c0 = bp + 3 * hh * 64;
-        const __m256i xx = _mm256_loadu_si256((const __m256i *)c0), yy = _mm256_loadu_si256((const __m256i *)(c0 + 64)),
-                      zz = _mm256_loadu_si256((const __m256i *)(c0 + 128));
-        const __m256i lo0 = _mm256_and_si256(xx, m63), hi0 = _mm256_and_si256(yy, m63), lo1 = _mm256_and_si256(zz, m63);
-        const __m256i hi1 = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(xx, 2), m30),
-                                                            _mm256_and_si256(_mm256_srli_epi16(yy, 4), m0c)),
-                                            _mm256_and_si256(_mm256_srli_epi16(zz, 6), m03));
-#pragma GCC unroll 2
+        __m256i lo0[2], hi0[2], lo1[2], hi1[2];
+        SEK_UNROLL
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *c0 = bp + 3 * hh * 64 + 32 * h;
+            const __m256i xx = _mm256_loadu_si256((const __m256i *)c0), yy = _mm256_loadu_si256((const __m256i *)(c0 + 64)),
+                          zz = _mm256_loadu_si256((const __m256i *)(c0 + 128));
+            lo0[h] = _mm256_and_si256(xx, m63);
+            hi0[h] = _mm256_and_si256(yy, m63);
+            lo1[h] = _mm256_and_si256(zz, m63);
+            hi1[h] = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(xx, 2), m30),
+                                                     _mm256_and_si256(_mm256_srli_epi16(yy, 4), m0c)),
+                                     _mm256_and_si256(_mm256_srli_epi16(zz, 6), m03));
+        }
         for (int64_t r = 0; r < m; r++) {
             SEK_MCA_BEGIN("avx2_q6_row");
             const int8_t *a = ab + r * K + 16 * hh;
             int32_t a0, a1, a2, a3;
             four_pair(a, &a0, &a1);
             four_pair(a + 8, &a2, &a3);
-            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_set1_epi32(a0)),
-                                                _mm256_maddubs_epi16(hi0, _mm256_set1_epi32(a1)));
-            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, _mm256_set1_epi32(a2)),
-                                                _mm256_maddubs_epi16(hi1, _mm256_set1_epi32(a3)));
+            const __m256i v0 = _mm256_set1_epi32(a0), v1 = _mm256_set1_epi32(a1), v2 = _mm256_set1_epi32(a2),
+                          v3 = _mm256_set1_epi32(a3);
             __m256i *o = (__m256i *)(out + r * ostride);
-            _mm256_storeu_si256(o, _mm256_add_epi32(_mm256_loadu_si256(o),
-                                                    _mm256_add_epi32(_mm256_madd_epi16(p0, mul), _mm256_madd_epi16(p1, mul))));
+            const __m256i p00 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0[0], v0), _mm256_maddubs_epi16(hi0[0], v1));
+            const __m256i p10 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1[0], v2), _mm256_maddubs_epi16(hi1[0], v3));
+            _mm256_storeu_si256(o, _mm256_add_epi32(_mm256_loadu_si256(o), _mm256_add_epi32(_mm256_madd_epi16(p00, mul0),
+                                                                                             _mm256_madd_epi16(p10, mul0))));
+            const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0[1], v0), _mm256_maddubs_epi16(hi0[1], v1));
+            const __m256i p11 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1[1], v2), _mm256_maddubs_epi16(hi1[1], v3));
+            _mm256_storeu_si256(o + 1, _mm256_add_epi32(_mm256_loadu_si256(o + 1),
+                                                        _mm256_add_epi32(_mm256_madd_epi16(p01, mul1),
+                                                                         _mm256_madd_epi16(p11, mul1))));
             SEK_MCA_END("avx2_q6_row");
         }
     }
@@ -914,8 +928,8 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
             memset(ih, 0, sizeof ih[0] * R);
             const int64_t bstride = w->blk * SEK_TILE * w->bits / 8;
             prefetch_block(w->b + (tile * nb + b) * bstride, bstride);
-            SEK_UNROLL
-            for (int h = 0; h < 2; h++) dots_rows256(w, qa, K, b, R, tile, h, _mm256_set1_epi16(1), ih[0] + 8 * h, SEK_TILE);
+            const __m256i ones[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(1)};
+            dots_rows256(w, qa, K, b, R, tile, ones, ih[0], SEK_TILE);
             SEK_UNROLL
             for (int r = 0; r < R; r++)
                 SEK_UNROLL
@@ -961,10 +975,8 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
             if (half) { /* the block's scales in its products' vpmaddwd (dots_rows256) */
                 const int64_t bstride = w->blk * SEK_TILE * w->bits / 8;
                 prefetch_block(w->b + (tile * nb + b) * bstride, bstride);
-                SEK_UNROLL
-                for (int h = 0; h < 2; h++)
-                    dots_rows256(w, qa, K, b, R, tile, h, pairs256(w->sc + blk_off(w, tile, b) + 8 * h), i1[0] + 8 * h,
-                                 SEK_TILE);
+                const __m256i mul[2] = {pairs256(w->sc + blk_off(w, tile, b)), pairs256(w->sc + blk_off(w, tile, b) + 8)};
+                dots_rows256(w, qa, K, b, R, tile, mul, i1[0], SEK_TILE);
                 continue;
             }
             __m256i acc[SEK_R2][2];
@@ -1025,7 +1037,7 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
 }
 
 /* Tiles [t0, t1). The rows go in passes of up to SEK_R2 whole tiles, or, on AVX2 without VNNI from SEK_HALF_FROM rows
- * on (4- and 6-bit levels), in as few passes of up to SEK_RH rows streamed past each half tile's levels as hold
+ * on (4- and 6-bit levels), in as few passes of up to SEK_RH rows streamed past each two chunks' levels as hold
  * them, of sizes that differ by one at most. */
 static inline __attribute__((always_inline)) void tiles_avx2_any(const sek_rows *x, const sek_weights *w, float *y,
                                                                 int64_t ldy, int64_t t0, int64_t t1, const int vnni) {

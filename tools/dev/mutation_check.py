@@ -122,8 +122,11 @@ PLANTS = {
     "specedge kernel: the AVX2 streamed-row passes drop the rows that do not divide evenly": (
         "runtime/csrc/sek_gemm.c", "(int)(x->m / passes + (p < x->m % passes))", "(int)(x->m / passes)",
         ["tests/runtime/test_sek_kernel.py"]),
-    "specedge kernel: an AVX2 streamed row adds its third chunk's products twice and its fourth's never": (
-        "runtime/csrc/sek_gemm.c", "_mm256_add_epi16(p[2], p[3]))", "_mm256_add_epi16(p[2], p[2]))",
+    "specedge kernel: an AVX2 streamed row's second half keeps only its last chunk's products": (
+        "runtime/csrc/sek_gemm.c", "s1 = g ? _mm256_add_epi16(s1, p1) : p1;", "s1 = p1;",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: an AVX2 streamed row's second half dots the first half's high nibbles": (
+        "runtime/csrc/sek_gemm.c", "_mm256_maddubs_epi16(hi[g][1], va1)", "_mm256_maddubs_epi16(hi[g][0], va1)",
         ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: the AVX2 4-bit loop dots a chunk's high nibbles with the low nibbles' activations": (
         "runtime/csrc/sek_gemm.c", "_mm256_maddubs_epi16(hi[h], va1)));",
