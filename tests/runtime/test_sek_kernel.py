@@ -664,6 +664,28 @@ def test_the_memory_bench_builds_against_the_kernel_and_runs(tmp_path):
     assert bad.returncode == 2 and "BITS is 4 or 6" in bad.stderr
 
 
+def test_the_rows_bench_builds_against_the_kernel_and_runs(tmp_path):
+    """tools/dev/kernel_rows.c (cycles per extra row against the multiplies' bound, quoted by docs/cpu-kernels.md)
+    compiles against the kernel and prints a row per row count asked; bad arguments get its usage."""
+    from pathlib import Path
+
+    from specedge.runtime.kernels import _march, compiler
+
+    root = Path(__file__).resolve().parents[2]
+    exe = tmp_path / "kernel_rows"
+    csrc = root / "runtime" / "csrc"
+    subprocess.run([*compiler(), "-O3", _march(), "-std=c11", "-D_GNU_SOURCE", "-I", str(csrc),
+                    str(root / "tools" / "dev" / "kernel_rows.c"), str(csrc / "sek_gemm.c"),
+                    str(csrc / "sek_gemm_neon.c"), "-o", str(exe), "-lm"],
+                   check=True, capture_output=True)
+    for bits in ("4", "6"):
+        out = subprocess.run([str(exe), bits, "1,3", "best", "64"], check=True, capture_output=True, text=True).stdout
+        rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "rows" not in line]
+        assert f"{bits}-bit" in out and rows == ["1", "3"], out
+    bad = subprocess.run([str(exe), "5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
 def _isa_check(cc: list[str], flags: list[str], exe, runner: list[str] = ()) -> tuple[str, str]:
     """Build tools/dev/sek_isa_check.c against the kernel and run it: (the ISA paths it compared, the reference's
     digest)."""

@@ -14,7 +14,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "sek.h"
+#include "kernel_matrix.h"
 
 static double now(void) {
     struct timespec t;
@@ -68,30 +68,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "BITS is 4 or 6, THREADS 1..64, ROWS >= 1, N >= 16\n");
         return 2;
     }
-    const int64_t blk = bits == 4 ? 32 : 16, nb = k / blk, nsb = k / sblk;
-    const size_t lbytes = (size_t)(n * k * bits / 8);
-    uint8_t *levels = aligned_alloc(64, (lbytes + 63) / 64 * 64);
-    int8_t *sc = malloc(n * nb), *mn = malloc(n * nb);
-    uint16_t *d = malloc(n * nsb * 2), *dmin = malloc(n * nsb * 2);
-    float *a = malloc(m * k * sizeof(float)), *y = malloc(m * n * sizeof(float));
-    void *scratch = malloc(sek_sb_scratch_bytes(m, k, sblk, blk));
-    if (!levels || !sc || !mn || !d || !dmin || !a || !y || !scratch) {
-        fprintf(stderr, "out of memory\n");
-        return 1;
-    }
-    srand(1);
-    for (size_t i = 0; i < lbytes; i++) levels[i] = (uint8_t)rand();
-    for (int64_t i = 0; i < n * nb; i++) sc[i] = rand() % 64, mn[i] = rand() % 64;
-    for (int64_t i = 0; i < n * nsb; i++) d[i] = 0x1000 + rand() % 100, dmin[i] = 0x1000;
-    for (int64_t i = 0; i < m * k; i++) a[i] = (rand() % 1000) / 500.0f - 1.0f;
-    sek_weights w = {0};
-    w.b = levels, w.n = n, w.k = k, w.blk = blk, w.bits = bits, w.sc = sc, w.d = d, w.sblk = sblk;
-    if (bits == 4) w.mn = mn, w.dmin = dmin;
-    else w.zconst = 32;
-    if (sek_check(&w)) {
-        fprintf(stderr, "sek_check refused the weights\n");
-        return 1;
-    }
+    bench_matrix bm;
+    if (bench_matrix_make(&bm, bits, n, k, sblk, m)) return 1;
+    const int64_t blk = bm.blk, nb = bm.nb, nsb = bm.nsb;
+    const size_t lbytes = bm.lbytes;
+    uint8_t *levels = bm.levels;
+    float *a = bm.a, *y = bm.y;
+    void *scratch = bm.scratch;
+    sek_weights w = bm.w;
     sek_rows x;
     sek_quantize_sb(a, m, k, k, k, sblk, blk, scratch, &x, 0);
     const double bytes = (double)lbytes + n * nb * (bits == 4 ? 2 : 1) + n * nsb * (bits == 4 ? 4 : 2);
