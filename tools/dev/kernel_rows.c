@@ -4,8 +4,8 @@
  * numbers read the same on a VM whose clock is unknown.
  *
  *   cc -O3 -march=native -std=c11 -D_GNU_SOURCE -I runtime/csrc tools/dev/kernel_rows.c runtime/csrc/sek_gemm.c \
- *      runtime/csrc/sek_gemm_neon.c -o /tmp/kernel_rows -lm
- *   /tmp/kernel_rows [BITS=4|6] [ROWS=1,2,3,4,5,6,7,8,9,16,64] [ISA=best|scalar|avx2|avxvnni|vnni512|neon] [N=512]
+ *      runtime/csrc/sek_gemm_neon.c -o kernel_rows -lm
+ *   ./kernel_rows [BITS=4|6] [ROWS=1,2,3,4,5,6,7,8,9,16,64] [ISA=best|scalar|avx2|avxvnni|vnni512|neon] [N=512]
  *   (SPECEDGE_KERNEL_MARCH's proxy by hand: -march=haswell gives the AVX2 path on any x86-64 machine)
  *
  * Prints, per row count, cycles per call and per (row, 64-byte weight chunk) -- one chunk is 16 columns x 8 levels
