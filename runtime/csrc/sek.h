@@ -41,14 +41,17 @@ void sek_quantize_sb(const float *a, int64_t m, int64_t k, int64_t lda, int64_t 
                      void *scratch, sek_rows *out, int isa);
 int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1, int isa);
 
+/* The KV caches' element types: fp32, or IEEE fp16 (written rounded to nearest even, read exactly). */
+enum { SEK_KV_F32 = 0, SEK_KV_F16 = 1 };
 typedef struct {
     const float *qkv;         /* [T][(hq + 2 hkv) d] */
-    float *k_cache, *v_cache; /* [hkv][s_max][d] */
+    void *k_cache, *v_cache;  /* [hkv][s_max][d] of kv_type */
     const float *cos, *sin;   /* [positions][d/2] */
     float *out;               /* [T][hq d] */
     int64_t t, hq, hkv, d, s_max, past_len;
     float scale;
     int64_t hs, rs; /* query heads and rows per item (sek_attn_plan) */
+    int kv_type;    /* SEK_KV_* */
 } sek_attn_args;
 /* A row-addressed step (sek_attn.c, SekRowAttention): row r writes cache row row_pos[r] of the sequence in KV slot
  * row_slot[r] (-1: padding, which reads and writes nothing; its output is zeros). A row with no parent
@@ -61,7 +64,7 @@ typedef struct {
 #define SEK_TREE_DEPTH 64
 typedef struct {
     const float *qkv;                  /* [R][(hq + 2 hkv) d] */
-    float *k_cache, *v_cache;          /* [n_slots][hkv][s_max][d] */
+    void *k_cache, *v_cache;           /* [n_slots][hkv][s_max][d] of kv_type */
     const int64_t *row_slot, *row_pos; /* [R] */
     const int64_t *row_parent;         /* [R], or NULL: no tree rows */
     const float *cos, *sin;            /* [positions][d/2] */
@@ -70,10 +73,15 @@ typedef struct {
     float scale;
     int64_t hs;          /* query heads per item (sek_row_attn_plan) */
     const int64_t *chunk; /* [chunks + 1]: the first row of each chunk of rows an item takes (sek_row_attn_plan) */
+    int kv_type;          /* SEK_KV_* */
 } sek_row_attn_args;
 /* out[r][i] = silu(y[r][i]) * y[r][f + i] for m rows of 2f values (sek_act.c) */
 void sek_swiglu(const float *y, int64_t m, int64_t f, float *out);
 void sek_attn_store(const sek_attn_args *a);
+/* Bytes of one cache element of kv_type; the fp16 conversions the caches use (tests and tools check them). */
+size_t sek_kv_elem(int kv_type);
+uint16_t sek_f32_to_f16(float f);
+float sek_f16_to_f32(uint16_t h);
 /* How a step of t rows splits into items: hs query heads of one KV group x rs rows each, as many as fit while the
  * step keeps min_items items (or every query alone, if it cannot). Returns the number of items. */
 int64_t sek_attn_plan(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min_items, int64_t *hs, int64_t *rs);

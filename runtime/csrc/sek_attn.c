@@ -246,19 +246,100 @@ static void exp_block(const float *x, float *p, int64_t n) {
     for (; j < n; j++) p[j] = expf(x[j]);
 }
 
+/* ---- the cache's elements: fp32, or fp16 ---- */
+
+size_t sek_kv_elem(int kv_type) { return kv_type == SEK_KV_F16 ? 2 : 4; }
+
+/* f rounded to the nearest fp16, ties to even (IEEE 754's default; what F16C's vcvtps2ph and numpy's astype give),
+ * in integer arithmetic alone: the floating-point environment (flush-to-zero, rounding mode) never changes a bit. A
+ * NaN becomes the quiet NaN 0x7e00 with f's sign. */
+uint16_t sek_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    x &= 0x7fffffffu;
+    if (x > 0x7f800000u) return sign | 0x7e00u;     /* NaN */
+    if (x >= 0x477ff000u) return sign | 0x7c00u;    /* 65520 and above (infinity too): infinity */
+    if (x >= 0x38800000u) {                          /* 2^-14 and above: a normal fp16 */
+        x += 0xc8000fffu + ((x >> 13) & 1u);        /* exponent rebased (-112 << 23), half an ulp less the tie bit */
+        return sign | (uint16_t)(x >> 13);
+    }
+    const uint32_t shift = 126u - (x >> 23);        /* a subnormal fp16 (or 0): units of 2^-24 */
+    if (shift > 24) return sign;
+    const uint32_t m = (x & 0x7fffffu) | 0x800000u, half = 1u << (shift - 1), rest = m & ((half << 1) - 1u);
+    uint32_t q = m >> shift;
+    q += rest > half || (rest == half && (q & 1u));
+    return sign | (uint16_t)q;                       /* 0x400 when it rounds up to 2^-14: that is its encoding */
+}
+
+/* The fp16 h as fp32 (exact). */
+float sek_f16_to_f32(uint16_t h) {
+    const uint32_t s = (uint32_t)(h & 0x8000u) << 16, m = h & 0x3ffu;
+    uint32_t e = (h >> 10) & 0x1fu, x;
+    if (e == 0x1f) {
+        x = s | 0x7f800000u | (m << 13);
+    } else if (e) {
+        x = s | ((e + 112u) << 23) | (m << 13);
+    } else if (!m) {
+        x = s;
+    } else { /* subnormal: m 2^-24, normalized */
+        uint32_t n = m;
+        e = 113;
+        while (!(n & 0x400u)) n <<= 1, e--;
+        x = s | (e << 23) | ((n & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
+/* Cache row `row` (of d elements) set to x. */
+static void kv_put(void *cache, int type, int64_t row, int64_t d, const float *x) {
+    if (type == SEK_KV_F16) {
+        uint16_t *o = (uint16_t *)cache + row * d;
+        for (int64_t i = 0; i < d; i++) o[i] = sek_f32_to_f16(x[i]);
+    } else {
+        memcpy((float *)cache + row * d, x, (size_t)d * sizeof(float));
+    }
+}
+
+/* n cache rows from `row` as fp32: the cache itself (fp32), else converted into buf [n][d] (exactly: every fp16 is
+ * an fp32), so the arithmetic after it never knows which type the cache holds. */
+static const float *kv_rows(const void *cache, int type, int64_t row, int64_t n, int64_t d, float *buf) {
+    if (type != SEK_KV_F16) return (const float *)cache + row * d;
+    const uint16_t *h = (const uint16_t *)cache + row * d;
+    const int64_t len = n * d;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= len; i += 16) _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= len; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#elif defined(SEK_ATTN_NEON)
+    for (; i + 4 <= len; i += 4) vst1q_f32(buf + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+#endif
+    for (; i < len; i++) buf[i] = sek_f16_to_f32(h[i]);
+    return buf;
+}
+
+/* A new row's k (rotated by its position) and v into cache row `at` of kv head h. */
+static void kv_store(void *kc, void *vc, int type, int64_t at, const float *k, const float *v, const float *cs,
+                     const float *sn, int64_t d) {
+    float r[512]; /* d <= 512 (checked by the callers) */
+    memcpy(r, k, (size_t)d * sizeof(float));
+    rope(r, cs, sn, d);
+    kv_put(kc, type, at, d, r);
+    kv_put(vc, type, at, d, v);
+}
+
 /* Writes the step's new k and v rows (k rotated) into the cache. Call once per step before the rows. */
 void sek_attn_store(const sek_attn_args *a) {
     const int64_t w = (a->hq + 2 * a->hkv) * a->d;
     for (int64_t t = 0; t < a->t; t++) {
         const int64_t pos = a->past_len + t;
         const float *row = a->qkv + t * w;
-        for (int64_t h = 0; h < a->hkv; h++) {
-            float *k = a->k_cache + (h * a->s_max + pos) * a->d;
-            memcpy(k, row + (a->hq + h) * a->d, (size_t)a->d * sizeof(float));
-            rope(k, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);
-            memcpy(a->v_cache + (h * a->s_max + pos) * a->d, row + (a->hq + a->hkv + h) * a->d,
-                   (size_t)a->d * sizeof(float));
-        }
+        for (int64_t h = 0; h < a->hkv; h++)
+            kv_store(a->k_cache, a->v_cache, a->kv_type, h * a->s_max + pos, row + (a->hq + h) * a->d,
+                     row + (a->hq + a->hkv + h) * a->d, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);
     }
 }
 
@@ -442,9 +523,10 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, int f
 /* The nq queries q [nq][d] of an item (rotated; all of one KV group, whose cache rows kc, vc [s_max][d] they read),
  * query p over cache rows 0 .. n[p]-1 (nmax the largest): the online softmax chunk after chunk -> each query's sum
  * of exps l[p] and its unnormalized value sum acc [nq][d]. */
-static void attend(const float *q, const float *kc, const float *vc, const int64_t *n, int64_t nmax, int64_t d,
-                   float scale, int64_t nq, float *m, float *l, float *acc) {
+static void attend(const float *q, const void *kc, const void *vc, int type, const int64_t *n, int64_t nmax,
+                   int64_t d, float scale, int64_t nq, float *m, float *l, float *acc) {
     int64_t cn[SEK_Q_MAX];
+    float kb[type == SEK_KV_F16 ? SEK_CHUNK * d : 1], vb[type == SEK_KV_F16 ? SEK_CHUNK * d : 1];
     for (int64_t p = 0; p < nq; p++) {
         m[p] = -INFINITY;
         l[p] = 0.f;
@@ -452,7 +534,9 @@ static void attend(const float *q, const float *kc, const float *vc, const int64
     memset(acc, 0, (size_t)(nq * d) * sizeof(float));
     for (int64_t c0 = 0; c0 < nmax; c0 += SEK_CHUNK) {
         for (int64_t p = 0; p < nq; p++) cn[p] = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
-        attend_chunk(q, kc + c0 * d, vc + c0 * d, c0 == 0, cn, d, scale, nq, m, l, acc);
+        const int64_t rows = nmax - c0 < SEK_CHUNK ? nmax - c0 : SEK_CHUNK;
+        attend_chunk(q, kv_rows(kc, type, c0, rows, d, kb), kv_rows(vc, type, c0, rows, d, vb), c0 == 0, cn, d, scale,
+                     nq, m, l, acc);
     }
 }
 
@@ -462,10 +546,11 @@ static void attend(const float *q, const float *kc, const float *vc, const int64
  * with tail rows is gathered once per group into kg, vg [SEK_CHUNK][d] and runs for that group alone. attend_chunk's
  * arithmetic per query never depends on the other queries, so each query has the bits attend gives it over a cache
  * that holds its rows in order: those of the same tokens decoded as one chain. */
-static void attend_tail(const float *q, const float *kc, const float *vc, const int64_t *n, const int64_t *direct,
-                        const int64_t *tail, int64_t tail_stride, int64_t nmax, int64_t d, float scale, int64_t nq,
-                        int64_t hs, float *m, float *l, float *acc, float *kg, float *vg) {
+static void attend_tail(const float *q, const void *kc, const void *vc, int type, const int64_t *n,
+                        const int64_t *direct, const int64_t *tail, int64_t tail_stride, int64_t nmax, int64_t d,
+                        float scale, int64_t nq, int64_t hs, float *m, float *l, float *acc, float *kg, float *vg) {
     int64_t cn[SEK_Q_MAX], len[SEK_Q_MAX];
+    float kb[type == SEK_KV_F16 ? SEK_CHUNK * d : 1], vb[type == SEK_KV_F16 ? SEK_CHUNK * d : 1];
     for (int64_t p = 0; p < nq; p++) {
         m[p] = -INFINITY;
         l[p] = 0.f;
@@ -477,14 +562,16 @@ static void attend_tail(const float *q, const float *kc, const float *vc, const 
             cn[p] = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
             if (cn[p] > 0 && c0 + cn[p] > direct[p]) cn[p] = 0, gathered = 1;
         }
-        attend_chunk(q, kc + c0 * d, vc + c0 * d, c0 == 0, cn, d, scale, nq, m, l, acc);
+        const int64_t span = nmax - c0 < SEK_CHUNK ? nmax - c0 : SEK_CHUNK;
+        attend_chunk(q, kv_rows(kc, type, c0, span, d, kb), kv_rows(vc, type, c0, span, d, vb), c0 == 0, cn, d, scale,
+                     nq, m, l, acc);
         for (int64_t p = 0; gathered && p < nq; p += hs) {
             const int64_t rows = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
             if (rows <= 0 || c0 + rows <= direct[p]) continue;
             for (int64_t j = 0; j < rows; j++) {
                 const int64_t i = c0 + j, row = i < direct[p] ? i : tail[p * tail_stride + i - direct[p]];
-                memcpy(kg + j * d, kc + row * d, (size_t)d * sizeof(float));
-                memcpy(vg + j * d, vc + row * d, (size_t)d * sizeof(float));
+                memcpy(kg + j * d, kv_rows(kc, type, row, 1, d, kb), (size_t)d * sizeof(float));
+                memcpy(vg + j * d, kv_rows(vc, type, row, 1, d, vb), (size_t)d * sizeof(float));
             }
             for (int64_t h = 0; h < hs; h++) len[h] = rows;
             attend_chunk(q + p * d, kg, vg, c0 == 0, len, d, scale, hs, m + p, l + p, acc + p * d);
@@ -533,7 +620,9 @@ void sek_attn_row(const sek_attn_args *a, int64_t item) {
         n[p] = pos + 1;
         nmax = n[p] > nmax ? n[p] : nmax;
     }
-    attend(q, a->k_cache + g * a->s_max * d, a->v_cache + g * a->s_max * d, n, nmax, d, a->scale, nq, m, l, acc);
+    const size_t at = (size_t)(g * a->s_max * d) * sek_kv_elem(a->kv_type);
+    attend(q, (const char *)a->k_cache + at, (const char *)a->v_cache + at, a->kv_type, n, nmax, d, a->scale, nq, m,
+           l, acc);
     for (int64_t p = 0; p < nq; p++) {
         float *o = a->out + (t0 + p / hs) * a->hq * d + (h0 + p % hs) * d;
         const float inv = 1.f / l[p];
@@ -565,12 +654,10 @@ void sek_row_attn_store(const sek_row_attn_args *a) {
         if (slot < 0) continue; /* padding */
         const int64_t pos = row_position(a, r, NULL, NULL);
         const float *row = a->qkv + r * w;
-        for (int64_t h = 0; h < a->hkv; h++) {
-            const int64_t at = ((slot * a->hkv + h) * a->s_max + at_row) * a->d;
-            memcpy(a->k_cache + at, row + (a->hq + h) * a->d, (size_t)a->d * sizeof(float));
-            rope(a->k_cache + at, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);
-            memcpy(a->v_cache + at, row + (a->hq + a->hkv + h) * a->d, (size_t)a->d * sizeof(float));
-        }
+        for (int64_t h = 0; h < a->hkv; h++)
+            kv_store(a->k_cache, a->v_cache, a->kv_type, (slot * a->hkv + h) * a->s_max + at_row,
+                     row + (a->hq + h) * a->d, row + (a->hq + a->hkv + h) * a->d, a->cos + pos * (a->d / 2),
+                     a->sin + pos * (a->d / 2), a->d);
     }
 }
 
@@ -628,13 +715,15 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
         tree |= direct[p] != n[p];
         nmax = n[p] > nmax ? n[p] : nmax;
     }
-    const int64_t g = h0 / (a->hq / a->hkv), at = (slot * a->hkv + g) * a->s_max * d;
+    const int64_t g = h0 / (a->hq / a->hkv);
+    const size_t at = (size_t)((slot * a->hkv + g) * a->s_max * d) * sek_kv_elem(a->kv_type);
+    const void *kc = (const char *)a->k_cache + at, *vc = (const char *)a->v_cache + at;
     if (tree) {
         float kg[SEK_CHUNK * 128], vg[SEK_CHUNK * 128]; /* d <= 128 for tree rows (checked by the caller) */
-        attend_tail(q, a->k_cache + at, a->v_cache + at, n, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, nq, hs,
-                    m, l, acc, kg, vg);
+        attend_tail(q, kc, vc, a->kv_type, n, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, nq, hs, m, l, acc, kg,
+                    vg);
     } else {
-        attend(q, a->k_cache + at, a->v_cache + at, n, nmax, d, a->scale, nq, m, l, acc);
+        attend(q, kc, vc, a->kv_type, n, nmax, d, a->scale, nq, m, l, acc);
     }
     for (int64_t p = 0; p < nq; p++) {
         float *o = a->out + (r0 + p / hs) * a->hq * d + (h0 + p % hs) * d;

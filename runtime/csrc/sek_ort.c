@@ -27,7 +27,7 @@
  * from API version 17, ONNX Runtime 1.17, to the newest). The header itself is not needed to build this file,
  * so a plain `cc` builds it on any machine that has the onnxruntime wheel (runtime/kernels.py).
  *
- *   SekAttention and SekRowAttention (sek_attn.c): attention with RoPE over an fp32 KV cache updated in place, for a
+ *   SekAttention and SekRowAttention (sek_attn.c): attention with RoPE over an fp32 or fp16 KV cache updated in place, for a
  *   step of one sequence's rows and for a step of rows that each name their sequence's KV slot; their contracts are
  *   above each op's glue below.
  *
@@ -394,10 +394,10 @@ static int required(const void *op, size_t i) { (void)op; (void)i; return 0; }
 static int mem_default(const void *op, size_t i) { (void)op; (void)i; return 0; }
 static int one(const void *op) { (void)op; return 1; }
 
-/* What every op here shares: CPU, one output per declared type, no variadic arity, no end version (each op says
+/* What every op here shares: CPU, one output per declared type (each op says which), no variadic arity, no end version (each op says
  * which of its inputs are required). */
 #define SEK_OP_COMMON                                                                                             \
-    .version = API_VERSION, .GetExecutionProviderType = op_ep, .GetOutputType = out_type, .KernelDestroy = destroy, \
+    .version = API_VERSION, .GetExecutionProviderType = op_ep, .KernelDestroy = destroy,                         \
     .GetOutputCharacteristic = required, .GetInputMemoryType = mem_default,                                       \
     .GetVariadicInputMinArity = one, .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one,         \
     .GetVariadicOutputHomogeneity = one, .GetStartVersion = one
@@ -415,6 +415,7 @@ static const SekCustomOp sek_matmul_sb_op = {
     .GetName = sb_name,
     .GetInputType = sb_in_type,
     .GetInputTypeCount = sb_in_count,
+    .GetOutputType = out_type,
     .GetOutputTypeCount = out_count,
     .CreateKernelV2 = create_kernel,
     .KernelComputeV2 = compute,
@@ -426,6 +427,7 @@ static const SekCustomOp sek_matmul_op = {
     .GetName = op_name,
     .GetInputType = in_type,
     .GetInputTypeCount = in_count,
+    .GetOutputType = out_type,
     .GetOutputTypeCount = out_count,
     .CreateKernelV2 = create_kernel,
     .KernelComputeV2 = compute,
@@ -443,10 +445,11 @@ typedef struct {
     float scale;
 } SekAttnKernel;
 
-static const SekCustomOp sek_row_attention_op;
+static const SekCustomOp sek_row_attention_op, sek_row_attention_f16_op;
 
 static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
-    const char *name = op == (const void *)&sek_row_attention_op ? "SekRowAttention" : "SekAttention";
+    const char *name = op == (const void *)&sek_row_attention_op || op == (const void *)&sek_row_attention_f16_op
+                           ? "SekRowAttention" : "SekAttention";
     SekAttnKernel *k = calloc(1, sizeof *k);
     if (!k) return fail(api, ORT_FAIL, "%s: out of memory", name);
     k->api = api;
@@ -493,7 +496,17 @@ static OrtStatus *attn_outputs(OrtApiTable api, OrtKernelContext *ctx, const cha
         TRY(GetTensorMutableData(api)(out[i], &o[i]));
     }
     for (int i = 1; i < 3; i++) /* not bound in place: start from a copy of the past */
-        if (o[i] != in[i].data && in[i].count) memcpy(o[i], in[i].data, (size_t)in[i].count * sizeof(float));
+        if (o[i] != in[i].data && in[i].count)
+            memcpy(o[i], in[i].data, (size_t)in[i].count * sek_kv_elem(in[i].type == T_FLOAT16 ? SEK_KV_F16 : SEK_KV_F32));
+    return NULL;
+}
+
+/* The caches' element type (SEK_KV_*): past key and value both float32 or both float16. */
+static OrtStatus *cache_type(OrtApiTable api, const char *op, const Input *in, int *kv_type) {
+    if (in[1].type != in[2].type || (in[1].type != T_FLOAT && in[1].type != T_FLOAT16))
+        return fail(api, ORT_INVALID_ARGUMENT, "%s: the caches' element types are %lld and %lld; both float32 (1) or "
+                    "both float16 (10)", op, (long long)in[1].type, (long long)in[2].type);
+    *kv_type = in[1].type == T_FLOAT16 ? SEK_KV_F16 : SEK_KV_F32;
     return NULL;
 }
 
@@ -502,9 +515,11 @@ static void attn_item(void *p, size_t i) { sek_attn_row((const sek_attn_args *)p
 static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     const SekAttnKernel *k = (const SekAttnKernel *)kernel;
     OrtApiTable api = k->api;
-    static const int types[6] = {T_FLOAT, T_FLOAT, T_FLOAT, T_INT64, T_FLOAT, T_FLOAT};
+    static const int types[6] = {T_FLOAT, T_ANY, T_ANY, T_INT64, T_FLOAT, T_FLOAT};
     Input in[6];
     TRY(read_inputs(api, ctx, "SekAttention", 6, types, in));
+    int kv_type = SEK_KV_F32;
+    TRY(cache_type(api, "SekAttention", in, &kv_type));
     if (in[0].nd != 3 || in[0].dims[0] != 1 || in[1].nd != 4 || in[1].dims[0] != 1 || in[2].nd != 4 || in[4].nd != 2 ||
         in[3].count != 1)
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: expects qkv [1, T, W] (got rank %lld), caches "
@@ -522,8 +537,8 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
                     (long long)(past_len + T), (long long)(S < positions ? S : positions));
     void *o[3];
     TRY(attn_outputs(api, ctx, "SekAttention", T, k->hq * d, in, o));
-    sek_attn_args a = {(const float *)in[0].data, (float *)o[1], (float *)o[2], (const float *)in[4].data,
-                       (const float *)in[5].data, (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1};
+    sek_attn_args a = {(const float *)in[0].data, o[1], o[2], (const float *)in[4].data, (const float *)in[5].data,
+                       (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1, kv_type};
     if (T == 0) return NULL;
     const int64_t items = sek_attn_plan(T, k->hq, k->hkv, d, online_cpus(), &a.hs, &a.rs);
     sek_attn_store(&a);
@@ -531,20 +546,22 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
 }
 
 static const char *attn_name(const void *op) { (void)op; return "SekAttention"; }
-static int attn_in_type(const void *op, size_t i) { (void)op; return i == 3 ? T_INT64 : T_FLOAT; }
+static const SekCustomOp sek_attention_f16_op, sek_row_attention_f16_op;
+/* The caches' element type of an attention op: each op has one registration per type, under the same name. */
+static int attn_cache_type(const void *op) {
+    return op == (const void *)&sek_attention_f16_op || op == (const void *)&sek_row_attention_f16_op ? T_FLOAT16
+                                                                                                       : T_FLOAT;
+}
+static int attn_in_type(const void *op, size_t i) { return i == 3 ? T_INT64 : i == 1 || i == 2 ? attn_cache_type(op) : T_FLOAT; }
 static size_t attn_in_count(const void *op) { (void)op; return 6; }
 static size_t attn_out_count(const void *op) { (void)op; return 3; }
+static int attn_out_type(const void *op, size_t i) { return i ? attn_cache_type(op) : T_FLOAT; } /* presents: the caches' */
 
-static const SekCustomOp sek_attention_op = {
-    SEK_OP_COMMON,
-    .GetInputCharacteristic = required,
-    .GetName = attn_name,
-    .GetInputType = attn_in_type,
-    .GetInputTypeCount = attn_in_count,
-    .GetOutputTypeCount = attn_out_count,
-    .CreateKernelV2 = attn_create,
-    .KernelComputeV2 = attn_compute,
-};
+#define SEK_ATTENTION_OP                                                                                           \
+    SEK_OP_COMMON, .GetInputCharacteristic = required, .GetName = attn_name, .GetInputType = attn_in_type,        \
+    .GetInputTypeCount = attn_in_count, .GetOutputType = attn_out_type, .GetOutputTypeCount = attn_out_count,     \
+    .CreateKernelV2 = attn_create, .KernelComputeV2 = attn_compute
+static const SekCustomOp sek_attention_op = {SEK_ATTENTION_OP}, sek_attention_f16_op = {SEK_ATTENTION_OP};
 
 /* ---------------------------------------------------------------- SekRowAttention
  *   out [1, R, hq d], present_key, present_value [N, hkv, S, d] =
@@ -629,9 +646,11 @@ static void row_attn_item(void *p, size_t i) { sek_row_attn_item((const sek_row_
 static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
     const SekAttnKernel *k = (const SekAttnKernel *)kernel;
     OrtApiTable api = k->api;
-    static const int types[7] = {T_FLOAT, T_FLOAT, T_FLOAT, T_INT64, T_INT64, T_FLOAT, T_FLOAT};
+    static const int types[7] = {T_FLOAT, T_ANY, T_ANY, T_INT64, T_INT64, T_FLOAT, T_FLOAT};
     Input in[8];
     TRY(read_inputs(api, ctx, "SekRowAttention", 7, types, in));
+    int kv_type = SEK_KV_F32;
+    TRY(cache_type(api, "SekRowAttention", in, &kv_type));
     const OrtValue *pv = NULL; /* row_parent: optional (a node without it has no tree rows) */
     TRY(KernelContext_GetInput(api)(ctx, 7, &pv));
     const int64_t *parent = NULL;
@@ -671,9 +690,9 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
     if (R == 0) return NULL;
     int64_t *chunk = malloc((size_t)(R + 1) * sizeof(int64_t));
     if (!chunk) return CreateStatus(api)(ORT_FAIL, "SekRowAttention: out of memory");
-    sek_row_attn_args a = {(const float *)in[0].data, (float *)o[1], (float *)o[2], slot, pos, parent,
-                           (const float *)in[5].data, (const float *)in[6].data, (float *)o[0], R, N, k->hq, k->hkv,
-                           d, S, k->scale, 1, chunk};
+    sek_row_attn_args a = {(const float *)in[0].data, o[1], o[2], slot, pos, parent, (const float *)in[5].data,
+                           (const float *)in[6].data, (float *)o[0], R, N, k->hq, k->hkv, d, S, k->scale, 1, chunk,
+                           kv_type};
     const int64_t items = sek_row_attn_plan(slot, R, k->hq, k->hkv, d, online_cpus(), &a.hs, chunk);
     sek_row_attn_store(&a);
     OrtStatus *st = KernelContext_ParallelFor(api)(ctx, row_attn_item, (size_t)items, 0, &a);
@@ -682,20 +701,18 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
 }
 
 static const char *row_attn_name(const void *op) { (void)op; return "SekRowAttention"; }
-static int row_attn_in_type(const void *op, size_t i) { (void)op; return i == 3 || i == 4 || i == 7 ? T_INT64 : T_FLOAT; }
+static int row_attn_in_type(const void *op, size_t i) {
+    return i == 3 || i == 4 || i == 7 ? T_INT64 : i == 1 || i == 2 ? attn_cache_type(op) : T_FLOAT;
+}
 static size_t row_attn_in_count(const void *op) { (void)op; return 8; }
 static int row_attn_optional(const void *op, size_t i) { (void)op; return i == 7; } /* row_parent */
 
-static const SekCustomOp sek_row_attention_op = {
-    SEK_OP_COMMON,
-    .GetInputCharacteristic = row_attn_optional,
-    .GetName = row_attn_name,
-    .GetInputType = row_attn_in_type,
-    .GetInputTypeCount = row_attn_in_count,
-    .GetOutputTypeCount = attn_out_count,
-    .CreateKernelV2 = attn_create,
-    .KernelComputeV2 = row_attn_compute,
-};
+#define SEK_ROW_ATTENTION_OP                                                                                       \
+    SEK_OP_COMMON, .GetInputCharacteristic = row_attn_optional, .GetName = row_attn_name,                         \
+    .GetInputType = row_attn_in_type, .GetInputTypeCount = row_attn_in_count, .GetOutputType = attn_out_type,     \
+    .GetOutputTypeCount = attn_out_count, .CreateKernelV2 = attn_create, .KernelComputeV2 = row_attn_compute
+static const SekCustomOp sek_row_attention_op = {SEK_ROW_ATTENTION_OP},
+                         sek_row_attention_f16_op = {SEK_ROW_ATTENTION_OP};
 
 /* Called by ONNX Runtime (SessionOptions.register_custom_ops_library). The op and its domain live as long as
  * the process: ONNX Runtime keeps the pointers. */
@@ -711,6 +728,8 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     if (!st) st = CustomOpDomain_Add(api)(domain, &sek_matmul_sb_op);
     if (!st) st = CustomOpDomain_Add(api)(domain, &sek_attention_op);
     if (!st) st = CustomOpDomain_Add(api)(domain, &sek_row_attention_op);
+    if (!st) st = CustomOpDomain_Add(api)(domain, &sek_attention_f16_op);
+    if (!st) st = CustomOpDomain_Add(api)(domain, &sek_row_attention_f16_op);
     if (!st) st = AddCustomOpDomain(api)(options, domain);
     if (st) ReleaseCustomOpDomain(api)(domain); /* on success the options use it: it lives as long as the process */
     return st;

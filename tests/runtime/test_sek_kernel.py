@@ -526,7 +526,8 @@ def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path)
         library_path()
 
 
-def _attention_model(op: str, hq: int, hkv: int, d: int) -> bytes:
+def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.FLOAT) -> bytes:
+    """One attention node; its caches (pk, pv and the presents) of element type kv (float, or float16)."""
     F = TensorProto.FLOAT
     if op == "SekAttention":
         ins, dom, attrs = ["qkv", "pk", "pv", "past_len", "cos", "sin"], "ai.specedge", {}
@@ -536,11 +537,11 @@ def _attention_model(op: str, hq: int, hkv: int, d: int) -> bytes:
     node = helper.make_node(op, ins, ["out", "presk", "presv"], domain=dom, num_heads=hq, kv_num_heads=hkv,
                             scale=float(1 / np.sqrt(d)), **attrs)
     vi = helper.make_tensor_value_info
-    inputs = [vi("qkv", F, [1, "T", (hq + 2 * hkv) * d]), vi("pk", F, [1, hkv, "S", d]), vi("pv", F, [1, hkv, "S", d]),
-              vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
+    inputs = [vi("qkv", F, [1, "T", (hq + 2 * hkv) * d]), vi("pk", kv, [1, hkv, "S", d]),
+              vi("pv", kv, [1, hkv, "S", d]), vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
     inputs += ([vi("past_len", TensorProto.INT64, [1])] if op == "SekAttention" else
                [vi("seqlens_k", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])])
-    g = helper.make_graph([node], "g", inputs, [vi(n, F, None) for n in ("out", "presk", "presv")])
+    g = helper.make_graph([node], "g", inputs, [vi("out", F, None), vi("presk", kv, None), vi("presv", kv, None)])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(dom, 1)]
                              ).SerializeToString()
 
@@ -606,7 +607,8 @@ def test_specedge_attention_groups_queries_without_changing_a_row():
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build needs an x86 CPU")
 def test_an_avx2_build_gives_the_same_matmul_bits_and_its_attention_matches(kernel, tmp_path):
     """The library built for an AVX2 + FMA CPU (no AVX-512: SPECEDGE_KERNEL_MARCH=haswell), in a fresh process: its
-    SekMatMul gives the native build's bits, and its SekAttention (AVX2 exp and dot paths) matches ONNX Runtime's."""
+    SekMatMul gives the native build's bits, and its SekAttention (AVX2 exp and dot paths) matches ONNX Runtime's and
+    reads fp16 caches exactly."""
     import json
 
     rng = np.random.default_rng(13)
@@ -631,7 +633,9 @@ o = _session(_attention_model("SekAttention", hq, hkv, d)).run(None, dict(qkv=qk
     cos=cos, sin=sin, past_len=np.array([past], np.int64)))[0]
 r = _session(_attention_model("GroupQueryAttention", hq, hkv, d)).run(None, dict(qkv=qkv, pk=pk.copy(), pv=pv.copy(),
     cos=cos, sin=sin, seqlens_k=np.array([past + 2], np.int32), total=np.array(past + 3, np.int32)))[0]
-print(json.dumps(dict(isas=k.isas(), rel=float(np.abs(o - r).max() / np.abs(r).max()))))
+from tests.runtime.test_sek_row_attention import fp16_against_fp32
+exact16, rel16 = fp16_against_fp32(12, 2, 128, seed=3)
+print(json.dumps(dict(isas=k.isas(), rel=float(np.abs(o - r).max() / np.abs(r).max()), exact16=exact16, rel16=rel16)))
 """
     env = {**os.environ, "SPECEDGE_KERNEL_MARCH": "haswell", "SPECEDGE_CACHE": str(tmp_path / "cache")}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
@@ -640,6 +644,7 @@ print(json.dumps(dict(isas=k.isas(), rel=float(np.abs(o - r).max() / np.abs(r).m
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "vnni512" not in out["isas"] and "avx2" in out["isas"], out
     assert out["rel"] < 1e-5, out
+    assert out["exact16"] and out["rel16"] < 2e-3, out  # fp16 caches read through F16C: exactly their values
     assert np.array_equal(np.load(tmp_path / "y.npy"), kernel.gemm(a, b, s, z, n_pad, k_pad, 128, 4))
 
 

@@ -30,26 +30,31 @@ def _kernels():
         pytest.skip(f"specedge's kernels cannot be built here: {e}")
 
 
-def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None, tree: bool = False) -> bytes:
+KV_TYPES = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}  # the caches' element types
+
+
+def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None, tree: bool = False,
+               kv=np.float32) -> bytes:
     """One SekRowAttention node; qkv's width (H_q + 2 H_kv) D unless `width` names another (a symbol: any); with
-    `tree`, the optional row_parent input too."""
-    F, I64 = TensorProto.FLOAT, TensorProto.INT64
+    `tree`, the optional row_parent input too; caches of element type kv."""
+    F, I64, K = TensorProto.FLOAT, TensorProto.INT64, KV_TYPES[kv]
     node = helper.make_node("SekRowAttention", ["qkv", "pk", "pv", "row_slot", "row_pos", "cos", "sin",
                                                 *(["row_parent"] if tree else [])],
                             ["out", "presk", "presv"], domain="ai.specedge", num_heads=hq, kv_num_heads=hkv,
                             scale=float(1 / np.sqrt(d)))
     vi = helper.make_tensor_value_info
-    inputs = [vi("qkv", F, [1, "R", width or (hq + 2 * hkv) * d]), vi("pk", F, ["N", hkv, "S", d]),
-              vi("pv", F, ["N", hkv, "S", d]), vi("row_slot", I64, ["R"]), vi("row_pos", I64, ["R"]),
+    inputs = [vi("qkv", F, [1, "R", width or (hq + 2 * hkv) * d]), vi("pk", K, ["N", hkv, "S", d]),
+              vi("pv", K, ["N", hkv, "S", d]), vi("row_slot", I64, ["R"]), vi("row_pos", I64, ["R"]),
               vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
     inputs += [vi("row_parent", I64, ["R"])] if tree else []
-    g = helper.make_graph([node], "g", inputs, [vi(n, F, None) for n in ("out", "presk", "presv")])
+    g = helper.make_graph([node], "g", inputs, [vi("out", F, None), vi("presk", K, None), vi("presv", K, None)])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.specedge", 1)]
                              ).SerializeToString()
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).view(np.uint32)  # bitwise comparison, NaN rows included
+    x = np.ascontiguousarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)  # bitwise comparison, NaN rows included
 
 
 def _rope_tables(S: int, d: int):
@@ -57,9 +62,10 @@ def _rope_tables(S: int, d: int):
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)  # [S, D/2] each
 
 
-def _caches(rng, N: int, hkv: int, S: int, d: int, filled: list[int]):
-    """k and v caches [N, H_kv, S, D]: slot n holds filled[n] random rows, NaN after them (rows no query may read)."""
-    caches = [np.full((N, hkv, S, d), np.nan, np.float32) for _ in range(2)]
+def _caches(rng, N: int, hkv: int, S: int, d: int, filled: list[int], kv=np.float32):
+    """k and v caches [N, H_kv, S, D] of kv: slot n holds filled[n] random rows, NaN after them (rows no query may
+    read)."""
+    caches = [np.full((N, hkv, S, d), np.nan, kv) for _ in range(2)]
     for c in caches:
         for n, f in enumerate(filled):
             c[n, :, :f] = rng.standard_normal((hkv, f, d))
@@ -109,18 +115,21 @@ def _run_alone(sess, step: Step, slot: int, caches, cos, sin):
 HEADS = [(4, 2, 64), (8, 1, 64), (4, 2, 128), (8, 1, 128), (12, 2, 128)]  # (H_q, H_kv, D)
 
 
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
 @pytest.mark.parametrize("hq,hkv,d", HEADS)
-def test_every_row_has_the_bits_of_its_slot_run_alone(hq, hkv, d):
+def test_every_row_has_the_bits_of_its_slot_run_alone(hq, hkv, d, kv):
     """Rows of three slots and padding, in three orders: each row's output and each slot's cache equal
-    SekAttention's on that slot alone, bitwise (slot 2's rows read three 64-position chunks)."""
+    SekAttention's on that slot alone, bitwise (slot 2's rows read three 64-position chunks), with fp32 and fp16
+    caches."""
     N, S = 3, 160
     rng = np.random.default_rng(hq * 1000 + hkv * 10 + d)
-    caches = _caches(rng, N, hkv, S, d, [5, 0, 130])
+    caches = _caches(rng, N, hkv, S, d, [5, 0, 130], kv)
     before = [c.copy() for c in caches]
     cos, sin = _rope_tables(S, d)
     rows = [(0, 5), (0, 6), (0, 7), (2, 130), (2, 131), (1, 0), (PAD, 0), (PAD, 3), (PAD, 0)]
     step = _step(rng, rows, hq, hkv, d)
-    sek, row_op = _session(_attention_model("SekAttention", hq, hkv, d)), _session(_row_model(hq, hkv, d))
+    sek = _session(_attention_model("SekAttention", hq, hkv, d, KV_TYPES[kv]))
+    row_op = _session(_row_model(hq, hkv, d, kv=kv))
     alone = {s: _run_alone(sek, step, s, caches, cos, sin) for s in range(N)}
     for order in (step, step.shuffled(np.random.default_rng(1)), step.shuffled(np.random.default_rng(2))):
         out, pk, pv = _run_rows(row_op, order, caches, cos, sin)
@@ -138,14 +147,15 @@ def test_every_row_has_the_bits_of_its_slot_run_alone(hq, hkv, d):
         assert np.array_equal(_bits(c), _bits(b))
 
 
-def test_a_slots_rows_in_one_step_equal_them_in_two_steps():
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
+def test_a_slots_rows_in_one_step_equal_them_in_two_steps(kv):
     """The chain: a slot's rows at positions 70..74 in one step, or 70, 71 then 72..74 (other slots' rows and
     padding around them), give the same outputs and caches, bitwise."""
     hq, hkv, d, N, S = 8, 2, 64, 2, 128
     rng = np.random.default_rng(3)
-    caches = _caches(rng, N, hkv, S, d, [70, 20])
+    caches = _caches(rng, N, hkv, S, d, [70, 20], kv)
     cos, sin = _rope_tables(S, d)
-    sess = _session(_row_model(hq, hkv, d))
+    sess = _session(_row_model(hq, hkv, d, kv=kv))
     whole = _step(rng, [(0, 70), (0, 71), (0, 72), (0, 73), (0, 74)], hq, hkv, d)
     out, pk, pv = _run_rows(sess, whole, caches, cos, sin)
     other = _step(rng, [(1, 20), (PAD, 0)], hq, hkv, d)
@@ -178,14 +188,15 @@ def test_padding_rows_give_zeros_and_write_nothing():
     assert empty[0].shape == (1, 0, hq * d) and np.array_equal(_bits(empty[1]), _bits(caches[0]))
 
 
-def test_the_cache_bound_as_present_is_written_in_place():
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
+def test_the_cache_bound_as_present_is_written_in_place(kv):
     """present bound to the past's buffers (as the runtime binds them): the step writes the caches themselves, with
     the bits of a step whose present is a copy."""
     hq, hkv, d, N, S = 4, 1, 64, 2, 64
     rng = np.random.default_rng(9)
-    caches = _caches(rng, N, hkv, S, d, [3, 8])
+    caches = _caches(rng, N, hkv, S, d, [3, 8], kv)
     cos, sin = _rope_tables(S, d)
-    sess = _session(_row_model(hq, hkv, d))
+    sess = _session(_row_model(hq, hkv, d, kv=kv))
     step = _step(rng, [(1, 8), (0, 3), (PAD, 0), (1, 9)], hq, hkv, d)
     ref, rk, rv = _run_rows(sess, step, caches, cos, sin)
     kv = [c.copy() for c in caches]
@@ -253,18 +264,19 @@ def _tree_paths(parents: list[int]) -> list[list[int]]:
     return paths
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 1, 128), (12, 2, 128)])
+@pytest.mark.parametrize("hq,hkv,d,kv", [(4, 2, 64, np.float32), (8, 1, 128, np.float32), (12, 2, 128, np.float32),
+                                         (12, 2, 128, np.float16)])
 @pytest.mark.parametrize("root", [0, 5, 60, 63, 64, 127, 130])
-def test_a_tree_row_has_the_bits_of_its_path_decoded_as_a_chain(hq, hkv, d, root):
+def test_a_tree_row_has_the_bits_of_its_path_decoded_as_a_chain(hq, hkv, d, kv, root):
     """Tree rows (row_parent): each node's output, and the K/V it writes, equal bitwise those of its path from the
     root run as a chain at consecutive positions; the root sits at any position (its rows read up to three chunks,
     the tree's rows fall on both sides of a chunk boundary), the nodes are written at rows past it in step order, and
     another slot's chain shares the step."""
     N, S = 2, 200
     rng = np.random.default_rng(root * 7 + d)
-    caches = _caches(rng, N, hkv, S, d, [root, 40])
+    caches = _caches(rng, N, hkv, S, d, [root, 40], kv)
     cos, sin = _rope_tables(S, d)
-    sess, plain = _session(_row_model(hq, hkv, d, tree=True)), _session(_row_model(hq, hkv, d))
+    sess, plain = _session(_row_model(hq, hkv, d, tree=True, kv=kv)), _session(_row_model(hq, hkv, d, kv=kv))
     parents = [p for p, _ in TREE]
     qkv = (2.0 * rng.standard_normal((1, len(TREE), (hq + 2 * hkv) * d))).astype(np.float32)
     other = _step(rng, [(1, 40), (1, 41)], hq, hkv, d)
@@ -314,3 +326,95 @@ def test_bad_tree_rows_are_refused_with_what_was_given_and_what_is_allowed():
         run([(0, 10 + i) for i in range(67)], [-1] + list(range(66)))
     with pytest.raises(Exception, match=r"row_parent holds 1 values \(rank 1\); qkv has 2 rows"):
         run([(0, 10), (0, 11)], [-1])
+
+
+# fp32 values and the fp16 each must become, rounded to nearest even: ties, subnormals, the edges of the range
+_F16_EDGES = np.array([0.0, -0.0, 1.0, 1 + 2 ** -11, 1 + 3 * 2 ** -11, 1 + 2 ** -11 + 2 ** -20, 2 ** -14, 2 ** -15,
+                       2 ** -24, 2 ** -25, 1.5 * 2 ** -25, 3 * 2 ** -25, 2 ** -26, 2 ** -14 - 2 ** -25, 1e-40, -1e-30,
+                       65504.0, 65519.0, 65519.996, 65520.0, 1e10, -1e10, np.inf, -np.inf, -3.0, 6.1e-5],
+                      np.float32)
+
+
+def test_an_fp16_cache_holds_each_new_row_rounded_to_nearest_even():
+    """A step over fp16 caches writes each new k (rotated) and v row as the fp32 step's row rounded to the nearest
+    fp16, ties to even, bitwise numpy's rounding: ties, subnormals, overflow to infinity and the signs of zero and
+    infinity included; a NaN stays a NaN."""
+    hq, hkv, d, S, past, T = 4, 2, 64, 96, 20, 3
+    rng = np.random.default_rng(21)
+    caches = [np.zeros((1, hkv, S, d), np.float16) for _ in range(2)]
+    for c in caches:
+        c[:, :, :past] = rng.standard_normal((1, hkv, past, d))
+    cos, sin = _rope_tables(S, d)
+    qkv = (rng.standard_normal((1, T, (hq + 2 * hkv) * d)) * 10.0 ** rng.integers(-7, 5, (1, T, 1))).astype(np.float32)
+    v = qkv[0, 0, (hq + hkv) * d:].copy()  # row 0's v: the edge values, then NaN, in every kv head
+    v[: len(_F16_EDGES)], v[len(_F16_EDGES)] = _F16_EDGES, np.nan
+    v[d: d + len(_F16_EDGES)] = -_F16_EDGES
+    qkv[0, 0, (hq + hkv) * d:] = v
+    feeds = {"qkv": qkv, "cos": cos, "sin": sin, "past_len": np.array([past], np.int64)}
+    half = _session(_attention_model("SekAttention", hq, hkv, d, TensorProto.FLOAT16))
+    full = _session(_attention_model("SekAttention", hq, hkv, d))
+    _, k16, v16 = half.run(None, {**feeds, "pk": caches[0], "pv": caches[1]})
+    _, k32, v32 = full.run(None, {**feeds, "pk": caches[0].astype(np.float32), "pv": caches[1].astype(np.float32)})
+    assert k16.dtype == v16.dtype == np.float16
+    for got, ref, before, nans in ((k16, k32, caches[0], 0), (v16, v32, caches[1], 1)):
+        new, want = got[:, :, past: past + T], ref[:, :, past: past + T].astype(np.float16)
+        nan = np.isnan(want)
+        assert nan.sum() == nans and np.array_equal(np.isnan(new), nan)
+        assert np.array_equal(_bits(np.where(nan, 0, new)), _bits(np.where(nan, 0, want)))
+        assert np.array_equal(_bits(got[:, :, :past]), _bits(before[:, :, :past]))
+    edges = v16[0, 0, past, : len(_F16_EDGES)]
+    assert np.isposinf(edges[19]) and edges[18] == 65504 and edges[9] == 0 and edges[11] == 2 ** -23  # ties: even
+    assert np.signbit(edges[1]) and np.isneginf(v16[0, 1, past, 19])
+
+
+def fp16_against_fp32(hq: int, hkv: int, d: int, seed: int) -> tuple[bool, float]:
+    """SekAttention over fp16 caches and over fp32 caches holding the same values, a 5-row step at 250 past rows:
+    (whether the outputs are bitwise equal when the step's new rows are fp16 values too (their rotation the identity:
+    cos 1, sin 0), the largest difference relative to the fp32 output when they are not (a real rotation))."""
+    S, past, T = 320, 250, 5
+    rng = np.random.default_rng(seed)
+    c16 = [rng.standard_normal((1, hkv, S, d)).astype(np.float16) for _ in range(2)]
+    cos, sin = _rope_tables(S, d)
+    qkv = (2.0 * rng.standard_normal((1, T, (hq + 2 * hkv) * d))).astype(np.float16).astype(np.float32)
+    half = _session(_attention_model("SekAttention", hq, hkv, d, TensorProto.FLOAT16))
+    full = _session(_attention_model("SekAttention", hq, hkv, d))
+
+    def both(cos, sin):
+        feeds = {"qkv": qkv, "cos": cos, "sin": sin, "past_len": np.array([past], np.int64)}
+        o16 = half.run(None, {**feeds, "pk": c16[0].copy(), "pv": c16[1].copy()})[0]
+        o32 = full.run(None, {**feeds, "pk": c16[0].astype(np.float32), "pv": c16[1].astype(np.float32)})[0]
+        assert o16.dtype == np.float32 and np.isfinite(o16).all()
+        return o16, o32
+
+    still_c, still_s = cos.copy(), sin.copy()
+    still_c[past: past + T], still_s[past: past + T] = 1.0, 0.0
+    o16, o32 = both(still_c, still_s)
+    exact = np.array_equal(o16.view(np.uint32), o32.view(np.uint32))
+    o16, o32 = both(cos, sin)
+    return exact, float(np.abs(o16 - o32).max() / np.abs(o32).max())
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(12, 2, 128), (8, 1, 64), (4, 4, 80)])
+def test_an_fp16_cache_attends_as_fp32_does_over_the_same_values(hq, hkv, d):
+    """Queries read an fp16 cache exactly: over fp16 rows the output has the bits of the same step over an fp32
+    cache holding those values; with rows it rounds (the step's own, rotated) it stays near."""
+    exact, rel = fp16_against_fp32(hq, hkv, d, seed=d + hq)
+    assert exact
+    assert 0 < rel < 2e-3, rel
+
+
+def test_caches_of_two_element_types_are_refused():
+    """A node whose key and value caches differ in element type is refused when the session loads it (each
+    attention op is registered for fp32 caches and for fp16 caches, both of one type)."""
+    hq, hkv, d, S = 4, 2, 64, 32
+    F, H = TensorProto.FLOAT, TensorProto.FLOAT16
+    vi = helper.make_tensor_value_info
+    node = helper.make_node("SekAttention", ["qkv", "pk", "pv", "past_len", "cos", "sin"], ["out", "presk", "presv"],
+                            domain="ai.specedge", num_heads=hq, kv_num_heads=hkv, scale=0.125)
+    g = helper.make_graph([node], "g", [vi("qkv", F, [1, 1, (hq + 2 * hkv) * d]), vi("pk", H, [1, hkv, S, d]),
+                                        vi("pv", F, [1, hkv, S, d]), vi("past_len", TensorProto.INT64, [1]),
+                                        vi("cos", F, [S, d // 2]), vi("sin", F, [S, d // 2])],
+                          [vi("out", F, None), vi("presk", H, None), vi("presv", F, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.specedge", 1)])
+    with pytest.raises(Exception, match=r"no kernel def matches node inputs for Op: SekAttention"):
+        _session(model.SerializeToString())
