@@ -26,6 +26,7 @@ from specedge.runtime.manifest import (
     BATCH_WIDTHS,
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
+    KV_DTYPES,
     KV_MODES,
     MAX_CONTEXT,
     ONNX_OPSET,
@@ -65,6 +66,7 @@ class ExportOptions:
     # portable (every backend) | ort-inplace (ONNX Runtime GroupQueryAttention; specedge's attention in its form)
     # | rows (the specedge form: row-addressed steps over a pool of KV slots, for batches of requests)
     kv_mode: str = "portable"
+    kv_dtype: str = "float32"  # the KV caches' elements: float32, or float16 (specedge's attention only)
     device_argmax: bool = False  # graphs also output next_ids = ArgMax(logits) (see Manifest.device_argmax)
     draft_vocab: int = 0  # > 0: the draft's lm_head keeps token ids < draft_vocab + the special tokens (HeadRows)
     overwrite: bool = False
@@ -92,6 +94,14 @@ class ExportOptions:
             raise BundleError("--kv-mode rows (row-addressed steps, for batches of requests) runs specedge's "
                               "attention, which only the specedge form has (--weights int8/int4 --quant-form "
                               "specedge, for a CPU): choose --kv-mode ort-inplace for this form")
+        if self.kv_dtype not in KV_DTYPES:
+            raise BundleError(f"--kv-dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+        if self.kv_dtype != "float32" and not (self.kv_mode in (ROWS_KV_MODE, "ort-inplace") and all(
+                f.specedge for f in (self.weights, self.draft_weights or self.weights))):
+            raise BundleError(f"--kv-dtype fp16 is read by specedge's attention, which only the specedge form has "
+                              f"(--weights int8/int4 --quant-form specedge for target and draft, --kv-mode rows or "
+                              f"ort-inplace); this export is {self.weights.name} {self.weights.form}, kv "
+                              f"{self.kv_mode}: choose --kv-dtype fp32")
         if self.weights.even_widths and self.prefill_chunk % 2:
             raise BundleError(f"--prefill-chunk {self.prefill_chunk}: an int8/int4 MatMulNBits target needs an even "
                               f"prefill chunk (ONNX Runtime's kernel takes rows in pairs; see manifest.model_widths; "
@@ -189,6 +199,7 @@ def _export(target: str | Path, draft: str | Path, out: str | Path, opts: Export
             drafter_params=({"ngram_max": opts.lookup_ngram_max, "ngram_min": opts.lookup_ngram_min}
                             if draft == "prompt-lookup" else {}),
             tokenizer=tok, files=files, created_by=f"specedge {__version__}", kv_mode=opts.kv_mode,
+            kv_dtype=opts.kv_dtype,
             device_argmax=opts.device_argmax,
             opset=max(QDQ_OPSET if (f or opts.weights).qdq else ONNX_OPSET for f in (opts.weights, opts.draft_weights)),
         )
@@ -285,8 +296,8 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
     if fmt.intgemm_smooth:
         src, smoothing = _smoothed(role, src, tmp, fmt.intgemm_smooth, say)
     onnx_path, data_path, quant = build_model_graph(src, tmp, role, progress=lambda s: say(f"  {role}: {s}"), fmt=fmt,
-                                                    kv_mode=opts.kv_mode, max_positions=opts.max_context,
-                                                    argmax=opts.device_argmax,
+                                                    kv_mode=opts.kv_mode, kv_dtype=opts.kv_dtype,
+                                                    max_positions=opts.max_context, argmax=opts.device_argmax,
                                                     head_ids=None if head is None else head.ids())
     if smoothing:
         quant["smoothing"] = smoothing

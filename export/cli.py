@@ -17,6 +17,8 @@ from specedge.runtime.manifest import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, INTG
 
 from .profiles import DEFAULT_PROFILE
 
+KV_DTYPE_NAMES = {"fp16": "float16", "fp32": "float32"}  # --kv-dtype -> the manifest's (numpy's) name
+
 if TYPE_CHECKING:
     from specedge.runtime.memplan import Board, Plan
 
@@ -163,6 +165,11 @@ def _profile_option(f):  # noqa: ANN001
                    "(spec-run serve --max-batch; the specedge form only). ort-inplace: attention writing the cache "
                    "in place (CPU; bitwise exact). portable: plain ONNX attention (TensorRT; refused on a CPU "
                    "profile). auto: rows in the specedge form, else ort-inplace; the profile's where it names one.")
+@click.option("--kv-dtype", type=click.Choice(["auto", "fp16", "fp32"]), default="auto", show_default=True,
+              help="The KV caches' element type. fp16: half the memory and half the bytes a step reads at depth, each "
+                   "new row rounded once as it is written (speculative == plain stays bitwise; specedge's attention "
+                   "only: the specedge form, kv rows or ort-inplace). auto: fp16 where that attention runs, else "
+                   "fp32.")
 @click.option("--draft-vocab", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Draft model only: its lm_head keeps token ids 0..N-1 and the special tokens above them, so each "
                    "draft step reads a fraction of the head. The output is unchanged (the target verifies every "
@@ -211,6 +218,7 @@ def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cac
             "auto" if v["lm_head"] == "gguf" else v["lm_head"])
         opts = ExportOptions(k=v["k"], verify_widths=v["verify_widths"], draft_catchup_widths=v["draft_catchup_widths"],
                              weights=fmt(v["weights"], v["intgemm_smooth"], v["lm_head"]), kv_mode=v["kv_mode"],
+                             kv_dtype=KV_DTYPE_NAMES[v["kv_dtype"]],
                              device_argmax=v["device_argmax"], draft_vocab=v["draft_vocab"],
                              draft_weights=fmt(dw, v["intgemm_smooth"] if dw == "int8" else 0.0, draft_head),
                              max_context=v["max_context"], prefill_chunk=v["prefill_chunk"],
@@ -236,7 +244,7 @@ def _form_line(opts: ExportOptions) -> str:
     if f.quantized:
         w += f" {f.form}" + ("" if f.gguf_exact else f" re-quantized (block {f.block})") + f", lm_head {f.lm_head}"
     widths = ",".join(map(str, opts.verify_widths)) or "none"
-    return (f"{w}, kv {opts.kv_mode}, K={opts.k}, verify widths {widths} and {opts.k + 1}, "
+    return (f"{w}, kv {opts.kv_mode} {opts.kv_dtype}, K={opts.k}, verify widths {widths} and {opts.k + 1}, "
             f"S_max {opts.max_context}")
 
 
@@ -524,8 +532,12 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
     label = (f"{what}: {' + '.join(ex.get(r) for r in ('target', 'draft') if ex.get(r))}, "
              f"{weights or ex.get('weights', 'fp32')}"
              f" export, {backend} {precision} (head {head}), S_max {ex.get('max_context', 2048)}")
+    # the KV dtype as the export's auto resolves it: fp16 where specedge's attention reads the cache
+    fp16 = ex.get("kv_dtype", "auto") == "fp16" or (ex.get("kv_dtype", "auto") == "auto" and form == "specedge" and all(
+        m[2] in ("int8", "int4") for m in models))
     return plan_models(models, max_context=int(ex.get("max_context", 2048)), backend=backend, precision=precision,
-                       head=head, what=label, board=_board(board or what), max_batch=max_batch)
+                       head=head, what=label + (", KV fp16" if fp16 and backend == "ort-cpu" else ""),
+                       board=_board(board or what), max_batch=max_batch, kv_elem=2 if fp16 else None)
 
 
 @main.command()

@@ -424,6 +424,7 @@ def build_model_graph(
     progress: Callable[[str], None] | None = None,
     fmt: WeightFormat = WeightFormat(),
     kv_mode: str = "portable",
+    kv_dtype: str = "float32",
     max_positions: int = 2048,
     argmax: bool = False,
     head_ids: np.ndarray | None = None,
@@ -521,7 +522,7 @@ def build_model_graph(
                                         select_last_index=0))
     w.close()
 
-    inputs, outputs = io_spec(d, kv_mode, argmax=argmax, logits_width=n_logits)
+    inputs, outputs = io_spec(d, kv_mode, kv_dtype, argmax=argmax, logits_width=n_logits)
     vi = lambda s: helper.make_tensor_value_info(s.name, _NP_TO_ONNX[s.dtype], list(s.shape))  # noqa: E731
     graph = helper.make_graph(
         g.nodes, graph_name, [vi(s) for s in inputs], [vi(s) for s in outputs],

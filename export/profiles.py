@@ -116,6 +116,10 @@ def settle(values: dict[str, Any], given: set[str], profile: Profile, target: st
         out["quant_form"] = auto_form(out["weights"], profile, say)
     if out.get("kv_mode") == "auto":  # row-addressed steps where the form's attention has them (batches of requests)
         out["kv_mode"] = "rows" if out.get("quant_form") == "specedge" else "ort-inplace"
+    if out.get("kv_dtype", "auto") == "auto":  # fp16 where specedge's attention reads the cache (every model's)
+        quantized = all(w in ("int8", "int4") for w in (out["weights"], out.get("draft_weights") or out["weights"]))
+        out["kv_dtype"] = ("fp16" if out.get("quant_form") == "specedge" and quantized
+                           and out["kv_mode"] in ("rows", "ort-inplace") else "fp32")
     if profile.device == "cpu" and out["kv_mode"] == "portable":
         raise OptionError(
             f"--kv-mode portable is not bitwise exact on a CPU (--for {profile.name}): its attention sums a "

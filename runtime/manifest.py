@@ -40,6 +40,9 @@ SEK_DOMAIN = "ai.specedge"  # its ONNX domain
 SEK_ATTENTION = "SekAttention"  # ModelEntry.quant["attention"]: specedge's attention (ort-inplace): width 1 invariant
 QDQ_FORMAT = "DequantizeLinear+MatMul"  # ModelEntry.quant["format"] of --quant-form qdq graphs (else MatMulNBits)
 MAX_DIM = 1 << 22  # no model dimension (layers, heads, hidden, vocab) comes near this
+# the graphs' KV cache element types: fp32, or fp16 (specedge's attention, which rounds each new row once and reads
+# the rows exactly: every row is still the one a plain step writes)
+KV_DTYPES = ("float32", "float16")
 MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front
 GRAPH_POSITIONS_KEY = "specedge.max_positions"  # a graph's metadata: the positions its RoPE tables hold
 GRAPH_RESIDUALS_KEY = "specedge.residuals"  # a graph's metadata: its residual stream's names between layers (JSON)
@@ -229,6 +232,11 @@ class Manifest:
             )
         if self.kv_mode not in KV_MODES:
             raise BundleError(f"unknown kv_mode {self.kv_mode!r}; this specedge reads {', '.join(KV_MODES)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise BundleError(f"unknown kv_dtype {self.kv_dtype!r}; this specedge reads {', '.join(KV_DTYPES)}")
+        if self.kv_dtype != "float32" and self.kv_mode == "portable":
+            raise BundleError(f"kv_dtype {self.kv_dtype} with kv_mode portable: a {self.kv_dtype} cache is read by "
+                              "specedge's attention (kv_mode rows or ort-inplace in the specedge form)")
         if self.drafter not in DRAFTER_KINDS:
             raise BundleError(f"unknown drafter {self.drafter!r}; allowed: {', '.join(DRAFTER_KINDS)}")
         if (self.drafter == "model") != (self.draft is not None):

@@ -151,11 +151,12 @@ class Plan:
 
 
 def plan_models(models: list[tuple[str, ModelDims, str, int, int]], *, max_context: int, backend: str,
-                precision: str, head: str, what: str, board: Board | None = None, max_batch: int = 1) -> Plan:
+                precision: str, head: str, what: str, board: Board | None = None, max_batch: int = 1,
+                kv_elem: int | None = None) -> Plan:
     """models: (role, dims, exported weight format, t_max, l_max). backend: trt | ort-cuda | ort-trt | ort-cpu.
     precision: the engine precision on a GPU (fp16/bf16; fp32 = the exported graphs as they are). head: fp32 |
     low (the lm_head in the engine precision). max_batch: sequences each model's KV cache holds (requests decoded
-    together: one cache each)."""
+    together: one cache each). kv_elem: bytes of a KV element on the CPU (the bundle's kv_dtype; default 4, fp32)."""
     gpu = backend != "ort-cpu"
     out = []
     for role, d, fmt, t_max, l_max in models:
@@ -166,7 +167,7 @@ def plan_models(models: list[tuple[str, ModelDims, str, int, int]], *, max_conte
         else:
             linear = fmt
             head_fmt = "int8" if fmt in ("int8", "int4") else fmt
-            emb, scale, act, kvb = ("fp16" if fmt in ("int8", "int4") else "fp32"), 4.0, 4, 4
+            emb, scale, act, kvb = ("fp16" if fmt in ("int8", "int4") else "fp32"), 4.0, 4, kv_elem or 4
         kv, new = kv_bytes(d, max_context, kvb, t_max)
         kv *= max_batch  # a draft model too drafts in a slot of its own per request decoded together
         out.append(ModelPlan(role, weight_bytes(d, linear, head_fmt, emb, scale), kv, new,
@@ -189,9 +190,11 @@ def plan_for_manifest(m: Manifest, backend: str, precision: str = "fp32", head: 
             continue
         models.append((role, e.dims, e.precision, max(w.T for w in e.widths), max(w.L for w in e.widths)))
     label = what or (f"{m.target.source.get('name', 'target') if isinstance(m.target.source, dict) else 'target'}"
-                     f"{' + draft' if m.draft else ''}, {backend} {precision} (head {head}), S_max {m.max_context}")
+                     f"{' + draft' if m.draft else ''}, {backend} {precision} (head {head}), S_max {m.max_context}"
+                     f"{', KV fp16' if m.kv_dtype == 'float16' and backend == 'ort-cpu' else ''}")
     plan = plan_models(models, max_context=m.max_context, backend=backend, precision=precision, head=head,
-                       what=label, board=board, max_batch=max_batch)
+                       what=label, board=board, max_batch=max_batch,
+                       kv_elem=2 if m.kv_dtype == "float16" and backend == "ort-cpu" else None)
     if m.draft is not None and m.draft.is_self:  # the target's own layers: its weights and KV cache, nothing more
         draft = next(p for p in plan.models if p.role == "draft")
         draft.weights = {k: 0 for k in draft.weights}

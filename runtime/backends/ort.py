@@ -194,7 +194,7 @@ class OrtRunner:
 
         self.entry = manifest.models[role]
         graph = self.entry.graph
-        self.kv_dtype = np.dtype(np.float32)
+        self.kv_dtype = np.dtype(manifest.kv_dtype)
         if engines is not None:
             if engines.kind != "onnx" or engines.kv_dtype != "float16":
                 raise BackendUnavailableError(

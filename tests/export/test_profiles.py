@@ -49,6 +49,7 @@ def test_a_gguf_with_no_form_flags_is_the_fast_exact_cpu_form(tiny_gguf, tmp_pat
     assert r.exit_code == 0, r.output
     t = m["target"]
     assert (t["precision"], m["kv_mode"], m["k"]) == ("int4", "rows", 8)  # row-addressed: requests batch
+    assert m["kv_dtype"] == "float16"  # specedge's attention: half the cache, rows rounded once as written
     assert t["quant"]["format"].startswith("SekMatMul") and t["quant"]["lm_head"] == "gguf"
     assert t["quant"]["requantized"] == 0  # every matrix is the file's own blocks, the head included
     verify = sorted(w["T"] for w in t["widths"] if w["role"] == "verify")
@@ -56,7 +57,7 @@ def test_a_gguf_with_no_form_flags_is_the_fast_exact_cpu_form(tiny_gguf, tmp_pat
     # padding row costs what a real one does)
     assert verify[:8] == list(range(2, 10))
     assert set(verify[8:]) <= set(BATCH_WIDTHS)  # and the row budgets of rounds of several requests
-    assert "form (--for cpu): int4 specedge, lm_head gguf, kv rows, K=8" in r.output
+    assert "form (--for cpu): int4 specedge, lm_head gguf, kv rows float16, K=8" in r.output
 
 
 def test_without_a_compiler_the_default_is_matmulnbits_and_says_how_to_get_the_fast_form(tiny_gguf, tmp_path,
@@ -65,6 +66,7 @@ def test_without_a_compiler_the_default_is_matmulnbits_and_says_how_to_get_the_f
     r, m = _export(["--target", str(tiny_gguf)], tmp_path)
     assert r.exit_code == 0, r.output
     assert m["target"]["quant"].get("format", "MatMulNBits") == "MatMulNBits"
+    assert m["kv_dtype"] == "float32"  # ONNX Runtime's attention: the fp32 cache
     assert "install a C compiler" in r.output and "specedge's kernels" in r.output
     verify = sorted(w["T"] for w in m["target"]["widths"] if w["role"] == "verify")
     assert verify == [2, 4, 6, 8, 10]  # MatMulNBits: every width rounded up to an even one
@@ -85,10 +87,23 @@ def test_a_cpu_profile_refuses_the_portable_kv_mode_and_names_the_exact_one(tiny
     assert not (tmp_path / "b").exists()
 
 
+def test_an_fp32_cache_is_kept_when_asked_and_fp16_is_refused_where_specedges_attention_does_not_run(tiny_gguf,
+                                                                                                    tmp_path):
+    if kernels_buildable() is not None:
+        pytest.skip(f"specedge's kernels cannot be built here: {kernels_buildable()}")
+    r, m = _export(["--target", str(tiny_gguf), "--kv-dtype", "fp32"], tmp_path)
+    assert r.exit_code == 0, r.output
+    assert m["kv_dtype"] == "float32" and "kv rows float32" in r.output
+    r, _ = _export(["--target", str(tiny_gguf), "--kv-dtype", "fp16", "--quant-form", "matmulnbits"], tmp_path, "c")
+    assert r.exit_code != 0 and "--kv-dtype fp16 is read by specedge's attention" in r.output
+    assert "this export is int4 matmulnbits, kv ort-inplace: choose --kv-dtype fp32" in r.output
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_gpu_profile_takes_its_own_form_and_given_options_win(tiny_gguf, tmp_path):
     r, m = _export(["--target", str(tiny_gguf), "--for", "jetson-orin-nano-8gb", "--k", "6"], tmp_path)
     assert r.exit_code == 0, r.output
-    assert m["kv_mode"] == "portable" and m["k"] == 6 and m["device_argmax"]
+    assert m["kv_mode"] == "portable" and m["k"] == 6 and m["device_argmax"] and m["kv_dtype"] == "float32"
     assert m["target"]["quant"]["format"] == "DequantizeLinear+MatMul"
 
 

@@ -19,9 +19,9 @@ ALL_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
 PROMPTS = ["def fib(n):", "hello world hello world hello", "the cat sat on the"]
 
 
-def _opts(fmt: str, kv_mode: str = "portable", **kw) -> ExportOptions:
+def _opts(fmt: str, kv_mode: str = "portable", kv_dtype: str = "float32", **kw) -> ExportOptions:
     return ExportOptions(k=4, max_context=128, prefill_chunk=16, verify_widths=(2, 3), weights=WeightFormat(fmt, **kw),
-                         kv_mode=kv_mode)
+                         kv_mode=kv_mode, kv_dtype=kv_dtype)
 
 
 def _logits(dec: SpecDecoder, ids: list[int]) -> np.ndarray:
@@ -62,6 +62,9 @@ def q_bundles(tiny_llama, tiny_draft, tmp_path_factory):
                                                   form="specedge")).out
     out["int8-sek-inplace"] = export_bundle(tiny_llama, "prompt-lookup", root / "int8seki",
                                             _opts("int8", "ort-inplace", form="specedge")).out
+    out["int4-sek-inplace-fp16"] = export_bundle(tiny_llama, "prompt-lookup", root / "int4seki16",
+                                                 _opts("int4", "ort-inplace", "float16", block=64, symmetric=False,
+                                                       form="specedge")).out
     return out
 
 
@@ -379,7 +382,7 @@ def test_the_specedge_form_runs_every_matrix_through_its_kernel_at_the_widths_as
     assert SpecDecoder.load(q_bundles["int4-sek"]).target.min_width == 2  # portable attention: the guess row stays
 
 
-@pytest.mark.parametrize("fmt", ["int4-sek-inplace", "int8-sek-inplace"])
+@pytest.mark.parametrize("fmt", ["int4-sek-inplace", "int8-sek-inplace", "int4-sek-inplace-fp16"])
 def test_specedge_bundles_decode_plainly_at_width_one_and_speculation_is_exact(q_bundles, fmt):
     dec = SpecDecoder.load(q_bundles[fmt])
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -391,6 +394,28 @@ def test_specedge_bundles_decode_plainly_at_width_one_and_speculation_is_exact(q
         for drafter, k in (("prompt-lookup", 1), ("prompt-lookup", 4), ("auto", 4)):
             assert dec.generate(prompt, params, drafter=drafter, k=k).token_ids == plain.token_ids, (prompt, drafter)
             assert dec.generate(prompt, sampled, drafter=drafter, k=k).token_ids == seeded, (prompt, drafter)
+
+
+def test_an_fp16_cache_keeps_the_logits_of_the_fp32_one_and_its_rows_whatever_the_width(q_bundles):
+    """The same form with an fp16 KV cache: half the cache's bytes; logits near the fp32 cache's over a prompt and
+    its decode, the same next token at every position; and each row's logits bitwise the same fed 1..K+1 tokens a
+    step (the width never changes a row)."""
+    a, b = SpecDecoder.load(q_bundles["int4-sek-inplace"]), SpecDecoder.load(q_bundles["int4-sek-inplace-fp16"])
+    assert b.manifest.kv_dtype == "float16" and b.target.kv.dtype == np.float16
+    assert b.target.kv.nbytes * 2 == a.target.kv.nbytes
+    seq = np.array(a.encode_prompt(PROMPTS[1] + " " + PROMPTS[0]) * 3)[:40]
+
+    def logits(dec: SpecDecoder, n: int) -> np.ndarray:
+        return np.concatenate([np.array(dec.target.step(seq[p: p + n], p, all_logits=True))[: len(seq[p: p + n])]
+                               for p in range(0, len(seq), n)])
+
+    la, lb = logits(a, 2), logits(b, 2)
+    rel = np.abs(la - lb).max() / np.abs(la).max()
+    # (int8 activations amplify the cache's rounding on this random tiny model; a wrong row would move them by O(1))
+    assert 0 < rel < 0.1, rel
+    assert (la.argmax(-1) == lb.argmax(-1)).mean() >= 0.95, (la.argmax(-1) == lb.argmax(-1)).mean()
+    for n in range(1, b.manifest.k + 2):
+        assert np.array_equal(logits(b, n), lb), n
 
 
 def test_the_specedge_form_carries_gguf_blocks_with_offsets(tiny_llama, tmp_path):

@@ -37,8 +37,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def rows_bundles(tmp_path_factory, tiny_llama, tiny_draft):
     root = tmp_path_factory.mktemp("rows-bundles")
-    opts = ExportOptions(k=4, max_context=160, prefill_chunk=16, kv_mode=ROWS_KV_MODE,
-                         weights=WeightFormat("int4", form="specedge"))
+    opts = ExportOptions(k=4, max_context=160, prefill_chunk=16, kv_mode=ROWS_KV_MODE, kv_dtype="float16",
+                         weights=WeightFormat("int4", form="specedge"))  # the CPU profile's form
     return {"model": export_bundle(tiny_llama, tiny_draft, root / "model", opts).out,
             "lookup": export_bundle(tiny_llama, "prompt-lookup", root / "lookup", opts).out}
 
@@ -79,7 +79,7 @@ def test_a_rows_bundle_declares_batch_widths_and_decodes_alone_like_an_inplace_o
     assert m.kv_mode == ROWS_KV_MODE
     assert max(w.T for w in m.target.widths if w.L == w.T) == 48
     inplace = SpecDecoder.load(export_bundle(tiny_llama, "prompt-lookup", tmp_path / "inplace", ExportOptions(
-        k=4, max_context=160, prefill_chunk=16, kv_mode="ort-inplace",
+        k=4, max_context=160, prefill_chunk=16, kv_mode="ort-inplace", kv_dtype="float16",
         weights=WeightFormat("int4", form="specedge"))).out)
     for p in PROMPTS[:3]:
         assert alone(solo, p, PARAMS["greedy"], "none") == alone(inplace, p, PARAMS["greedy"], "none")
