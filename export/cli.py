@@ -107,7 +107,10 @@ def _profile_option(f):  # noqa: ANN001
               help="The draft model's narrow prefill widths, each in 2..P-1 (default: 2,4,8,16, those below P): a "
                    "draft that fell behind feeds the tokens it missed and its first draw in one step. 'none': decode "
                    "and prefill P only (each width is one more TensorRT optimization profile).")
-@click.option("--max-context", type=int, default=2048, show_default=True, help="KV buffer length S_max.")
+@click.option("--max-context", type=int, default=None,
+              help="KV buffer length S_max. Default: the profile's; the cpu profile's is the model's own context, "
+                   "halved while this machine's memory cannot hold it for one sequence (spec-export plan's estimate; "
+                   "never below 2048).")
 @click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P (even for MatMulNBits "
               "int8/int4 targets).")
 @click.option("--ngram-max", type=int, default=DEFAULT_NGRAM_MAX, show_default=True,
@@ -204,6 +207,8 @@ def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cac
         if ctx.get_parameter_source("profile") is click.core.ParameterSource.DEFAULT and config:
             prof = load_profile(config, fallback=prof)  # --config PRESET alone: it says where the bundle runs
         v = settle(form, given, prof, target, _say)
+        if v["max_context"] is None:
+            v["max_context"] = _default_context(target, draft, v, cache_dir)
 
         def fmt(name: str, smooth: float, head: str) -> WeightFormat:
             return WeightFormat(name, v["quant_block"], not v["asymmetric"], v["accuracy_level"], head,
@@ -235,6 +240,34 @@ def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cac
         sys.exit(128 + signal.SIGTERM)
     _say(f"bundle {rep.out}: {rep.bytes_total / 1e6:.0f} MB in {rep.seconds:.1f}s, peak RSS {rep.peak_rss_mb:.0f} MB")
     click.echo(str(rep.out))
+
+
+def _default_context(target: str, draft: str, v: dict, cache_dir: str | None) -> int:
+    """S_max when neither the command line nor the profile names one: the models' own context as far as this
+    machine's memory holds it with one sequence (memplan.context_that_fits); says which, in one line."""
+    from specedge.runtime.memplan import context_that_fits, this_machine
+
+    from .bundle import DRAFT_NO_MODEL
+    from .fetch import resolve_model
+    from .loaders import load_source
+    from .self_draft import is_self
+
+    chunk = int(v["prefill_chunk"])
+    models, own = [], []
+    for role, name, fmt in (("target", target, v["weights"]), ("draft", draft, v["draft_weights"] or v["weights"])):
+        if role == "draft" and (name in DRAFT_NO_MODEL or is_self(name)):
+            continue
+        cfg = load_source(resolve_model(name, cache_dir, _say)).config
+        own.append(cfg.max_positions)
+        models.append((role, cfg.dims, fmt, chunk, chunk))
+    board = this_machine()
+    c = context_that_fits(models, min(own), board, kv_elem=2 if v["kv_dtype"] == "fp16" else None)
+    kv = sum(m[1].n_layers * 2 * m[1].n_kv_heads * m[1].head_dim for m in models) * (2 if v["kv_dtype"] == "fp16"
+                                                                                     else 4) * c
+    why = ("the model's own" if c == min(own) else
+           f"the model's own is {min(own)}; {board.name if board else 'this machine'} holds {c} for one sequence")
+    _say(f"context: S_max {c} ({why}; KV {kv / 2 ** 30:.2f} GiB a sequence); --max-context sets another")
+    return c
 
 
 def _form_line(opts: ExportOptions) -> str:
@@ -492,7 +525,7 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
     """The memory plan of a bundle directory or of a preset (its models' dims from their GGUF headers)."""
     from specedge.runtime.config import list_presets, load_config
     from specedge.runtime.manifest import ROWS_KV_MODE, model_widths, read_manifest
-    from specedge.runtime.memplan import plan_for_manifest, plan_models
+    from specedge.runtime.memplan import context_that_fits, plan_for_manifest, plan_models
 
     if Path(what).is_dir():
         m = read_manifest(Path(what), verify="none")
@@ -516,12 +549,14 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
     form = ex.get("quant_form", "matmulnbits")
     if form == "auto":  # as the export resolves it here
         form = auto_form(weights or ex.get("weights", "fp32"), load_profile(what), lambda _: None)
-    models = []
+    models, own = [], []
     for role in ("target", "draft"):
         name = ex.get(role)
         if not name or name == "prompt-lookup":
             continue
-        dims = load_source(resolve_model(name, progress=_say)).config.dims
+        config = load_source(resolve_model(name, progress=_say)).config
+        dims = config.dims
+        own.append(config.max_positions)
         fmt = weights or ex.get("draft_weights" if role == "draft" else "weights") or ex.get("weights", "fp32")
         even = fmt in ("int8", "int4") and WeightFormat(fmt, lm_head=ex.get("lm_head", "auto"), form=form).even_widths
         ws = model_widths(role, k, chunk, verify, even=role == "target" and even)
@@ -529,15 +564,18 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
     backend = backend or run.get("backend", "ort-cpu")
     precision = precision or (bu.get("precision", "fp16") if backend != "ort-cpu" else "fp32")
     head = head or bu.get("head", "fp32")
-    label = (f"{what}: {' + '.join(ex.get(r) for r in ('target', 'draft') if ex.get(r))}, "
-             f"{weights or ex.get('weights', 'fp32')}"
-             f" export, {backend} {precision} (head {head}), S_max {ex.get('max_context', 2048)}")
     # the KV dtype as the export's auto resolves it: fp16 where specedge's attention reads the cache
     fp16 = ex.get("kv_dtype", "auto") == "fp16" or (ex.get("kv_dtype", "auto") == "auto" and form == "specedge" and all(
         m[2] in ("int8", "int4") for m in models))
-    return plan_models(models, max_context=int(ex.get("max_context", 2048)), backend=backend, precision=precision,
-                       head=head, what=label + (", KV fp16" if fp16 and backend == "ort-cpu" else ""),
-                       board=_board(board or what), max_batch=max_batch, kv_elem=2 if fp16 else None)
+    kv_elem = 2 if fp16 and backend == "ort-cpu" else None
+    on = _board(board or what)
+    # no max_context in the preset: what its export would take (the models' own, as far as its board holds it)
+    ctx = int(ex["max_context"]) if "max_context" in ex else context_that_fits(models, min(own), on, kv_elem=kv_elem)
+    label = (f"{what}: {' + '.join(ex.get(r) for r in ('target', 'draft') if ex.get(r))}, "
+             f"{weights or ex.get('weights', 'fp32')}"
+             f" export, {backend} {precision} (head {head}), S_max {ctx}{', KV fp16' if kv_elem else ''}")
+    return plan_models(models, max_context=ctx, backend=backend, precision=precision, head=head, what=label,
+                       board=on, max_batch=max_batch, kv_elem=kv_elem)
 
 
 @main.command()

@@ -182,6 +182,24 @@ def plan_models(models: list[tuple[str, ModelDims, str, int, int]], *, max_conte
     return Plan(what, gpu, out, board, notes)
 
 
+CONTEXT_FLOOR = 2048  # the shortest S_max a default context halves down to (a model's own is less: its own)
+
+
+def context_that_fits(models: list[tuple[str, ModelDims, str, int, int]], own: int, board: Board | None, *,
+                      kv_elem: int | None = None, max_batch: int = 1) -> int:
+    """The S_max a bundle takes by default: the models' own context (``own``), halved while its CPU plan does not
+    fit ``board`` with ``max_batch`` sequences ("fits", not "tight"), never below CONTEXT_FLOOR (or ``own`` if that
+    is less). Without a board, ``own``."""
+    c = own
+    while board is not None and c > CONTEXT_FLOOR:
+        p = plan_models(models, max_context=c, backend="ort-cpu", precision="fp32", head="fp32", what="",
+                        board=board, max_batch=max_batch, kv_elem=kv_elem)
+        if p.verdict()[0] == "fits":
+            return c
+        c //= 2
+    return max(c, min(own, CONTEXT_FLOOR))
+
+
 def plan_for_manifest(m: Manifest, backend: str, precision: str = "fp32", head: str = "fp32",
                       board: Board | None = None, what: str | None = None, max_batch: int = 1) -> Plan:
     models = []

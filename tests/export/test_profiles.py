@@ -142,3 +142,14 @@ def test_an_explicit_lm_head_auto_is_the_default_one(tiny_gguf, tmp_path):
     r, m = _export(["--target", str(tiny_gguf), "--lm-head", "auto", "--quant-form", "matmulnbits"], tmp_path)
     assert r.exit_code == 0, r.output
     assert m["target"]["quant"]["lm_head"] == "gguf"
+
+
+def test_without_max_context_the_cpu_form_takes_the_models_own_context_and_says_so(tiny_gguf, tmp_path):
+    if kernels_buildable() is not None:
+        pytest.skip(f"specedge's kernels cannot be built here: {kernels_buildable()}")
+    r = CliRunner().invoke(export_cli, ["export", "--target", str(tiny_gguf), "--prefill-chunk", "16", "--out",
+                                        str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert m["max_context"] == 512  # the tiny model's own (its GGUF's context_length): this machine holds it
+    assert "context: S_max 512 (the model's own; KV 0.00 GiB a sequence); --max-context sets another" in r.output

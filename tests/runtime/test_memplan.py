@@ -70,11 +70,34 @@ def test_a_preset_plan_counts_the_even_verify_widths_an_int4_export_declares(mon
     dims = ModelDims(n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=128, vocab=100)
     monkeypatch.setattr(fetch, "resolve_model", lambda name, progress=None: name)
     monkeypatch.setattr(loaders, "load_source",
-                        lambda path: types.SimpleNamespace(config=types.SimpleNamespace(dims=dims)))
+                        lambda path: types.SimpleNamespace(config=types.SimpleNamespace(dims=dims, max_positions=4096)))
     seen = {}
     monkeypatch.setattr(memplan, "plan_models", lambda models, **kw: seen.setdefault("models", models))
+    monkeypatch.setattr(memplan, "context_that_fits", lambda models, own, board, **kw: own)
     monkeypatch.setenv("CC", "/nonexistent/cc")  # quant_form auto -> matmulnbits, as the export would choose
     export_cli._plan_of("cpu", None, None, None, None)
     (role, _, fmt, widest_t, widest_l), draft = seen["models"]  # the preset's 0.5B draft is planned too
     assert (role, fmt, widest_t, widest_l) == ("target", "int4", 64, 10)  # prefill 64; verify K+1 = 9 -> 10
     assert (draft[0], draft[2], draft[3]) == ("draft", "int4", 64)  # the widest draft width: prefill P
+
+
+def test_the_default_context_is_the_models_own_halved_until_the_board_holds_it():
+    """context_that_fits: the models' own context where it fits, halved while the board cannot hold it (never
+    below 2048, or the models' own where that is less); fp16 KV holds twice the context of fp32 in the same memory."""
+    from specedge.runtime.manifest import ModelDims
+    from specedge.runtime.memplan import CONTEXT_FLOOR, context_that_fits, kv_bytes
+
+    d = ModelDims(n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, ffn=8960, vocab=151936)
+    models = [("target", d, "int4", 64, 64)]
+    big = Board("big", 64.0, False, 1.0)
+    assert context_that_fits(models, 32768, big) == 32768
+    assert context_that_fits(models, 32768, None) == 32768
+    assert context_that_fits(models, 1024, Board("tiny", 0.1, False, 0.0)) == 1024  # its own, less than the floor
+    assert context_that_fits(models, 32768, Board("tiny", 0.1, False, 0.0)) == CONTEXT_FLOOR
+    # a board that holds the plan at 8k with fp32 KV and half of that KV to spare: 16k fp32 does not fit, 16k fp16
+    # (the same KV bytes as 8k fp32) does
+    at_8k = memplan.plan_models(models, max_context=8192, backend="ort-cpu", precision="fp32", head="fp32",
+                                what="").total
+    board = Board("mid", (at_8k + kv_bytes(d, 8192, 4, 64)[0] / 2) / 0.85 / GiB + 1.0, False, 1.0)
+    assert context_that_fits(models, 32768, board) == 8192
+    assert context_that_fits(models, 32768, board, kv_elem=2) == 16384
