@@ -145,7 +145,7 @@ def bundle_info(dec: SpecDecoder) -> dict[str, Any]:
         if e is None:
             continue
         d = e.dims
-        kv_bytes = d.n_layers * 2 * d.n_kv_heads * m.max_context * d.head_dim * 4
+        kv_bytes = d.n_layers * 2 * d.n_kv_heads * m.max_context * d.head_dim * np.dtype(m.kv_dtype).itemsize
         models[role] = {"family": e.family, "layers": d.n_layers, "hidden": d.hidden, "vocab": d.vocab,
                         "precision": e.precision,
                         # a self draft's weights and cache are the target's: nothing of its own
