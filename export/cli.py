@@ -109,8 +109,8 @@ def _profile_option(f):  # noqa: ANN001
                    "and prefill P only (each width is one more TensorRT optimization profile).")
 @click.option("--max-context", type=int, default=None,
               help="KV buffer length S_max. Default: the profile's; the cpu profile's is the model's own context, "
-                   "halved while this machine's memory cannot hold it for one sequence (spec-export plan's estimate; "
-                   "never below 2048).")
+                   "halved while this machine's memory cannot hold it for the requests spec-run serve decodes "
+                   "together by default (spec-export plan's estimate; never below 2048).")
 @click.option("--prefill-chunk", type=int, default=64, show_default=True, help="Prefill width P (even for MatMulNBits "
               "int8/int4 targets).")
 @click.option("--ngram-max", type=int, default=DEFAULT_NGRAM_MAX, show_default=True,
@@ -244,8 +244,10 @@ def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cac
 
 def _default_context(target: str, draft: str, v: dict, cache_dir: str | None) -> int:
     """S_max when neither the command line nor the profile names one: the models' own context as far as this
-    machine's memory holds it with one sequence (memplan.context_that_fits); says which, in one line."""
+    machine's memory holds it for the requests `spec-run serve` decodes together by default (memplan.
+    context_that_fits); says which, in one line."""
     from specedge.runtime.memplan import context_that_fits, this_machine
+    from specedge.runtime.server import DEFAULT_MAX_BATCH
 
     from .bundle import DRAFT_NO_MODEL
     from .fetch import resolve_model
@@ -261,12 +263,15 @@ def _default_context(target: str, draft: str, v: dict, cache_dir: str | None) ->
         own.append(cfg.max_positions)
         models.append((role, cfg.dims, fmt, chunk, chunk))
     board = this_machine()
-    c = context_that_fits(models, min(own), board, kv_elem=2 if v["kv_dtype"] == "fp16" else None)
+    batch = DEFAULT_MAX_BATCH if v["kv_mode"] == "rows" else 1  # spec-run serve's default for the bundle
+    c = context_that_fits(models, min(own), board, kv_elem=2 if v["kv_dtype"] == "fp16" else None, max_batch=batch)
     kv = sum(m[1].n_layers * 2 * m[1].n_kv_heads * m[1].head_dim for m in models) * (2 if v["kv_dtype"] == "fp16"
                                                                                      else 4) * c
+    seqs = f"{batch} sequences" if batch > 1 else "one sequence"
     why = ("the model's own" if c == min(own) else
-           f"the model's own is {min(own)}; {board.name if board else 'this machine'} holds {c} for one sequence")
-    _say(f"context: S_max {c} ({why}; KV {kv / 2 ** 30:.2f} GiB a sequence); --max-context sets another")
+           f"the model's own is {min(own)}; {board.name if board else 'this machine'} holds {c} for {seqs}")
+    _say(f"context: S_max {c} ({why}; KV {kv / 2 ** 30:.2f} GiB a sequence, {seqs} by default); --max-context sets "
+         "another")
     return c
 
 
@@ -569,8 +574,12 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
         m[2] in ("int8", "int4") for m in models))
     kv_elem = 2 if fp16 and backend == "ort-cpu" else None
     on = _board(board or what)
-    # no max_context in the preset: what its export would take (the models' own, as far as its board holds it)
-    ctx = int(ex["max_context"]) if "max_context" in ex else context_that_fits(models, min(own), on, kv_elem=kv_elem)
+    # no max_context in the preset: what its export would take (the models' own, as far as its board holds it for
+    # the requests spec-run serve decodes together by default: 4 in the specedge form, whose KV mode is rows)
+    from specedge.runtime.server import DEFAULT_MAX_BATCH
+
+    ctx = int(ex["max_context"]) if "max_context" in ex else context_that_fits(
+        models, min(own), on, kv_elem=kv_elem, max_batch=DEFAULT_MAX_BATCH if form == "specedge" else 1)
     label = (f"{what}: {' + '.join(ex.get(r) for r in ('target', 'draft') if ex.get(r))}, "
              f"{weights or ex.get('weights', 'fp32')}"
              f" export, {backend} {precision} (head {head}), S_max {ctx}{', KV fp16' if kv_elem else ''}")

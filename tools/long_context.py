@@ -2,7 +2,7 @@
 """What a decode step costs as the context grows, and how long a long prompt takes to its first token, beside
 llama.cpp's own llama-bench on the same GGUF, in one run.
 
-    python tools/long_context.py engines/qwen32k [--depths 128,2048,4096,8192,16384,32768] [--ttft 2048,8192]
+    python tools/long_context.py engines/qwen32k [--depths 128,2048,4096,8192,16384,32000] [--ttft 2048,8192]
         [--llama-bin DIR --gguf FILE [--llama-depths 128,2048,8192]] [--repeats 5] [--verify]
 
 Ours: the target's plain step (one row, one logits row) at each depth D, stepped at past_len D over the bundle's own
@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ints(s: str) -> list[int]:
+    if s.strip().lower() == "none":
+        return []
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
@@ -88,8 +90,9 @@ def llama_bench(bench: Path, gguf: str, threads: int, *, depth: int = 0, pp: int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle")
-    ap.add_argument("--depths", type=_ints, default=[128, 2048, 4096, 8192, 16384, 32768])
-    ap.add_argument("--ttft", type=_ints, default=[2048, 8192], help="prompt lengths whose TTFT is measured")
+    ap.add_argument("--depths", type=_ints, default=[128, 2048, 4096, 8192, 16384, 32000])
+    ap.add_argument("--ttft", type=_ints, default=[2048, 8192], help="prompt lengths whose TTFT is measured "
+                    "('none': no TTFT)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--verify", action="store_true", help="also time the widest verify step at each depth")
     ap.add_argument("--llama-bin", type=Path, default=None, help="llama.cpp's bin directory "
@@ -123,6 +126,8 @@ def main() -> int:
         r = llama_bench(bench, a.gguf, threads, depth=d, tg=16)
         peer[d] = 1e3 / r["avg_ts"]
         print(f"  llama-bench: depth {d}: tg {r['avg_ts']:.2f} tok/s", file=sys.stderr, flush=True)
+    if not a.depths:
+        ap.error("--depths: at least one depth")
     base, pbase = ours[a.depths[0]][0], peer.get(a.depths[0])
     print(f"\n| depth | ours: step ms | vs depth {a.depths[0]} |"
           + (f" ours: verify T={verify_w} ms |" if a.verify else "")
@@ -142,7 +147,7 @@ def main() -> int:
         print("|---|---|" + ("---|---|" if bench else ""))
     for n in a.ttft:
         s, got = ttft_s(dec, long_prompt(dec, n))
-        row = f"| {got} | {s:.2f} |"
+        row = f"| {got} | {s:.3f} |"
         if bench:
             r = llama_bench(bench, a.gguf, threads, pp=got)
             row += f" {r['avg_ns'] / 1e9:.2f} | {r['avg_ns'] / 1e9 / s:.2f}× |"

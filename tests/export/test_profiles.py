@@ -152,4 +152,5 @@ def test_without_max_context_the_cpu_form_takes_the_models_own_context_and_says_
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert m["max_context"] == 512  # the tiny model's own (its GGUF's context_length): this machine holds it
-    assert "context: S_max 512 (the model's own; KV 0.00 GiB a sequence); --max-context sets another" in r.output
+    assert ("context: S_max 512 (the model's own; KV 0.00 GiB a sequence, 4 sequences by default); --max-context "
+            "sets another") in r.output

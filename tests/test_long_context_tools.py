@@ -1,0 +1,63 @@
+"""tools/long_context.py and tools/long_prompts.py over a tiny bundle in the CPU profile's form (fp16 KV, rows):
+the tables they print, and the refusals of what cannot run."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from .tools_loader import load_tool
+
+
+@pytest.fixture(scope="module")
+def fp16_bundle(tmp_path_factory, tiny_llama, tiny_draft):
+    from specedge.export.bundle import ExportOptions, export_bundle
+    from specedge.export.quant import WeightFormat
+    from specedge.export.profiles import kernels_buildable
+
+    if kernels_buildable() is not None:
+        pytest.skip(f"specedge's kernels cannot be built here: {kernels_buildable()}")
+    opts = ExportOptions(k=4, max_context=256, prefill_chunk=16, kv_mode="rows", kv_dtype="float16",
+                         weights=WeightFormat("int4", form="specedge"))
+    return export_bundle(tiny_llama, tiny_draft, tmp_path_factory.mktemp("lc") / "b", opts).out
+
+
+def run(tool: str, monkeypatch, *args: str) -> int:
+    mod = load_tool(tool)
+    monkeypatch.setattr(sys, "argv", [tool, *args])
+    return mod.main()
+
+
+def test_long_context_prints_the_step_by_depth_and_the_ttft(fp16_bundle, monkeypatch, capsys):
+    assert run("long_context", monkeypatch, str(fp16_bundle), "--depths", "8,200", "--ttft", "100", "--repeats",
+               "1", "--verify") == 0
+    out = capsys.readouterr().out
+    assert "KV float16, S_max 256, kv_mode rows, K=4" in out and "Machine: " in out
+    rows = [line for line in out.splitlines() if line.startswith("| 8 |") or line.startswith("| 200 |")]
+    assert len(rows) == 2 and rows[0].split("|")[3].strip() == "1.00×", rows
+    ttft = [line for line in out.splitlines() if line.startswith("| ") and "|---" not in line][-1]
+    assert 90 <= int(ttft.split("|")[1]) <= 120 and float(ttft.split("|")[2]) > 0, ttft
+
+
+def test_long_context_refuses_depths_past_the_context_and_a_half_peer(fp16_bundle, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        run("long_context", monkeypatch, str(fp16_bundle), "--depths", "8,254", "--ttft", "none")
+    assert "[254] do not fit the bundle's context S_max=256" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run("long_context", monkeypatch, str(fp16_bundle), "--gguf", "m.gguf")
+    assert "--llama-bin and --gguf go together" in capsys.readouterr().err
+
+
+def test_long_prompts_checks_every_drafter_against_plain(fp16_bundle, monkeypatch, capsys, tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def area(r):\n    return 3.14159 * r * r\n\n\nprint(area(2), area(3))\n")
+    assert run("long_prompts", monkeypatch, str(fp16_bundle), "--file", str(src), "--rename", "area=disc_area",
+               "--question-tokens", "60", "--max-new-tokens", "12", "--drafters", "prompt-lookup,auto,model") == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| edit") or line.startswith("| question")]
+    assert [(r[1].strip(), r[3].strip()) for r in rows] == [
+        (p, d) for p in ("edit", "question") for d in ("none", "prompt-lookup", "auto", "model")]
+    assert all(r[8].strip().startswith("yes") for r in rows), out
+    with pytest.raises(SystemExit, match="has no 'radius' to rename"):
+        run("long_prompts", monkeypatch, str(fp16_bundle), "--file", str(src), "--rename", "radius=r")
