@@ -13,8 +13,8 @@ from .tools_loader import load_tool
 @pytest.fixture(scope="module")
 def fp16_bundle(tmp_path_factory, tiny_llama, tiny_draft):
     from specedge.export.bundle import ExportOptions, export_bundle
-    from specedge.export.quant import WeightFormat
     from specedge.export.profiles import kernels_buildable
+    from specedge.export.quant import WeightFormat
 
     if kernels_buildable() is not None:
         pytest.skip(f"specedge's kernels cannot be built here: {kernels_buildable()}")
