@@ -18,6 +18,7 @@ from specedge.runtime.manifest import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, INTG
 from .profiles import DEFAULT_PROFILE
 
 KV_DTYPE_NAMES = {"fp16": "float16", "fp32": "float32"}  # --kv-dtype -> the manifest's (numpy's) name
+MAX_CONTEXT_CHECKED = 32768  # the context the other options are checked with before the default one is chosen
 
 if TYPE_CHECKING:
     from specedge.runtime.memplan import Board, Plan
@@ -207,8 +208,7 @@ def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cac
         if ctx.get_parameter_source("profile") is click.core.ParameterSource.DEFAULT and config:
             prof = load_profile(config, fallback=prof)  # --config PRESET alone: it says where the bundle runs
         v = settle(form, given, prof, target, _say)
-        if v["max_context"] is None:
-            v["max_context"] = _default_context(target, draft, v, cache_dir)
+        default_context = v["max_context"] is None  # (chosen once the options are checked: it reads the models)
 
         def fmt(name: str, smooth: float, head: str) -> WeightFormat:
             return WeightFormat(name, v["quant_block"], not v["asymmetric"], v["accuracy_level"], head,
@@ -226,9 +226,11 @@ def export(target: str, draft: str, profile: str, out: str, overwrite: bool, cac
                              kv_dtype=KV_DTYPE_NAMES[v["kv_dtype"]],
                              device_argmax=v["device_argmax"], draft_vocab=v["draft_vocab"],
                              draft_weights=fmt(dw, v["intgemm_smooth"] if dw == "int8" else 0.0, draft_head),
-                             max_context=v["max_context"], prefill_chunk=v["prefill_chunk"],
+                             max_context=v["max_context"] or MAX_CONTEXT_CHECKED, prefill_chunk=v["prefill_chunk"],
                              lookup_ngram_max=v["ngram_max"], lookup_ngram_min=v["ngram_min"],
                              overwrite=overwrite, cache_dir=cache_dir)
+        if default_context:
+            opts = dataclasses.replace(opts, max_context=_default_context(target, draft, v, cache_dir))
         opts = dataclasses.replace(opts, weights=head_from_file(opts.weights, resolve_model(target, cache_dir, _say)))
         _say(f"form (--for {prof.name}): {_form_line(opts)}")
         rep = export_bundle(target, draft, out, opts, progress=_say)

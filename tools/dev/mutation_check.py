@@ -155,8 +155,8 @@ PLANTS = {
         "runtime/csrc/sek_gemm.c", "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;",
         "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RMAX + 1;", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
-        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    attend(",
-        "n[p] = pos;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    attend(",
+        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const size_t",
+        "n[p] = pos;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const size_t",
         ["tests/runtime/test_sek_kernel.py"]),
     "row-addressed attention: a row attends one position short": (
         "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        direct[p]", "n[p] = pos;\n        direct[p]",
@@ -180,11 +180,16 @@ PLANTS = {
         "runtime/csrc/sek_attn.c", "slot[i] >= 0 && slot[j] == slot[i]) j++;", "slot[i] >= 0 && slot[j] >= 0) j++;",
         ["tests/runtime/test_sek_row_attention.py"]),
     "row-addressed attention reads slot 0 whatever the row names": (
-        "runtime/csrc/sek_attn.c", "at = (slot * a->hkv + g) * a->s_max * d;", "at = g * a->s_max * d;",
+        "runtime/csrc/sek_attn.c", "(size_t)((slot * a->hkv + g) * a->s_max * d)", "(size_t)(g * a->s_max * d)",
         ["tests/runtime/test_sek_row_attention.py", "tests/export/test_rows_graph.py"]),
     "specedge attention: the new k rows stored without RoPE": (
-        "runtime/csrc/sek_attn.c", "            rope(k, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);\n",
-        "", ["tests/runtime/test_sek_kernel.py"]),
+        "runtime/csrc/sek_attn.c", "    rope(r, cs, sn, d);\n", "", ["tests/runtime/test_sek_kernel.py"]),
+    "fp16 KV: a tie rounded up, not to even": (
+        "runtime/csrc/sek_attn.c", "x += 0xc8000fffu + ((x >> 13) & 1u);", "x += 0xc8000fffu + 1u;",
+        ["tests/runtime/test_sek_row_attention.py::test_an_fp16_cache_holds_each_new_row_rounded_to_nearest_even"]),
+    "fp16 KV: a chunk's last cache row not converted for the queries": (
+        "runtime/csrc/sek_attn.c", "const int64_t len = n * d;", "const int64_t len = (n - 1) * d;",
+        ["tests/runtime/test_sek_row_attention.py::test_an_fp16_cache_attends_as_fp32_does_over_the_same_values"]),
     "SekMatMul's fused residual addition dropped": (
         "runtime/csrc/sek_ort.c", "    if (j->residual) add_columns(", "    if (0 && j->residual) add_columns(",
         ["tests/runtime/test_sek_kernel.py", "tests/export/test_quantized_bundle.py::"
