@@ -155,7 +155,8 @@ PLANTS = {
         "runtime/csrc/sek_gemm.c", "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;",
         "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RMAX + 1;", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
-        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const size_t",
+        "runtime/csrc/sek_attn.c",
+        "n[p] = pos + 1;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const size_t",
         "n[p] = pos;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const size_t",
         ["tests/runtime/test_sek_kernel.py"]),
     "row-addressed attention: a row attends one position short": (
