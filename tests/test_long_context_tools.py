@@ -61,3 +61,22 @@ def test_long_prompts_checks_every_drafter_against_plain(fp16_bundle, monkeypatc
     assert all(r[8].strip().startswith("yes") for r in rows), out
     with pytest.raises(SystemExit, match="has no 'radius' to rename"):
         run("long_prompts", monkeypatch, str(fp16_bundle), "--file", str(src), "--rename", "radius=r")
+
+
+def test_kv_accuracy_compares_the_next_tokens_of_two_caches(fp16_bundle, tmp_path_factory, tiny_llama, tiny_draft,
+                                                            monkeypatch, capsys):
+    from specedge.export.bundle import ExportOptions, export_bundle
+    from specedge.export.quant import WeightFormat
+
+    opts = ExportOptions(k=4, max_context=256, prefill_chunk=16, kv_mode="rows", kv_dtype="float32",
+                         weights=WeightFormat("int4", form="specedge"))
+    fp32 = export_bundle(tiny_llama, tiny_draft, tmp_path_factory.mktemp("kv32") / "b", opts).out
+    args = ["--suites", "chat,code", "--per-suite", "1", "--max-new-tokens", "8"]
+    assert run("kv_accuracy", monkeypatch, str(fp32), str(fp32), *args) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r[1].strip() for r in rows[1:]] == ["chat", "code", "all"], rows
+    assert rows[-1][4].strip() == "100.00%" and rows[1][5].strip() == "0.00e+00"  # a bundle against itself
+    assert run("kv_accuracy", monkeypatch, str(fp32), str(fp16_bundle), *args) == 0
+    out = capsys.readouterr().out
+    assert "(KV float32), other" in out and "(KV float16)" in out
+    assert float([line for line in out.splitlines() if line.startswith("| chat")][0].split("|")[5]) > 0
