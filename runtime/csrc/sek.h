@@ -41,11 +41,13 @@ void sek_quantize_sb(const float *a, int64_t m, int64_t k, int64_t lda, int64_t 
                      void *scratch, sek_rows *out, int isa);
 int sek_gemm_tiles(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy, int64_t t0, int64_t t1, int isa);
 
-/* The KV caches' element types: fp32, or IEEE fp16 (written rounded to nearest even, read exactly). */
-enum { SEK_KV_F32 = 0, SEK_KV_F16 = 1 };
+/* The KV caches' element types: fp32; IEEE fp16 (written rounded to nearest even, read exactly); int8 rows, each row
+ * of a head d int8 values and then its fp32 scale (d + 4 bytes: value i is q[i] * scale, scale = the row's largest
+ * magnitude / 127, q[i] its value / scale rounded to nearest even). */
+enum { SEK_KV_F32 = 0, SEK_KV_F16 = 1, SEK_KV_I8 = 2 };
 typedef struct {
     const float *qkv;         /* [T][(hq + 2 hkv) d] */
-    void *k_cache, *v_cache;  /* [hkv][s_max][d] of kv_type */
+    void *k_cache, *v_cache;  /* [hkv][s_max] rows of d elements of kv_type (sek_kv_row_bytes) */
     const float *cos, *sin;   /* [positions][d/2] */
     float *out;               /* [T][hq d] */
     int64_t t, hq, hkv, d, s_max, past_len;
@@ -64,7 +66,7 @@ typedef struct {
 #define SEK_TREE_DEPTH 64
 typedef struct {
     const float *qkv;                  /* [R][(hq + 2 hkv) d] */
-    void *k_cache, *v_cache;           /* [n_slots][hkv][s_max][d] of kv_type */
+    void *k_cache, *v_cache;           /* [n_slots][hkv][s_max] rows of kv_type (sek_kv_row_bytes) */
     const int64_t *row_slot, *row_pos; /* [R] */
     const int64_t *row_parent;         /* [R], or NULL: no tree rows */
     const float *cos, *sin;            /* [positions][d/2] */
@@ -78,8 +80,8 @@ typedef struct {
 /* out[r][i] = silu(y[r][i]) * y[r][f + i] for m rows of 2f values (sek_act.c) */
 void sek_swiglu(const float *y, int64_t m, int64_t f, float *out);
 void sek_attn_store(const sek_attn_args *a);
-/* Bytes of one cache element of kv_type; the fp16 conversions the caches use (tests and tools check them). */
-size_t sek_kv_elem(int kv_type);
+/* Bytes of one cache row (a head's d elements) of kv_type; the fp16 conversions the caches use. */
+size_t sek_kv_row_bytes(int kv_type, int64_t d);
 uint16_t sek_f32_to_f16(float f);
 float sek_f16_to_f32(uint16_t h);
 /* How a step of t rows splits into items: hs query heads of one KV group x rs rows each, as many as fit while the

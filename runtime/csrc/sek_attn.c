@@ -24,6 +24,7 @@
  *
  * Used through sek_ort.c (ai.specedge::SekAttention, ai.specedge::SekRowAttention).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -246,9 +247,11 @@ static void exp_block(const float *x, float *p, int64_t n) {
     for (; j < n; j++) p[j] = expf(x[j]);
 }
 
-/* ---- the cache's elements: fp32, or fp16 ---- */
+/* ---- the cache's elements: fp32, fp16, or int8 rows with their scale ---- */
 
-size_t sek_kv_elem(int kv_type) { return kv_type == SEK_KV_F16 ? 2 : 4; }
+size_t sek_kv_row_bytes(int kv_type, int64_t d) {
+    return kv_type == SEK_KV_I8 ? (size_t)d + sizeof(float) : (size_t)d * (kv_type == SEK_KV_F16 ? 2 : 4);
+}
 
 /* f rounded to the nearest fp16, ties to even (IEEE 754's default; what F16C's vcvtps2ph and numpy's astype give),
  * in integer arithmetic alone: the floating-point environment (flush-to-zero, rounding mode) never changes a bit. A
@@ -293,20 +296,81 @@ float sek_f16_to_f32(uint16_t h) {
     return f;
 }
 
+/* An int8 row of d values and its fp32 scale (sek.h): scale = max |x[i]| / 127, q[i] = x[i] / scale rounded to
+ * nearest even (an integer part and a remainder, both exact: no rounding mode or conversion instruction decides a
+ * bit), so a row is the same wherever and whenever it is written. A row of zeros has scale 0; a row holding an
+ * infinity or a NaN has scale NaN, and reads as NaN (as its attention would be in fp32). */
+static void kv_put_i8(int8_t *o, int64_t d, const float *x) {
+    float amax = 0.f;
+    int finite = 1;
+    for (int64_t i = 0; i < d; i++) {
+        const float a = fabsf(x[i]);
+        finite &= a <= FLT_MAX;
+        amax = a > amax ? a : amax;
+    }
+    const float s = finite ? amax / 127.f : NAN;
+    for (int64_t i = 0; i < d; i++) {
+        int q = 0;
+        if (s > 0.f) { /* neither 0 nor NaN */
+            const float y = x[i] / s;
+            q = (int)y;
+            const float f = y - (float)q;
+            q += (f > 0.5f || (f == 0.5f && (q & 1))) - (f < -0.5f || (f == -0.5f && (q & 1)));
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+        }
+        o[i] = (int8_t)q;
+    }
+    memcpy(o + d, &s, sizeof s);
+}
+
 /* Cache row `row` (of d elements) set to x. */
 static void kv_put(void *cache, int type, int64_t row, int64_t d, const float *x) {
+    char *at = (char *)cache + (size_t)row * sek_kv_row_bytes(type, d);
     if (type == SEK_KV_F16) {
-        uint16_t *o = (uint16_t *)cache + row * d;
+        uint16_t *o = (uint16_t *)at;
         for (int64_t i = 0; i < d; i++) o[i] = sek_f32_to_f16(x[i]);
+    } else if (type == SEK_KV_I8) {
+        kv_put_i8((int8_t *)at, d, x);
     } else {
-        memcpy((float *)cache + row * d, x, (size_t)d * sizeof(float));
+        memcpy(at, x, (size_t)d * sizeof(float));
     }
 }
 
-/* n cache rows from `row` as fp32: the cache itself (fp32), else converted into buf [n][d] (exactly: every fp16 is
- * an fp32), so the arithmetic after it never knows which type the cache holds. */
+/* One int8 row as fp32: q[i] * scale, the same product on every path. */
+static void i8_row(const int8_t *q, int64_t d, float *out) {
+    float s;
+    memcpy(&s, q + d, sizeof s);
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 vs = _mm512_set1_ps(s);
+    for (; i + 16 <= d; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                    _mm_loadu_si128((const __m128i *)(q + i)))), vs));
+#elif defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; i + 8 <= d; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                    _mm_loadl_epi64((const __m128i *)(q + i)))), vs));
+#elif defined(SEK_ATTN_NEON)
+    const float32x4_t vs = vdupq_n_f32(s);
+    for (; i + 8 <= d; i += 8) {
+        const int16x8_t w = vmovl_s8(vld1_s8(q + i));
+        vst1q_f32(out + i, vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vs));
+        vst1q_f32(out + i + 4, vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))), vs));
+    }
+#endif
+    for (; i < d; i++) out[i] = (float)q[i] * s;
+}
+
+/* n cache rows from `row` as fp32: the cache itself (fp32), else converted into buf [n][d] (fp16 exactly: every fp16
+ * is an fp32; int8 as q * scale), so the arithmetic after it never knows which type the cache holds. */
 static const float *kv_rows(const void *cache, int type, int64_t row, int64_t n, int64_t d, float *buf) {
-    if (type != SEK_KV_F16) return (const float *)cache + row * d;
+    if (type == SEK_KV_F32) return (const float *)cache + row * d;
+    if (type == SEK_KV_I8) {
+        const size_t rb = sek_kv_row_bytes(type, d);
+        for (int64_t j = 0; j < n; j++) i8_row((const int8_t *)cache + (size_t)(row + j) * rb, d, buf + j * d);
+        return buf;
+    }
     const uint16_t *h = (const uint16_t *)cache + row * d;
     const int64_t len = n * d;
     int64_t i = 0;
@@ -526,7 +590,7 @@ static void attend_chunk(const float *q, const float *kc, const float *vc, int f
 static void attend(const float *q, const void *kc, const void *vc, int type, const int64_t *n, int64_t nmax,
                    int64_t d, float scale, int64_t nq, float *m, float *l, float *acc) {
     int64_t cn[SEK_Q_MAX];
-    float kb[type == SEK_KV_F16 ? SEK_CHUNK * d : 1], vb[type == SEK_KV_F16 ? SEK_CHUNK * d : 1];
+    float kb[type != SEK_KV_F32 ? SEK_CHUNK * d : 1], vb[type != SEK_KV_F32 ? SEK_CHUNK * d : 1];
     for (int64_t p = 0; p < nq; p++) {
         m[p] = -INFINITY;
         l[p] = 0.f;
@@ -550,7 +614,7 @@ static void attend_tail(const float *q, const void *kc, const void *vc, int type
                         const int64_t *direct, const int64_t *tail, int64_t tail_stride, int64_t nmax, int64_t d,
                         float scale, int64_t nq, int64_t hs, float *m, float *l, float *acc, float *kg, float *vg) {
     int64_t cn[SEK_Q_MAX], len[SEK_Q_MAX];
-    float kb[type == SEK_KV_F16 ? SEK_CHUNK * d : 1], vb[type == SEK_KV_F16 ? SEK_CHUNK * d : 1];
+    float kb[type != SEK_KV_F32 ? SEK_CHUNK * d : 1], vb[type != SEK_KV_F32 ? SEK_CHUNK * d : 1];
     for (int64_t p = 0; p < nq; p++) {
         m[p] = -INFINITY;
         l[p] = 0.f;
@@ -620,7 +684,7 @@ void sek_attn_row(const sek_attn_args *a, int64_t item) {
         n[p] = pos + 1;
         nmax = n[p] > nmax ? n[p] : nmax;
     }
-    const size_t at = (size_t)(g * a->s_max * d) * sek_kv_elem(a->kv_type);
+    const size_t at = (size_t)(g * a->s_max) * sek_kv_row_bytes(a->kv_type, d);
     attend(q, (const char *)a->k_cache + at, (const char *)a->v_cache + at, a->kv_type, n, nmax, d, a->scale, nq, m,
            l, acc);
     for (int64_t p = 0; p < nq; p++) {
@@ -716,7 +780,7 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
         nmax = n[p] > nmax ? n[p] : nmax;
     }
     const int64_t g = h0 / (a->hq / a->hkv);
-    const size_t at = (size_t)((slot * a->hkv + g) * a->s_max * d) * sek_kv_elem(a->kv_type);
+    const size_t at = (size_t)((slot * a->hkv + g) * a->s_max) * sek_kv_row_bytes(a->kv_type, d);
     const void *kc = (const char *)a->k_cache + at, *vc = (const char *)a->v_cache + at;
     if (tree) {
         float kg[SEK_CHUNK * 128], vg[SEK_CHUNK * 128]; /* d <= 128 for tree rows (checked by the caller) */

@@ -27,8 +27,8 @@
  * from API version 17, ONNX Runtime 1.17, to the newest). The header itself is not needed to build this file,
  * so a plain `cc` builds it on any machine that has the onnxruntime wheel (runtime/kernels.py).
  *
- *   SekAttention and SekRowAttention (sek_attn.c): attention with RoPE over an fp32 or fp16 KV cache updated in place, for a
- *   step of one sequence's rows and for a step of rows that each name their sequence's KV slot; their contracts are
+ *   SekAttention and SekRowAttention (sek_attn.c): attention with RoPE over an fp32, fp16 or int8 KV cache updated in
+ *   place, for a step of one sequence's rows and for a step of rows that each name their sequence's KV slot; their contracts are
  *   above each op's glue below.
  *
  * Environment: SPECEDGE_SEK_ISA=scalar|avx2|avxvnni|vnni512|neon forces one code path (tests compare them bitwise).
@@ -438,17 +438,19 @@ static const SekCustomOp sek_matmul_op = {
  *       SekAttention(qkv [1, T, (hq + 2 hkv) d], past_key, past_value [1, hkv, S, d], past_len int64 [1],
  *                    cos, sin [positions, d/2])        attributes: num_heads, kv_num_heads, scale
  * present is the cache itself when the caller binds it to the past's buffer (the runtime does); otherwise the past
- * is copied into it first. */
+ * is copied into it first. The caches are float32, float16 or int8; int8 caches are [1, hkv, S, d + 4], each row d
+ * int8 values and their fp32 scale (sek.h). */
 typedef struct {
     OrtApiTable api;
     int64_t hq, hkv;
     float scale;
 } SekAttnKernel;
 
-static const SekCustomOp sek_row_attention_op, sek_row_attention_f16_op;
+static const SekCustomOp sek_row_attention_op, sek_row_attention_f16_op, sek_row_attention_i8_op;
 
 static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
-    const char *name = op == (const void *)&sek_row_attention_op || op == (const void *)&sek_row_attention_f16_op
+    const char *name = op == (const void *)&sek_row_attention_op || op == (const void *)&sek_row_attention_f16_op ||
+                               op == (const void *)&sek_row_attention_i8_op
                            ? "SekRowAttention" : "SekAttention";
     SekAttnKernel *k = calloc(1, sizeof *k);
     if (!k) return fail(api, ORT_FAIL, "%s: out of memory", name);
@@ -497,16 +499,18 @@ static OrtStatus *attn_outputs(OrtApiTable api, OrtKernelContext *ctx, const cha
     }
     for (int i = 1; i < 3; i++) /* not bound in place: start from a copy of the past */
         if (o[i] != in[i].data && in[i].count)
-            memcpy(o[i], in[i].data, (size_t)in[i].count * sek_kv_elem(in[i].type == T_FLOAT16 ? SEK_KV_F16 : SEK_KV_F32));
+            memcpy(o[i], in[i].data, (size_t)in[i].count * (in[i].type == T_FLOAT16 ? 2 : in[i].type == T_INT8 ? 1 : 4));
     return NULL;
 }
 
-/* The caches' element type (SEK_KV_*): past key and value both float32 or both float16. */
-static OrtStatus *cache_type(OrtApiTable api, const char *op, const Input *in, int *kv_type) {
-    if (in[1].type != in[2].type || (in[1].type != T_FLOAT && in[1].type != T_FLOAT16))
-        return fail(api, ORT_INVALID_ARGUMENT, "%s: the caches' element types are %lld and %lld; both float32 (1) or "
-                    "both float16 (10)", op, (long long)in[1].type, (long long)in[2].type);
-    *kv_type = in[1].type == T_FLOAT16 ? SEK_KV_F16 : SEK_KV_F32;
+/* The caches' element type (SEK_KV_*): past key and value both float32, both float16 or both int8; and the head
+ * dimension d of their rows (int8 rows: d values, then the row's fp32 scale in 4 more, sek.h). */
+static OrtStatus *cache_type(OrtApiTable api, const char *op, const Input *in, int *kv_type, int64_t *d) {
+    if (in[1].type != in[2].type || (in[1].type != T_FLOAT && in[1].type != T_FLOAT16 && in[1].type != T_INT8))
+        return fail(api, ORT_INVALID_ARGUMENT, "%s: the caches' element types are %lld and %lld; both float32 (1), "
+                    "both float16 (10) or both int8 (3)", op, (long long)in[1].type, (long long)in[2].type);
+    *kv_type = in[1].type == T_FLOAT16 ? SEK_KV_F16 : in[1].type == T_INT8 ? SEK_KV_I8 : SEK_KV_F32;
+    *d = in[1].nd == 4 ? in[1].dims[3] - (*kv_type == SEK_KV_I8 ? (int64_t)sizeof(float) : 0) : 0;
     return NULL;
 }
 
@@ -519,14 +523,15 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     Input in[6];
     TRY(read_inputs(api, ctx, "SekAttention", 6, types, in));
     int kv_type = SEK_KV_F32;
-    TRY(cache_type(api, "SekAttention", in, &kv_type));
+    int64_t d = 0;
+    TRY(cache_type(api, "SekAttention", in, &kv_type, &d));
     if (in[0].nd != 3 || in[0].dims[0] != 1 || in[1].nd != 4 || in[1].dims[0] != 1 || in[2].nd != 4 || in[4].nd != 2 ||
         in[3].count != 1)
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: expects qkv [1, T, W] (got rank %lld), caches "
                     "[1, kv_heads, S, d] (rank %lld), past_len [1], cos/sin [positions, d/2]", (long long)in[0].nd,
                     (long long)in[1].nd);
-    const int64_t T = in[0].dims[1], d = in[1].dims[3], S = in[1].dims[2], positions = in[4].dims[0];
-    if (in[1].dims[1] != k->hkv || in[0].dims[2] != (k->hq + 2 * k->hkv) * d || d % 2 || d > 512 ||
+    const int64_t T = in[0].dims[1], S = in[1].dims[2], positions = in[4].dims[0];
+    if (in[1].dims[1] != k->hkv || in[0].dims[2] != (k->hq + 2 * k->hkv) * d || d <= 0 || d % 2 || d > 512 ||
         memcmp(in[2].dims, in[1].dims, 4 * sizeof(int64_t)) || in[4].dims[1] != d / 2 || in[5].nd != 2 ||
         memcmp(in[5].dims, in[4].dims, 2 * sizeof(int64_t)))
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: qkv width %lld or head dim %lld disagree with the "
@@ -546,11 +551,11 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
 }
 
 static const char *attn_name(const void *op) { (void)op; return "SekAttention"; }
-static const SekCustomOp sek_attention_f16_op, sek_row_attention_f16_op;
+static const SekCustomOp sek_attention_f16_op, sek_row_attention_f16_op, sek_attention_i8_op, sek_row_attention_i8_op;
 /* The caches' element type of an attention op: each op has one registration per type, under the same name. */
 static int attn_cache_type(const void *op) {
-    return op == (const void *)&sek_attention_f16_op || op == (const void *)&sek_row_attention_f16_op ? T_FLOAT16
-                                                                                                       : T_FLOAT;
+    if (op == (const void *)&sek_attention_f16_op || op == (const void *)&sek_row_attention_f16_op) return T_FLOAT16;
+    return op == (const void *)&sek_attention_i8_op || op == (const void *)&sek_row_attention_i8_op ? T_INT8 : T_FLOAT;
 }
 static int attn_in_type(const void *op, size_t i) { return i == 3 ? T_INT64 : i == 1 || i == 2 ? attn_cache_type(op) : T_FLOAT; }
 static size_t attn_in_count(const void *op) { (void)op; return 6; }
@@ -561,7 +566,8 @@ static int attn_out_type(const void *op, size_t i) { return i ? attn_cache_type(
     SEK_OP_COMMON, .GetInputCharacteristic = required, .GetName = attn_name, .GetInputType = attn_in_type,        \
     .GetInputTypeCount = attn_in_count, .GetOutputType = attn_out_type, .GetOutputTypeCount = attn_out_count,     \
     .CreateKernelV2 = attn_create, .KernelComputeV2 = attn_compute
-static const SekCustomOp sek_attention_op = {SEK_ATTENTION_OP}, sek_attention_f16_op = {SEK_ATTENTION_OP};
+static const SekCustomOp sek_attention_op = {SEK_ATTENTION_OP}, sek_attention_f16_op = {SEK_ATTENTION_OP},
+                         sek_attention_i8_op = {SEK_ATTENTION_OP};
 
 /* ---------------------------------------------------------------- SekRowAttention
  *   out [1, R, hq d], present_key, present_value [N, hkv, S, d] =
@@ -650,7 +656,8 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
     Input in[8];
     TRY(read_inputs(api, ctx, "SekRowAttention", 7, types, in));
     int kv_type = SEK_KV_F32;
-    TRY(cache_type(api, "SekRowAttention", in, &kv_type));
+    int64_t d = 0;
+    TRY(cache_type(api, "SekRowAttention", in, &kv_type, &d));
     const OrtValue *pv = NULL; /* row_parent: optional (a node without it has no tree rows) */
     TRY(KernelContext_GetInput(api)(ctx, 7, &pv));
     const int64_t *parent = NULL;
@@ -669,7 +676,7 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
                     "row_slot and row_pos [R], cos/sin [positions, d/2]; got ranks %lld, %lld, %lld, %lld, %lld, %lld, "
                     "%lld", (long long)in[0].nd, (long long)in[1].nd, (long long)in[2].nd, (long long)in[3].nd,
                     (long long)in[4].nd, (long long)in[5].nd, (long long)in[6].nd);
-    const int64_t R = in[0].dims[1], N = in[1].dims[0], S = in[1].dims[2], d = in[1].dims[3];
+    const int64_t R = in[0].dims[1], N = in[1].dims[0], S = in[1].dims[2];
     const int64_t positions = in[5].dims[0];
     if (in[1].dims[1] != k->hkv || d <= 0 || d % 2 || d > 512 || in[0].dims[2] != (k->hq + 2 * k->hkv) * d ||
         memcmp(in[2].dims, in[1].dims, 4 * sizeof(int64_t)) || in[5].dims[1] != d / 2 ||
@@ -712,7 +719,7 @@ static int row_attn_optional(const void *op, size_t i) { (void)op; return i == 7
     .GetInputType = row_attn_in_type, .GetInputTypeCount = row_attn_in_count, .GetOutputType = attn_out_type,     \
     .GetOutputTypeCount = attn_out_count, .CreateKernelV2 = attn_create, .KernelComputeV2 = row_attn_compute
 static const SekCustomOp sek_row_attention_op = {SEK_ROW_ATTENTION_OP},
-                         sek_row_attention_f16_op = {SEK_ROW_ATTENTION_OP};
+                         sek_row_attention_f16_op = {SEK_ROW_ATTENTION_OP}, sek_row_attention_i8_op = {SEK_ROW_ATTENTION_OP};
 
 /* Called by ONNX Runtime (SessionOptions.register_custom_ops_library). The op and its domain live as long as
  * the process: ONNX Runtime keeps the pointers. */
@@ -730,6 +737,8 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     if (!st) st = CustomOpDomain_Add(api)(domain, &sek_row_attention_op);
     if (!st) st = CustomOpDomain_Add(api)(domain, &sek_attention_f16_op);
     if (!st) st = CustomOpDomain_Add(api)(domain, &sek_row_attention_f16_op);
+    if (!st) st = CustomOpDomain_Add(api)(domain, &sek_attention_i8_op);
+    if (!st) st = CustomOpDomain_Add(api)(domain, &sek_row_attention_i8_op);
     if (!st) st = AddCustomOpDomain(api)(options, domain);
     if (st) ReleaseCustomOpDomain(api)(domain); /* on success the options use it: it lives as long as the process */
     return st;

@@ -527,8 +527,10 @@ def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path)
 
 
 def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.FLOAT) -> bytes:
-    """One attention node; its caches (pk, pv and the presents) of element type kv (float, or float16)."""
+    """One attention node; its caches (pk, pv and the presents) of element type kv (float, float16, or int8: rows of
+    d values and a 4-byte scale)."""
     F = TensorProto.FLOAT
+    D = d + 4 if kv == TensorProto.INT8 else d
     if op == "SekAttention":
         ins, dom, attrs = ["qkv", "pk", "pv", "past_len", "cos", "sin"], "ai.specedge", {}
     else:  # ONNX Runtime's own, the reference for the same contract
@@ -537,8 +539,8 @@ def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.F
     node = helper.make_node(op, ins, ["out", "presk", "presv"], domain=dom, num_heads=hq, kv_num_heads=hkv,
                             scale=float(1 / np.sqrt(d)), **attrs)
     vi = helper.make_tensor_value_info
-    inputs = [vi("qkv", F, [1, "T", (hq + 2 * hkv) * d]), vi("pk", kv, [1, hkv, "S", d]),
-              vi("pv", kv, [1, hkv, "S", d]), vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
+    inputs = [vi("qkv", F, [1, "T", (hq + 2 * hkv) * d]), vi("pk", kv, [1, hkv, "S", D]),
+              vi("pv", kv, [1, hkv, "S", D]), vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
     inputs += ([vi("past_len", TensorProto.INT64, [1])] if op == "SekAttention" else
                [vi("seqlens_k", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])])
     g = helper.make_graph([node], "g", inputs, [vi("out", F, None), vi("presk", kv, None), vi("presv", kv, None)])
@@ -608,7 +610,7 @@ def test_specedge_attention_groups_queries_without_changing_a_row():
 def test_an_avx2_build_gives_the_same_matmul_bits_and_its_attention_matches(kernel, tmp_path):
     """The library built for an AVX2 + FMA CPU (no AVX-512: SPECEDGE_KERNEL_MARCH=haswell), in a fresh process: its
     SekMatMul gives the native build's bits, and its SekAttention (AVX2 exp and dot paths) matches ONNX Runtime's and
-    reads fp16 caches exactly."""
+    reads fp16 and int8 caches exactly."""
     import json
 
     rng = np.random.default_rng(13)
@@ -633,9 +635,11 @@ o = _session(_attention_model("SekAttention", hq, hkv, d)).run(None, dict(qkv=qk
     cos=cos, sin=sin, past_len=np.array([past], np.int64)))[0]
 r = _session(_attention_model("GroupQueryAttention", hq, hkv, d)).run(None, dict(qkv=qkv, pk=pk.copy(), pv=pv.copy(),
     cos=cos, sin=sin, seqlens_k=np.array([past + 2], np.int32), total=np.array(past + 3, np.int32)))[0]
-from tests.runtime.test_sek_row_attention import fp16_against_fp32
+from tests.runtime.test_sek_row_attention import fp16_against_fp32, int8_against_fp32
 exact16, rel16 = fp16_against_fp32(12, 2, 128, seed=3)
-print(json.dumps(dict(isas=k.isas(), rel=float(np.abs(o - r).max() / np.abs(r).max()), exact16=exact16, rel16=rel16)))
+exact8, rel8 = int8_against_fp32(12, 2, 128, seed=3)
+print(json.dumps(dict(isas=k.isas(), rel=float(np.abs(o - r).max() / np.abs(r).max()), exact16=exact16, rel16=rel16,
+                      exact8=exact8, rel8=rel8)))
 """
     env = {**os.environ, "SPECEDGE_KERNEL_MARCH": "haswell", "SPECEDGE_CACHE": str(tmp_path / "cache")}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
@@ -645,6 +649,7 @@ print(json.dumps(dict(isas=k.isas(), rel=float(np.abs(o - r).max() / np.abs(r).m
     assert "vnni512" not in out["isas"] and "avx2" in out["isas"], out
     assert out["rel"] < 1e-5, out
     assert out["exact16"] and out["rel16"] < 2e-3, out  # fp16 caches read through F16C: exactly their values
+    assert out["exact8"] and out["rel8"] < 3e-2, out  # int8 caches read through AVX2: q * scale
     assert np.array_equal(np.load(tmp_path / "y.npy"), kernel.gemm(a, b, s, z, n_pad, k_pad, 128, 4))
 
 

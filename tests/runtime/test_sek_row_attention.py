@@ -30,7 +30,33 @@ def _kernels():
         pytest.skip(f"specedge's kernels cannot be built here: {e}")
 
 
-KV_TYPES = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}  # the caches' element types
+KV_TYPES = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16, np.int8: TensorProto.INT8}  # caches'
+ALL_KV = list(KV_TYPES)
+
+
+def quantize_rows(x: np.ndarray) -> np.ndarray:
+    """The int8 cache rows of fp32 rows x [..., d]: [..., d + 4] int8, d values then the row's fp32 scale (its
+    largest magnitude / 127; values x / scale rounded to nearest even; a row of zeros scale 0, a row with an infinity
+    or a NaN scale NaN and values 0), written in numpy as the kernel's contract (runtime/csrc/sek.h) says."""
+    x = np.asarray(x, np.float32)
+    a = np.abs(x)
+    finite = np.all(a <= np.finfo(np.float32).max, axis=-1, keepdims=True)
+    scale = np.where(finite, np.where(finite, a, 0).max(axis=-1, keepdims=True) / np.float32(127), np.nan)
+    scale = scale.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale > 0, np.clip(np.rint(x / scale), -127, 127), 0).astype(np.int8)
+    return np.concatenate([q, scale.view(np.int8)], axis=-1)
+
+
+def dequantize_rows(r: np.ndarray) -> np.ndarray:
+    """int8 cache rows [..., d + 4] as the fp32 values they hold: q * scale."""
+    r = np.ascontiguousarray(r)
+    return r[..., :-4].astype(np.float32) * r[..., -4:].copy().view(np.float32)
+
+
+def cache_width(d: int, kv) -> int:
+    """A cache row's last dimension: d elements, or d int8 values and their 4-byte scale."""
+    return d + 4 if kv in (np.int8, TensorProto.INT8) else d
 
 
 def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None, tree: bool = False,
@@ -43,8 +69,9 @@ def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None, tree: 
                             ["out", "presk", "presv"], domain="ai.specedge", num_heads=hq, kv_num_heads=hkv,
                             scale=float(1 / np.sqrt(d)))
     vi = helper.make_tensor_value_info
-    inputs = [vi("qkv", F, [1, "R", width or (hq + 2 * hkv) * d]), vi("pk", K, ["N", hkv, "S", d]),
-              vi("pv", K, ["N", hkv, "S", d]), vi("row_slot", I64, ["R"]), vi("row_pos", I64, ["R"]),
+    D = cache_width(d, kv)
+    inputs = [vi("qkv", F, [1, "R", width or (hq + 2 * hkv) * d]), vi("pk", K, ["N", hkv, "S", D]),
+              vi("pv", K, ["N", hkv, "S", D]), vi("row_slot", I64, ["R"]), vi("row_pos", I64, ["R"]),
               vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
     inputs += [vi("row_parent", I64, ["R"])] if tree else []
     g = helper.make_graph([node], "g", inputs, [vi("out", F, None), vi("presk", K, None), vi("presv", K, None)])
@@ -54,7 +81,7 @@ def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None, tree: 
 
 def _bits(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)  # bitwise comparison, NaN rows included
+    return x.view({1: np.uint8, 2: np.uint16}.get(x.dtype.itemsize, np.uint32))  # bitwise, NaN rows included
 
 
 def _rope_tables(S: int, d: int):
@@ -64,12 +91,12 @@ def _rope_tables(S: int, d: int):
 
 def _caches(rng, N: int, hkv: int, S: int, d: int, filled: list[int], kv=np.float32):
     """k and v caches [N, H_kv, S, D] of kv: slot n holds filled[n] random rows, NaN after them (rows no query may
-    read)."""
-    caches = [np.full((N, hkv, S, d), np.nan, kv) for _ in range(2)]
+    read; int8 rows of scale NaN)."""
+    caches = [np.full((N, hkv, S, d), np.nan, np.float32 if kv == np.int8 else kv) for _ in range(2)]
     for c in caches:
         for n, f in enumerate(filled):
             c[n, :, :f] = rng.standard_normal((hkv, f, d))
-    return caches
+    return [quantize_rows(c) for c in caches] if kv == np.int8 else caches
 
 
 class Step:
@@ -115,12 +142,12 @@ def _run_alone(sess, step: Step, slot: int, caches, cos, sin):
 HEADS = [(4, 2, 64), (8, 1, 64), (4, 2, 128), (8, 1, 128), (12, 2, 128)]  # (H_q, H_kv, D)
 
 
-@pytest.mark.parametrize("kv", [np.float32, np.float16])
+@pytest.mark.parametrize("kv", ALL_KV)
 @pytest.mark.parametrize("hq,hkv,d", HEADS)
 def test_every_row_has_the_bits_of_its_slot_run_alone(hq, hkv, d, kv):
     """Rows of three slots and padding, in three orders: each row's output and each slot's cache equal
-    SekAttention's on that slot alone, bitwise (slot 2's rows read three 64-position chunks), with fp32 and fp16
-    caches."""
+    SekAttention's on that slot alone, bitwise (slot 2's rows read three 64-position chunks), with fp32, fp16 and
+    int8 caches."""
     N, S = 3, 160
     rng = np.random.default_rng(hq * 1000 + hkv * 10 + d)
     caches = _caches(rng, N, hkv, S, d, [5, 0, 130], kv)
@@ -147,7 +174,7 @@ def test_every_row_has_the_bits_of_its_slot_run_alone(hq, hkv, d, kv):
         assert np.array_equal(_bits(c), _bits(b))
 
 
-@pytest.mark.parametrize("kv", [np.float32, np.float16])
+@pytest.mark.parametrize("kv", ALL_KV)
 def test_a_slots_rows_in_one_step_equal_them_in_two_steps(kv):
     """The chain: a slot's rows at positions 70..74 in one step, or 70, 71 then 72..74 (other slots' rows and
     padding around them), give the same outputs and caches, bitwise."""
@@ -188,7 +215,7 @@ def test_padding_rows_give_zeros_and_write_nothing():
     assert empty[0].shape == (1, 0, hq * d) and np.array_equal(_bits(empty[1]), _bits(caches[0]))
 
 
-@pytest.mark.parametrize("kv", [np.float32, np.float16])
+@pytest.mark.parametrize("kv", ALL_KV)
 def test_the_cache_bound_as_present_is_written_in_place(kv):
     """present bound to the past's buffers (as the runtime binds them): the step writes the caches themselves, with
     the bits of a step whose present is a copy."""
@@ -265,7 +292,7 @@ def _tree_paths(parents: list[int]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("hq,hkv,d,kv", [(4, 2, 64, np.float32), (8, 1, 128, np.float32), (12, 2, 128, np.float32),
-                                         (12, 2, 128, np.float16)])
+                                         (12, 2, 128, np.float16), (12, 2, 128, np.int8)])
 @pytest.mark.parametrize("root", [0, 5, 60, 63, 64, 127, 130])
 def test_a_tree_row_has_the_bits_of_its_path_decoded_as_a_chain(hq, hkv, d, kv, root):
     """Tree rows (row_parent): each node's output, and the K/V it writes, equal bitwise those of its path from the
@@ -403,9 +430,76 @@ def test_an_fp16_cache_attends_as_fp32_does_over_the_same_values(hq, hkv, d):
     assert 0 < rel < 2e-3, rel
 
 
+def test_an_int8_cache_holds_each_new_row_quantized_as_its_contract_says():
+    """A step over int8 caches writes each new k (rotated) and v row as the fp32 step's row quantized (quantize_rows,
+    numpy's rounding to nearest even), bitwise: halves that tie, a row of zeros (scale 0), a row with an infinity
+    and one with a NaN (scale NaN) among rows of magnitudes from 1e-30 to 1e30; the rows before stay as they were."""
+    hq, hkv, d, S, past, T = 4, 2, 64, 96, 20, 6
+    rng = np.random.default_rng(22)
+    cos, sin = _rope_tables(S, d)
+    qkv = (rng.standard_normal((1, T, (hq + 2 * hkv) * d)) * 10.0 ** rng.integers(-30, 30, (1, T, 1))).astype(np.float32)
+    v = qkv[0, :, (hq + hkv) * d:]  # each row's v: [T, hkv d]
+    v[0, :d] = np.resize([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -126.5, 3.25], d)  # scale 1: ties go to even
+    v[0, d:] = np.arange(d)  # scale 63 / 127: the largest 127 units
+    v[1, :d], v[2, 3], v[3, d + 5] = 0.0, np.inf, np.nan
+    feeds = {"qkv": qkv, "cos": cos, "sin": sin, "past_len": np.array([past], np.int64)}
+    before = _caches(rng, 1, hkv, S, d, [past], np.int8)
+    _, k8, v8 = _session(_attention_model("SekAttention", hq, hkv, d, TensorProto.INT8)).run(
+        None, {**feeds, "pk": before[0], "pv": before[1]})
+    _, k32, v32 = _session(_attention_model("SekAttention", hq, hkv, d)).run(
+        None, {**feeds, "pk": np.zeros((1, hkv, S, d), np.float32), "pv": np.zeros((1, hkv, S, d), np.float32)})
+    assert k8.dtype == v8.dtype == np.int8 and k8.shape == (1, hkv, S, d + 4)
+    for got, ref, was in ((k8, k32, before[0]), (v8, v32, before[1])):
+        assert np.array_equal(_bits(got[:, :, past: past + T]), _bits(quantize_rows(ref[:, :, past: past + T])))
+        assert np.array_equal(_bits(got[:, :, :past]), _bits(was[:, :, :past]))
+    rows = dequantize_rows(v8[0, :, past: past + T])  # [hkv, T, d]
+    assert list(v8[0, 0, past, :8]) == [127, 2, -4, 0, 0, 2, -126, 3] and v8[0, 1, past, d - 1] == 127
+    assert not rows[0, 1].any() and v8[0, 0, past + 1, d:].view(np.float32) == 0
+    assert np.isnan(rows[0, 2]).all() and np.isnan(rows[1, 3]).all() and np.isfinite(rows[1, 2]).all()
+
+
+def int8_against_fp32(hq: int, hkv: int, d: int, seed: int) -> tuple[bool, float]:
+    """SekAttention over int8 caches and over fp32 caches holding the values they hold, a 5-row step at 250 past
+    rows: (whether the outputs are bitwise equal when the step's new rows are themselves int8 rows' values (steps
+    of 1/16, 127 of them the largest: requantized exactly) and unrotated, the largest difference relative to the
+    fp32 output over the rows themselves (the fp32 cache holding them unquantized) when they are random and
+    rotated)."""
+    S, past, T = 320, 250, 5
+    rng = np.random.default_rng(seed)
+    c8 = [quantize_rows(rng.standard_normal((1, hkv, S, d))) for _ in range(2)]
+    cos, sin = _rope_tables(S, d)
+    i8 = _session(_attention_model("SekAttention", hq, hkv, d, TensorProto.INT8))
+    full = _session(_attention_model("SekAttention", hq, hkv, d))
+
+    def both(qkv, cos, sin):
+        feeds = {"qkv": qkv, "cos": cos, "sin": sin, "past_len": np.array([past], np.int64)}
+        o8 = i8.run(None, {**feeds, "pk": c8[0].copy(), "pv": c8[1].copy()})[0]
+        o32 = full.run(None, {**feeds, "pk": dequantize_rows(c8[0]), "pv": dequantize_rows(c8[1])})[0]
+        assert o8.dtype == np.float32 and np.isfinite(o8).all()
+        return o8, o32
+
+    exact_rows = rng.integers(-126, 127, (1, T, (hq + 2 * hkv) * d)).astype(np.float32)
+    exact_rows.reshape(1, T, -1, d)[..., 0] = 127  # every head's row: its largest value 127 steps
+    still_c, still_s = cos.copy(), sin.copy()
+    still_c[past: past + T], still_s[past: past + T] = 1.0, 0.0
+    o8, o32 = both(exact_rows / np.float32(16), still_c, still_s)
+    exact = np.array_equal(o8.view(np.uint32), o32.view(np.uint32))
+    o8, o32 = both((2.0 * rng.standard_normal((1, T, (hq + 2 * hkv) * d))).astype(np.float32), cos, sin)
+    return exact, float(np.abs(o8 - o32).max() / np.abs(o32).max())
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(12, 2, 128), (8, 1, 64), (4, 4, 80)])
+def test_an_int8_cache_attends_as_fp32_does_over_the_values_it_holds(hq, hkv, d):
+    """Queries read an int8 cache as q * scale: over rows it holds exactly the output has the bits of the same step
+    over an fp32 cache holding those values; with rows it quantizes (the step's own, rotated) it stays near."""
+    exact, rel = int8_against_fp32(hq, hkv, d, seed=d + hq)
+    assert exact
+    assert 0 < rel < 3e-2, rel
+
+
 def test_caches_of_two_element_types_are_refused():
     """A node whose key and value caches differ in element type is refused when the session loads it (each
-    attention op is registered for fp32 caches and for fp16 caches, both of one type)."""
+    attention op is registered for fp32, fp16 and int8 caches, both of one type)."""
     hq, hkv, d, S = 4, 2, 64, 32
     F, H = TensorProto.FLOAT, TensorProto.FLOAT16
     vi = helper.make_tensor_value_info
