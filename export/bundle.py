@@ -26,6 +26,7 @@ from specedge.runtime.manifest import (
     BATCH_WIDTHS,
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
+    KV_DTYPE_SHORT,
     KV_DTYPES,
     KV_MODES,
     MAX_CONTEXT,
@@ -66,7 +67,7 @@ class ExportOptions:
     # portable (every backend) | ort-inplace (ONNX Runtime GroupQueryAttention; specedge's attention in its form)
     # | rows (the specedge form: row-addressed steps over a pool of KV slots, for batches of requests)
     kv_mode: str = "portable"
-    kv_dtype: str = "float32"  # the KV caches' elements: float32, or float16 (specedge's attention only)
+    kv_dtype: str = "float32"  # the KV caches' elements: float32; float16 or int8 (specedge's attention only)
     device_argmax: bool = False  # graphs also output next_ids = ArgMax(logits) (see Manifest.device_argmax)
     draft_vocab: int = 0  # > 0: the draft's lm_head keeps token ids < draft_vocab + the special tokens (HeadRows)
     overwrite: bool = False
@@ -98,7 +99,7 @@ class ExportOptions:
             raise BundleError(f"--kv-dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         if self.kv_dtype != "float32" and not (self.kv_mode in (ROWS_KV_MODE, "ort-inplace") and all(
                 f.specedge for f in (self.weights, self.draft_weights or self.weights))):
-            raise BundleError(f"--kv-dtype fp16 is read by specedge's attention, which only the specedge form has "
+            raise BundleError(f"--kv-dtype {KV_DTYPE_SHORT[self.kv_dtype]} is read by specedge's attention, which only the specedge form has "
                               f"(--weights int8/int4 --quant-form specedge for target and draft, --kv-mode rows or "
                               f"ort-inplace); this export is {self.weights.name} {self.weights.form}, kv "
                               f"{self.kv_mode}: choose --kv-dtype fp32")

@@ -13,11 +13,18 @@ import click
 from specedge.runtime.cli import comma_list
 from specedge.runtime.config import config_option
 from specedge.runtime.errors import SpecEdgeError
-from specedge.runtime.manifest import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, INTGEMM_FORMAT, SEK_FORMAT
+from specedge.runtime.manifest import (
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+    INTGEMM_FORMAT,
+    KV_DTYPE_SHORT,
+    SEK_FORMAT,
+    kv_row_bytes,
+)
 
 from .profiles import DEFAULT_PROFILE
 
-KV_DTYPE_NAMES = {"fp16": "float16", "fp32": "float32"}  # --kv-dtype -> the manifest's (numpy's) name
+KV_DTYPE_NAMES = {v: k for k, v in KV_DTYPE_SHORT.items()}  # --kv-dtype -> the manifest's (numpy's) name
 MAX_CONTEXT_CHECKED = 32768  # the context the other options are checked with before the default one is chosen
 
 if TYPE_CHECKING:
@@ -169,11 +176,12 @@ def _profile_option(f):  # noqa: ANN001
                    "(spec-run serve --max-batch; the specedge form only). ort-inplace: attention writing the cache "
                    "in place (CPU; bitwise exact). portable: plain ONNX attention (TensorRT; refused on a CPU "
                    "profile). auto: rows in the specedge form, else ort-inplace; the profile's where it names one.")
-@click.option("--kv-dtype", type=click.Choice(["auto", "fp16", "fp32"]), default="auto", show_default=True,
+@click.option("--kv-dtype", type=click.Choice(["auto", "fp16", "int8", "fp32"]), default="auto", show_default=True,
               help="The KV caches' element type. fp16: half the memory and half the bytes a step reads at depth, each "
                    "new row rounded once as it is written (speculative == plain stays bitwise; specedge's attention "
-                   "only: the specedge form, kv rows or ort-inplace). auto: fp16 where that attention runs, else "
-                   "fp32.")
+                   "only: the specedge form, kv rows or ort-inplace). int8: a quarter (each head's row 8-bit values "
+                   "and one scale; the same rules), less accurate (docs/exactness.md). auto: fp16 where that "
+                   "attention runs, else fp32.")
 @click.option("--draft-vocab", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Draft model only: its lm_head keeps token ids 0..N-1 and the special tokens above them, so each "
                    "draft step reads a fraction of the head. The output is unchanged (the target verifies every "
@@ -266,9 +274,9 @@ def _default_context(target: str, draft: str, v: dict, cache_dir: str | None) ->
         models.append((role, cfg.dims, fmt, chunk, chunk))
     board = this_machine()
     batch = DEFAULT_MAX_BATCH if v["kv_mode"] == "rows" else 1  # spec-run serve's default for the bundle
-    c = context_that_fits(models, min(own), board, kv_elem=2 if v["kv_dtype"] == "fp16" else None, max_batch=batch)
-    kv = sum(m[1].n_layers * 2 * m[1].n_kv_heads * m[1].head_dim for m in models) * (2 if v["kv_dtype"] == "fp16"
-                                                                                     else 4) * c
+    kv_dtype = KV_DTYPE_NAMES.get(v["kv_dtype"], "float32")
+    c = context_that_fits(models, min(own), board, kv_dtype=kv_dtype, max_batch=batch)
+    kv = sum(m[1].n_layers * 2 * m[1].n_kv_heads * kv_row_bytes(m[1].head_dim, kv_dtype) for m in models) * c
     seqs = f"{batch} sequences" if batch > 1 else "one sequence"
     why = ("the model's own" if c == min(own) else
            f"the model's own is {min(own)}; {board.name if board else 'this machine'} holds {c} for {seqs}")
@@ -572,21 +580,23 @@ def _plan_of(what: str, board: str | None, backend: str | None, precision: str |
     precision = precision or (bu.get("precision", "fp16") if backend != "ort-cpu" else "fp32")
     head = head or bu.get("head", "fp32")
     # the KV dtype as the export's auto resolves it: fp16 where specedge's attention reads the cache
-    fp16 = ex.get("kv_dtype", "auto") == "fp16" or (ex.get("kv_dtype", "auto") == "auto" and form == "specedge" and all(
-        m[2] in ("int8", "int4") for m in models))
-    kv_elem = 2 if fp16 and backend == "ort-cpu" else None
+    named = ex.get("kv_dtype", "auto")
+    if named == "auto":
+        named = "fp16" if form == "specedge" and all(m[2] in ("int8", "int4") for m in models) else "fp32"
+    kv_dtype = KV_DTYPE_NAMES[named] if backend == "ort-cpu" else None
     on = _board(board or what)
     # no max_context in the preset: what its export would take (the models' own, as far as its board holds it for
     # the requests spec-run serve decodes together by default: 4 in the specedge form, whose KV mode is rows)
     from specedge.runtime.server import DEFAULT_MAX_BATCH
 
     ctx = int(ex["max_context"]) if "max_context" in ex else context_that_fits(
-        models, min(own), on, kv_elem=kv_elem, max_batch=DEFAULT_MAX_BATCH if form == "specedge" else 1)
+        models, min(own), on, kv_dtype=kv_dtype, max_batch=DEFAULT_MAX_BATCH if form == "specedge" else 1)
     label = (f"{what}: {' + '.join(ex.get(r) for r in ('target', 'draft') if ex.get(r))}, "
              f"{weights or ex.get('weights', 'fp32')}"
-             f" export, {backend} {precision} (head {head}), S_max {ctx}{', KV fp16' if kv_elem else ''}")
+             f" export, {backend} {precision} (head {head}), S_max {ctx}"
+             f"{f', KV {named}' if kv_dtype not in (None, 'float32') else ''}")
     return plan_models(models, max_context=ctx, backend=backend, precision=precision, head=head, what=label,
-                       board=on, max_batch=max_batch, kv_elem=kv_elem)
+                       board=on, max_batch=max_batch, kv_dtype=kv_dtype)
 
 
 @main.command()

@@ -64,7 +64,8 @@ from .quant import (
     signed_values,
 )
 
-_NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16}
+_NP_TO_ONNX = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "float16": TensorProto.FLOAT16,
+               "int8": TensorProto.INT8}
 _ALIGN = 64
 
 

@@ -42,7 +42,19 @@ QDQ_FORMAT = "DequantizeLinear+MatMul"  # ModelEntry.quant["format"] of --quant-
 MAX_DIM = 1 << 22  # no model dimension (layers, heads, hidden, vocab) comes near this
 # the graphs' KV cache element types: fp32, or fp16 (specedge's attention, which rounds each new row once and reads
 # the rows exactly: every row is still the one a plain step writes)
-KV_DTYPES = ("float32", "float16")
+KV_DTYPES = ("float32", "float16", "int8")
+KV_DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "int8": "int8"}  # spec-export's --kv-dtype names
+KV_INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim int8 values, then the row's fp32 scale (runtime/csrc/sek.h)
+
+
+def kv_row_width(head_dim: int, kv_dtype: str) -> int:
+    """The cache tensors' last dimension: a head's row of head_dim elements, or (int8) its values and its scale."""
+    return head_dim + KV_INT8_SCALE_BYTES if kv_dtype == "int8" else head_dim
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one head's cache row of kv_dtype."""
+    return kv_row_width(head_dim, kv_dtype) * {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}[kv_dtype]
 MAX_CONTEXT = 1 << 20  # S_max: the KV buffers are allocated at this length up front
 GRAPH_POSITIONS_KEY = "specedge.max_positions"  # a graph's metadata: the positions its RoPE tables hold
 GRAPH_RESIDUALS_KEY = "specedge.residuals"  # a graph's metadata: its residual stream's names between layers (JSON)
@@ -449,20 +461,22 @@ def io_spec(dims: ModelDims, kv_mode: str = "portable", kv_dtype: str = "float32
     by ``row_slot`` [T], ``row_pos`` [T] and ``row_parent`` [T]: each row's KV slot (-1: padding), the cache row it
     writes, and the earlier row of the step its token follows (-1: none; a tree row, see runtime/csrc/sek.h) (B = 1:
     the rows are T).
-    kv_dtype: the cache's element type (float32; float16 / bfloat16 in reduced-precision graphs).
+    kv_dtype: the cache's element type (float32; float16 / bfloat16 in reduced-precision graphs; float16 or int8 read
+    by specedge's attention, an int8 row of D values followed by its 4-byte scale: :func:`kv_row_width`).
     Logits are float32 in every graph. argmax (``Manifest.device_argmax``): also ``next_ids`` [B, L] int64, the
     first index of each logits row's maximum (ONNX ArgMax, select_last_index 0: numpy's argmax).
     logits_width: the logits' last dimension (``ModelEntry.logits_width``; default the vocabulary V).
     """
     slots = "N" if kv_mode == ROWS_KV_MODE else "B"  # rows: the cache is a pool of N slots, one per sequence
+    row = kv_row_width(dims.head_dim, kv_dtype)
     kv_in = [
-        TensorSpec(f"past_key_values.{i}.{kind}", kv_dtype, (slots, dims.n_kv_heads, "S_max", dims.head_dim))
+        TensorSpec(f"past_key_values.{i}.{kind}", kv_dtype, (slots, dims.n_kv_heads, "S_max", row))
         for i in range(dims.n_layers)
         for kind in ("key", "value")
     ]
     kv_out = [
         TensorSpec(f"present.{i}.{kind}", kv_dtype,
-                   (slots, dims.n_kv_heads, "T" if kv_mode == "portable" else "S_max", dims.head_dim))
+                   (slots, dims.n_kv_heads, "T" if kv_mode == "portable" else "S_max", row))
         for i in range(dims.n_layers)
         for kind in ("key", "value")
     ]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import SpecEdgeError
-from .manifest import Manifest, ModelDims
+from .manifest import KV_DTYPE_SHORT, Manifest, ModelDims, kv_row_bytes
 
 GiB = 1 << 30
 # per-process constants (estimates, stated in the plan): a CUDA 12 context with lazy module loading plus the
@@ -79,9 +79,9 @@ def weight_bytes(d: ModelDims, linear: str, head: str, embedding: str, scale_byt
             "embedding": int(d.vocab * d.hidden * WEIGHT_BYTES[embedding])}
 
 
-def kv_bytes(d: ModelDims, max_context: int, kv_dtype_bytes: int, t_max: int) -> tuple[int, int]:
-    """(cache at S_max, new-rows buffer of the widest step)."""
-    row = d.n_layers * 2 * d.n_kv_heads * d.head_dim * kv_dtype_bytes
+def kv_bytes(d: ModelDims, max_context: int, kv_dtype: str, t_max: int) -> tuple[int, int]:
+    """(cache at S_max, new-rows buffer of the widest step) of kv_dtype's rows."""
+    row = d.n_layers * 2 * d.n_kv_heads * kv_row_bytes(d.head_dim, kv_dtype)
     return row * max_context, row * t_max
 
 
@@ -152,22 +152,22 @@ class Plan:
 
 def plan_models(models: list[tuple[str, ModelDims, str, int, int]], *, max_context: int, backend: str,
                 precision: str, head: str, what: str, board: Board | None = None, max_batch: int = 1,
-                kv_elem: int | None = None) -> Plan:
+                kv_dtype: str | None = None) -> Plan:
     """models: (role, dims, exported weight format, t_max, l_max). backend: trt | ort-cuda | ort-trt | ort-cpu.
     precision: the engine precision on a GPU (fp16/bf16; fp32 = the exported graphs as they are). head: fp32 |
     low (the lm_head in the engine precision). max_batch: sequences each model's KV cache holds (requests decoded
-    together: one cache each). kv_elem: bytes of a KV element on the CPU (the bundle's kv_dtype; default 4, fp32)."""
+    together: one cache each). kv_dtype: the KV cache's element type on the CPU (the bundle's; default float32)."""
     gpu = backend != "ort-cpu"
     out = []
     for role, d, fmt, t_max, l_max in models:
         if gpu and precision in ("fp16", "bf16"):
             linear = fmt if fmt in ("int4",) else precision  # int4 stays INT4 weight-only (--quant-form qdq)
             head_fmt = "fp32" if head == "fp32" else precision
-            emb, scale, act, kvb = precision, 2.0, 2, 2
+            emb, scale, act, kvb = precision, 2.0, 2, "float16"
         else:
             linear = fmt
             head_fmt = "int8" if fmt in ("int8", "int4") else fmt
-            emb, scale, act, kvb = ("fp16" if fmt in ("int8", "int4") else "fp32"), 4.0, 4, kv_elem or 4
+            emb, scale, act, kvb = ("fp16" if fmt in ("int8", "int4") else "fp32"), 4.0, 4, kv_dtype or "float32"
         kv, new = kv_bytes(d, max_context, kvb, t_max)
         kv *= max_batch  # a draft model too drafts in a slot of its own per request decoded together
         out.append(ModelPlan(role, weight_bytes(d, linear, head_fmt, emb, scale), kv, new,
@@ -186,14 +186,14 @@ CONTEXT_FLOOR = 2048  # the shortest S_max a default context halves down to (a m
 
 
 def context_that_fits(models: list[tuple[str, ModelDims, str, int, int]], own: int, board: Board | None, *,
-                      kv_elem: int | None = None, max_batch: int = 1) -> int:
+                      kv_dtype: str | None = None, max_batch: int = 1) -> int:
     """The S_max a bundle takes by default: the models' own context (``own``), halved while its CPU plan does not
     fit ``board`` with ``max_batch`` sequences ("fits", not "tight"), never below CONTEXT_FLOOR (or ``own`` if that
     is less). Without a board, ``own``."""
     c = own
     while board is not None and c > CONTEXT_FLOOR:
         p = plan_models(models, max_context=c, backend="ort-cpu", precision="fp32", head="fp32", what="",
-                        board=board, max_batch=max_batch, kv_elem=kv_elem)
+                        board=board, max_batch=max_batch, kv_dtype=kv_dtype)
         if p.verdict()[0] == "fits":
             return c
         c //= 2
@@ -209,10 +209,10 @@ def plan_for_manifest(m: Manifest, backend: str, precision: str = "fp32", head: 
         models.append((role, e.dims, e.precision, max(w.T for w in e.widths), max(w.L for w in e.widths)))
     label = what or (f"{m.target.source.get('name', 'target') if isinstance(m.target.source, dict) else 'target'}"
                      f"{' + draft' if m.draft else ''}, {backend} {precision} (head {head}), S_max {m.max_context}"
-                     f"{', KV fp16' if m.kv_dtype == 'float16' and backend == 'ort-cpu' else ''}")
+                     f"{f', KV {KV_DTYPE_SHORT[m.kv_dtype]}' if m.kv_dtype != 'float32' and backend == 'ort-cpu' else ''}")
     plan = plan_models(models, max_context=m.max_context, backend=backend, precision=precision, head=head,
                        what=label, board=board, max_batch=max_batch,
-                       kv_elem=2 if m.kv_dtype == "float16" and backend == "ort-cpu" else None)
+                       kv_dtype=m.kv_dtype if backend == "ort-cpu" else None)
     if m.draft is not None and m.draft.is_self:  # the target's own layers: its weights and KV cache, nothing more
         draft = next(p for p in plan.models if p.role == "draft")
         draft.weights = {k: 0 for k in draft.weights}

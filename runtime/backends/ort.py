@@ -45,6 +45,7 @@ from ..manifest import (
     Manifest,
     Width,
     io_spec,
+    kv_row_width,
 )
 
 
@@ -266,7 +267,7 @@ class OrtRunner:
             raise BundleError(f"the {role} graph {graph} holds positions up to {positions}, and the manifest's "
                               f"max_context is S_max={self.max_context}: the manifest was changed; export again "
                               f"with --max-context {self.max_context}")
-        kv_shape = (d.n_layers, 2, slots, d.n_kv_heads, self.max_context, d.head_dim)
+        kv_shape = (d.n_layers, 2, slots, d.n_kv_heads, self.max_context, kv_row_width(d.head_dim, self.kv_dtype.name))
         self.kv_of = kv_of
         if kv_of is not None:  # a self draft: the target's cache of the layers it runs, the same memory
             if device != "cpu" or kv_of.slots != slots or kv_of.kv_dtype != self.kv_dtype:

@@ -214,13 +214,10 @@ def test_drafts_drawn_together_are_the_drafts_drawn_alone(rows_bundles, solo, mo
         s.close()
 
 
-@pytest.mark.parametrize("mode", ["greedy", "keyed"])
-def test_interleaved_streams_decode_together_bitwise_as_alone(rows_bundles, solo, mode):
-    """Streams interleaved in one thread join one batch; each one's tokens are its tokens alone, every drafter."""
-    params = PARAMS[mode]
+def _interleaved_as_alone(bundle, solo, params) -> None:
     drafters = ["none", "prompt-lookup", "auto", "model", "hybrid", "auto"]
     want = [alone(solo, p, params, d) for p, d in zip(PROMPTS, drafters)]
-    dec = SpecDecoder.load(rows_bundles["model"], max_batch=4)
+    dec = SpecDecoder.load(bundle, max_batch=4)
     streams = [dec.stream(p, params, drafter=d) for p, d in zip(PROMPTS, drafters)]
     got = [[] for _ in streams]
     live = list(range(len(streams)))
@@ -234,6 +231,27 @@ def test_interleaved_streams_decode_together_bitwise_as_alone(rows_bundles, solo
     assert got == want
     assert any(n >= 2 for n in dec.batch.sizes), dec.batch.sizes  # rounds really were shared
     assert not dec.batch.members and not dec.batch.waiting
+
+
+@pytest.mark.parametrize("mode", ["greedy", "keyed"])
+def test_interleaved_streams_decode_together_bitwise_as_alone(rows_bundles, solo, mode):
+    """Streams interleaved in one thread join one batch; each one's tokens are its tokens alone, every drafter."""
+    _interleaved_as_alone(rows_bundles["model"], solo, PARAMS[mode])
+
+
+@pytest.mark.parametrize("mode", ["greedy", "keyed"])
+def test_an_int8_cache_decodes_each_request_of_a_batch_as_alone(tmp_path_factory, tiny_llama, tiny_draft, mode):
+    """The same with int8 KV caches (target and draft model): each request bitwise its tokens alone, and alone every
+    drafter's text is plain decoding's."""
+    opts = ExportOptions(k=4, max_context=160, prefill_chunk=16, kv_mode=ROWS_KV_MODE, kv_dtype="int8",
+                         weights=WeightFormat("int4", form="specedge"))
+    bundle = export_bundle(tiny_llama, tiny_draft, tmp_path_factory.mktemp("int8-rows"), opts).out
+    solo = SpecDecoder.load(bundle)
+    assert solo.target.kv.dtype == np.int8 and solo.draft_runner.kv.dtype == np.int8
+    for p in PROMPTS[:3]:
+        plain = alone(solo, p, PARAMS[mode], "none")
+        assert all(alone(solo, p, PARAMS[mode], d) == plain for d in ("prompt-lookup", "model", "auto")), p
+    _interleaved_as_alone(bundle, solo, PARAMS[mode])
 
 
 class Oracle:

@@ -95,9 +95,11 @@ def test_the_default_context_is_the_models_own_halved_until_the_board_holds_it()
     assert context_that_fits(models, 1024, Board("tiny", 0.1, False, 0.0)) == 1024  # its own, less than the floor
     assert context_that_fits(models, 32768, Board("tiny", 0.1, False, 0.0)) == CONTEXT_FLOOR
     # a board that holds the plan at 8k with fp32 KV and half of that KV to spare: 16k fp32 does not fit, 16k fp16
-    # (the same KV bytes as 8k fp32) does
+    # (the same KV bytes as 8k fp32) does, and int8 (d + 4 bytes a row) reaches 32k
     at_8k = memplan.plan_models(models, max_context=8192, backend="ort-cpu", precision="fp32", head="fp32",
                                 what="").total
-    board = Board("mid", (at_8k + kv_bytes(d, 8192, 4, 64)[0] / 2) / 0.85 / GiB + 1.0, False, 1.0)
+    board = Board("mid", (at_8k + kv_bytes(d, 8192, "float32", 64)[0] / 2) / 0.85 / GiB + 1.0, False, 1.0)
     assert context_that_fits(models, 32768, board) == 8192
-    assert context_that_fits(models, 32768, board, kv_elem=2) == 16384
+    assert context_that_fits(models, 32768, board, kv_dtype="float16") == 16384
+    assert context_that_fits(models, 32768, board, kv_dtype="int8") == 32768
+    assert kv_bytes(d, 1024, "int8", 64)[0] * 4 * 128 == kv_bytes(d, 1024, "float32", 64)[0] * 132
