@@ -99,7 +99,8 @@ class ExportOptions:
             raise BundleError(f"--kv-dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         if self.kv_dtype != "float32" and not (self.kv_mode in (ROWS_KV_MODE, "ort-inplace") and all(
                 f.specedge for f in (self.weights, self.draft_weights or self.weights))):
-            raise BundleError(f"--kv-dtype {KV_DTYPE_SHORT[self.kv_dtype]} is read by specedge's attention, which only the specedge form has "
+            short = KV_DTYPE_SHORT[self.kv_dtype]
+            raise BundleError(f"--kv-dtype {short} is read by specedge's attention, which only the specedge form has "
                               f"(--weights int8/int4 --quant-form specedge for target and draft, --kv-mode rows or "
                               f"ort-inplace); this export is {self.weights.name} {self.weights.form}, kv "
                               f"{self.kv_mode}: choose --kv-dtype fp32")

@@ -207,9 +207,9 @@ def plan_for_manifest(m: Manifest, backend: str, precision: str = "fp32", head: 
         if e is None:
             continue
         models.append((role, e.dims, e.precision, max(w.T for w in e.widths), max(w.L for w in e.widths)))
+    kv = f", KV {KV_DTYPE_SHORT[m.kv_dtype]}" if m.kv_dtype != "float32" and backend == "ort-cpu" else ""
     label = what or (f"{m.target.source.get('name', 'target') if isinstance(m.target.source, dict) else 'target'}"
-                     f"{' + draft' if m.draft else ''}, {backend} {precision} (head {head}), S_max {m.max_context}"
-                     f"{f', KV {KV_DTYPE_SHORT[m.kv_dtype]}' if m.kv_dtype != 'float32' and backend == 'ort-cpu' else ''}")
+                     f"{' + draft' if m.draft else ''}, {backend} {precision} (head {head}), S_max {m.max_context}{kv}")
     plan = plan_models(models, max_context=m.max_context, backend=backend, precision=precision, head=head,
                        what=label, board=board, max_batch=max_batch,
                        kv_dtype=m.kv_dtype if backend == "ort-cpu" else None)

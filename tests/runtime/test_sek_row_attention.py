@@ -437,7 +437,8 @@ def test_an_int8_cache_holds_each_new_row_quantized_as_its_contract_says():
     hq, hkv, d, S, past, T = 4, 2, 64, 96, 20, 6
     rng = np.random.default_rng(22)
     cos, sin = _rope_tables(S, d)
-    qkv = (rng.standard_normal((1, T, (hq + 2 * hkv) * d)) * 10.0 ** rng.integers(-30, 30, (1, T, 1))).astype(np.float32)
+    qkv = rng.standard_normal((1, T, (hq + 2 * hkv) * d)) * 10.0 ** rng.integers(-30, 30, (1, T, 1))
+    qkv = qkv.astype(np.float32)
     v = qkv[0, :, (hq + hkv) * d:]  # each row's v: [T, hkv d]
     v[0, :d] = np.resize([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -126.5, 3.25], d)  # scale 1: ties go to even
     v[0, d:] = np.arange(d)  # scale 63 / 127: the largest 127 units
