@@ -75,8 +75,10 @@ def test_kv_accuracy_compares_the_next_tokens_of_two_caches(fp16_bundle, tmp_pat
     assert run("kv_accuracy", monkeypatch, str(fp32), str(fp32), *args) == 0
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r[1].strip() for r in rows[1:]] == ["chat", "code", "all"], rows
-    assert rows[-1][4].strip() == "100.00%" and rows[1][5].strip() == "0.00e+00"  # a bundle against itself
-    assert run("kv_accuracy", monkeypatch, str(fp32), str(fp16_bundle), *args) == 0
+    assert rows[-1][4].strip() == "100.00%" and rows[1][6].strip() == "0.00e+00"  # a bundle against itself
+    assert rows[-1][5].strip() == "0 of 0"
+    assert run("kv_accuracy", monkeypatch, str(fp32), str(fp16_bundle), str(fp32), *args) == 0
     out = capsys.readouterr().out
     assert "(KV float32), other" in out and "(KV float16)" in out
-    assert float([line for line in out.splitlines() if line.startswith("| chat")][0].split("|")[5]) > 0
+    chat = [line.split("|") for line in out.splitlines() if line.startswith("| chat")]
+    assert len(chat) == 2 and float(chat[0][6]) > 0 and float(chat[1][6]) == 0  # fp16, then the reference itself
