@@ -22,7 +22,7 @@ import numpy as np
 from ..cpu import cpu_flags, cpu_name
 from ..decoder import SpecDecoder
 from ..errors import ContextLengthError, PromptError, SamplingParamsError
-from ..manifest import Manifest
+from ..manifest import Manifest, kv_row_bytes
 from ..request import check_fits
 from ..sampling import SamplingParams
 from ..text import TextCodec
@@ -145,7 +145,7 @@ def bundle_info(dec: SpecDecoder) -> dict[str, Any]:
         if e is None:
             continue
         d = e.dims
-        kv_bytes = d.n_layers * 2 * d.n_kv_heads * m.max_context * d.head_dim * np.dtype(m.kv_dtype).itemsize
+        kv_bytes = d.n_layers * 2 * d.n_kv_heads * m.max_context * kv_row_bytes(d.head_dim, m.kv_dtype)
         models[role] = {"family": e.family, "layers": d.n_layers, "hidden": d.hidden, "vocab": d.vocab,
                         "precision": e.precision,
                         # a self draft's weights and cache are the target's: nothing of its own
