@@ -181,7 +181,7 @@ PLANTS = {
         "runtime/csrc/sek_attn.c", "slot[i] >= 0 && slot[j] == slot[i]) j++;", "slot[i] >= 0 && slot[j] >= 0) j++;",
         ["tests/runtime/test_sek_row_attention.py"]),
     "row-addressed attention reads slot 0 whatever the row names": (
-        "runtime/csrc/sek_attn.c", "(size_t)((slot * a->hkv + g) * a->s_max * d)", "(size_t)(g * a->s_max * d)",
+        "runtime/csrc/sek_attn.c", "(size_t)((slot * a->hkv + g) * a->s_max)", "(size_t)(g * a->s_max)",
         ["tests/runtime/test_sek_row_attention.py", "tests/export/test_rows_graph.py"]),
     "specedge attention: the new k rows stored without RoPE": (
         "runtime/csrc/sek_attn.c", "    rope(r, cs, sn, d);\n", "", ["tests/runtime/test_sek_kernel.py"]),
@@ -191,6 +191,16 @@ PLANTS = {
     "fp16 KV: a chunk's last cache row not converted for the queries": (
         "runtime/csrc/sek_attn.c", "const int64_t len = n * d;", "const int64_t len = (n - 1) * d;",
         ["tests/runtime/test_sek_row_attention.py::test_an_fp16_cache_attends_as_fp32_does_over_the_same_values"]),
+    "int8 KV: a tie rounded away from zero, not to even": (
+        "runtime/csrc/sek_attn.c",
+        "q += (f > 0.5f || (f == 0.5f && (q & 1))) - (f < -0.5f || (f == -0.5f && (q & 1)));",
+        "q += (f >= 0.5f) - (f <= -0.5f);",
+        ["tests/runtime/test_sek_row_attention.py::"
+         "test_an_int8_cache_holds_each_new_row_quantized_as_its_contract_says"]),
+    "int8 KV: a row read without its scale's last byte": (
+        "runtime/csrc/sek_attn.c", "    memcpy(&s, q + d, sizeof s);", "    s = 0.f;\n    memcpy(&s, q + d, 3);",
+        ["tests/runtime/test_sek_row_attention.py::"
+         "test_an_int8_cache_attends_as_fp32_does_over_the_values_it_holds"]),
     "SekMatMul's fused residual addition dropped": (
         "runtime/csrc/sek_ort.c", "    if (j->residual) add_columns(", "    if (0 && j->residual) add_columns(",
         ["tests/runtime/test_sek_kernel.py", "tests/export/test_quantized_bundle.py::"
