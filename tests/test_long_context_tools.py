@@ -40,6 +40,27 @@ def test_long_context_prints_the_step_by_depth_and_the_ttft(fp16_bundle, monkeyp
     assert 90 <= int(ttft.split("|")[1]) <= 120 and float(ttft.split("|")[2]) > 0, ttft
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_long_context_writes_the_rows_its_steps_read_and_no_others(dtype):
+    """Rows never written are the zero page: a step over them would read cache, not memory."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    lc = load_tool("long_context")
+    width = 8 + (4 if dtype == "int8" else 0)
+    kv = np.zeros((3, 2, 2, 2, 40, width), dtype=dtype)  # layers, k|v, slots, heads, S_max, row
+    lc.fill_cache(SimpleNamespace(target=SimpleNamespace(kv=kv)), 25)
+    written = kv[:, :, 0, :, :25]
+    assert not kv[:, :, 1].any() and not kv[:, :, 0, :, 25:].any()
+    if dtype == "int8":
+        scales = np.ascontiguousarray(written[..., 8:]).view("<f4")
+        assert (scales == np.float32(1 / 127)).all() and (np.abs(written[..., :8]) <= 127).all()
+        assert (written[..., :8] != 0).mean() > 0.9
+    else:
+        assert np.isfinite(written).all() and (written != 0).all()
+
+
 def test_long_context_refuses_depths_past_the_context_and_a_half_peer(fp16_bundle, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         run("long_context", monkeypatch, str(fp16_bundle), "--depths", "8,254", "--ttft", "none")

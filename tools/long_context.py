@@ -6,8 +6,10 @@ llama.cpp's own llama-bench on the same GGUF, in one run.
         [--llama-bin DIR --gguf FILE [--llama-depths 128,2048,8192]] [--repeats 5] [--verify]
 
 Ours: the target's plain step (one row, one logits row) at each depth D, stepped at past_len D over the bundle's own
-KV buffers (a step's cost does not depend on what the cache holds), the median of ``repeats`` bursts of 3 after an
-untimed one; with --verify also its widest verify step. TTFT: a prompt of about N tokens (the project's own source
+KV buffers, the median of ``repeats`` bursts of 3 after an untimed one; with --verify also its widest verify step.
+The rows a step reads are first written with random values of the cache's type (a step's cost does not depend on
+what they hold, but it does on their being in memory: rows never written are the kernel's shared zero page, which
+a step would read from cache rather than from memory). TTFT: a prompt of about N tokens (the project's own source
 text) decoded to its first token with drafter none, as `spec-run` would (``Stats.ttft_s``).
 llama.cpp: ``llama-bench -p 0 -n 16 -d D`` (tg after D context tokens: its prefill of D tokens is not timed but takes
 as long as pp D) and ``llama-bench -p N -n 0`` (prefill of N tokens), one repetition each, the same threads.
@@ -29,6 +31,7 @@ import numpy as np
 from specedge.runtime import SamplingParams, SpecDecoder
 from specedge.runtime.bench.runner import machine_info
 from specedge.runtime.cpu import physical_cores
+from specedge.runtime.manifest import KV_INT8_SCALE_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,8 +48,27 @@ def _ints(s: str) -> list[int]:
     return out
 
 
+def fill_cache(dec: SpecDecoder, rows: int, seed: int = 0) -> None:
+    """Writes the target's cache rows 0 .. rows-1 of slot 0, every layer and head, with random values of its type
+    (an int8 row: random levels and a scale of 1/127), so those pages are the step's to read from memory."""
+    kv = dec.target.kv
+    if kv is None:
+        raise SystemExit("the target holds no cache of its own (a self draft's target?): nothing to fill")
+    rng = np.random.default_rng(seed)
+    for layer in kv:
+        for part in layer:
+            view = part[0, :, :rows]
+            if view.dtype == np.int8:
+                d = view.shape[-1] - KV_INT8_SCALE_BYTES
+                view[..., :d] = rng.integers(-127, 128, size=view[..., :d].shape, dtype=np.int8)
+                view[..., d:] = np.full(view.shape[:-1], 1 / 127, dtype="<f4")[..., None].view(np.int8)
+            else:
+                view[...] = rng.standard_normal(view.shape, dtype=np.float32).astype(view.dtype)
+
+
 def step_ms(dec: SpecDecoder, depth: int, width: int, repeats: int) -> float:
-    """Median ms of the target's step of `width` rows at past_len `depth` (bursts of 3 after one untimed)."""
+    """Median ms of the target's step of `width` rows at past_len `depth` (bursts of 3 after one untimed) over cache
+    rows fill_cache has written."""
     t = dec.target
     ids = np.full(width, 100, dtype=np.int64)
     every = width > 1
@@ -118,6 +140,7 @@ def main() -> int:
     llama_depths = a.llama_depths or [d for d in a.depths if d <= 8192]
     verify_w = m.k + 1
     ours = {}
+    fill_cache(dec, max(a.depths) + verify_w)
     for d in a.depths:
         ours[d] = (step_ms(dec, d, 1, a.repeats), step_ms(dec, d, verify_w, a.repeats) if a.verify else None)
         print(f"  ours: depth {d}: step {ours[d][0]:.1f} ms", file=sys.stderr, flush=True)
