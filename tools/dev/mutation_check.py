@@ -191,6 +191,12 @@ PLANTS = {
     "fp16 KV: a chunk's last cache row not converted for the queries": (
         "runtime/csrc/sek_attn.c", "const int64_t len = n * d;", "const int64_t len = (n - 1) * d;",
         ["tests/runtime/test_sek_row_attention.py::test_an_fp16_cache_attends_as_fp32_does_over_the_same_values"]),
+    "fp16 KV: a block of 16 converted rows read from the chunk's first row": (
+        "runtime/csrc/sek_attn.c", "cmax - j0 : SEK_SUB, d, buf) - j0 * d;", "cmax - j0 : SEK_SUB, d, buf);",
+        ["tests/runtime/test_sek_row_attention.py::test_an_fp16_cache_attends_as_fp32_does_over_the_same_values"]),
+    "specedge attention: heads whose softmax runs side by side sum each other's exps": (
+        "runtime/csrc/sek_attn.c", "for (int i = 0; i < np; i++) ls[i] += pr[i][j];",
+        "for (int i = 0; i < np; i++) ls[i] += pr[0][j];", ["tests/runtime/test_sek_kernel.py"]),
     "int8 KV: a tie rounded away from zero, not to even": (
         "runtime/csrc/sek_attn.c",
         "q += (f > 0.5f || (f == 0.5f && (q & 1))) - (f < -0.5f || (f == -0.5f && (q & 1)));",
