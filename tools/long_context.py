@@ -8,9 +8,9 @@ llama.cpp's own llama-bench on the same GGUF, in one run.
 Ours: the target's plain step (one row, one logits row) at each depth D, stepped at past_len D over the bundle's own
 KV buffers, the median of ``repeats`` bursts of 3 after an untimed one; with --verify also its widest verify step.
 The rows a step reads are first written with random values of the cache's type (a step's cost does not depend on
-what they hold, but it does on their being in memory: rows never written are the kernel's shared zero page, which
-a step would read from cache rather than from memory). TTFT: a prompt of about N tokens (the project's own source
-text) decoded to its first token with drafter none, as `spec-run` would (``Stats.ttft_s``).
+what they hold, but it does on their being in memory: rows never written are the operating system's shared zero
+page, which a step would read from cache rather than from memory). TTFT: a prompt of about N tokens (the project's
+own source text) decoded to its first token with drafter none, as `spec-run` would (``Stats.ttft_s``).
 llama.cpp: ``llama-bench -p 0 -n 16 -d D`` (tg after D context tokens: its prefill of D tokens is not timed but takes
 as long as pp D) and ``llama-bench -p N -n 0`` (prefill of N tokens), one repetition each, the same threads.
 Prints the machine (CPU flags), the bundle's KV dtype and context, and a markdown table of both.
@@ -51,9 +51,9 @@ def _ints(s: str) -> list[int]:
 def fill_cache(dec: SpecDecoder, rows: int, seed: int = 0) -> None:
     """Writes the target's cache rows 0 .. rows-1 of slot 0, every layer and head, with random values of its type
     (an int8 row: random levels and a scale of 1/127), so those pages are the step's to read from memory."""
-    kv = dec.target.kv
-    if kv is None:
-        raise SystemExit("the target holds no cache of its own (a self draft's target?): nothing to fill")
+    kv = getattr(dec.target, "kv", None)
+    if not isinstance(kv, np.ndarray):
+        raise SystemExit("the target's KV cache is not host memory (a GPU runner): this tool times CPU bundles")
     rng = np.random.default_rng(seed)
     for layer in kv:
         for part in layer:
