@@ -38,6 +38,13 @@ def rope_tables(w, inv_freq: np.ndarray, max_positions: int) -> tuple[str, str]:
             w.add("rope.sin_cache", np.sin(freqs).astype(np.float32)))
 
 
+def identity_tables(w, half: int, max_positions: int) -> tuple[str, str]:
+    """cos 1, sin 0 at every position: the tables of a layer without RoPE (smollm3's NoPE layers). The ops compute
+    x cos + rot(x) sin, which is x exactly with these."""
+    return (w.add("rope.identity_cos", np.ones((max_positions, half), np.float32)),
+            w.add("rope.identity_sin", np.zeros((max_positions, half), np.float32)))
+
+
 class PortableAttention:
     def __init__(self, g, w, cfg, inv_freq: np.ndarray):
         d = cfg.dims
@@ -64,7 +71,8 @@ class PortableAttention:
         self.sin = g.op("Unsqueeze", g.op("Sin", emb), g.const([2]))
         self.half = g.const([self.D // 2, self.D // 2])
         self.qkv_split = g.const([self.Hq * self.D, self.Hkv * self.D, self.Hkv * self.D])
-        self.scale = g.const(1.0 / np.sqrt(self.D), np.float32)
+        self.scale = g.const(cfg.scores_scale(), np.float32)
+        self.rotates = cfg.rotates
 
     def _rope(self, x: str) -> str:  # x [B, T, heads, D], rotate-half convention
         g = self.g
@@ -75,8 +83,9 @@ class PortableAttention:
     def __call__(self, i: int, qkv: str) -> str:
         g, D, Hq, Hkv, G = self.g, self.D, self.Hq, self.Hkv, self.G
         q, k, v = g.op("Split", qkv, self.qkv_split, axis=-1, n_out=3)
-        q = self._rope(g.op("Reshape", q, g.const([0, 0, Hq, D])))  # [B, T, Hq, D]
-        k = self._rope(g.op("Reshape", k, g.const([0, 0, Hkv, D])))  # [B, T, Hkv, D]
+        rope = self._rope if self.rotates(i) else (lambda x: x)
+        q = rope(g.op("Reshape", q, g.const([0, 0, Hq, D])))  # [B, T, Hq, D]
+        k = rope(g.op("Reshape", k, g.const([0, 0, Hkv, D])))  # [B, T, Hkv, D]
         v = g.op("Reshape", v, g.const([0, 0, Hkv, D]))
         k_new = g.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
         v_new = g.op("Transpose", v, perm=[0, 2, 1, 3])
@@ -98,7 +107,23 @@ class PortableAttention:
         return g.op("Reshape", g.op("Transpose", attn, perm=[0, 3, 1, 2, 4]), g.const([0, 0, Hq * D]))
 
 
-class InplaceGqaAttention:
+class _TableAttention:
+    """What the in-place attentions share: the rotary tables (identity ones for a layer without RoPE) and the
+    scores' scale."""
+
+    def _tables(self, w, cfg, inv_freq: np.ndarray, max_positions: int) -> None:
+        d = cfg.dims
+        self.scores_scale = cfg.scores_scale()
+        self.cos, self.sin = rope_tables(w, inv_freq, max_positions)
+        self.rotates = cfg.rotates
+        self.identity = (identity_tables(w, d.head_dim // 2, max_positions)
+                      if not all(cfg.rotates(i) for i in range(d.n_layers)) else None)
+
+    def tables(self, i: int) -> tuple[str, str]:
+        return (self.cos, self.sin) if self.rotates(i) else self.identity
+
+
+class InplaceGqaAttention(_TableAttention):
     def __init__(self, g, w, cfg, inv_freq: np.ndarray, max_positions: int):
         d = cfg.dims
         self.g, self.D, self.Hq, self.Hkv = g, d.head_dim, d.n_heads, d.n_kv_heads
@@ -106,7 +131,7 @@ class InplaceGqaAttention:
         total = g.op("Add", "past_len", T)  # [B] past_len + T
         self.seqlens_k = g.op("Cast", g.op("Sub", total, g.const(1)), to=TensorProto.INT32)  # [B]
         self.total_len = g.op("Cast", g.op("ReduceMax", total, keepdims=0), to=TensorProto.INT32)  # scalar
-        self.cos, self.sin = rope_tables(w, inv_freq, max_positions)
+        self._tables(w, cfg, inv_freq, max_positions)
 
     def __call__(self, i: int, qkv: str) -> str:
         g = self.g
@@ -115,10 +140,10 @@ class InplaceGqaAttention:
         g.nodes.append(helper.make_node(
             "GroupQueryAttention",
             [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", self.seqlens_k, self.total_len,
-             self.cos, self.sin],
+             *self.tables(i)],
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"GroupQueryAttention_{g._n}",
             domain="com.microsoft", num_heads=self.Hq, kv_num_heads=self.Hkv, do_rotary=1, rotary_interleaved=0,
-            scale=float(1.0 / np.sqrt(self.D))))
+            scale=self.scores_scale))
         return out  # [B, T, Hq D]
 
 
@@ -135,10 +160,10 @@ class SekInplaceAttention(InplaceGqaAttention):
         g._n += 1
         out = f"{self.prefix}_{g._n}"
         g.nodes.append(helper.make_node(
-            self.op, [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *self.where, self.cos, self.sin,
+            self.op, [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *self.where, *self.tables(i),
                       *self.after],
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"{self.op}_{g._n}",
-            domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=float(1.0 / np.sqrt(self.D))))
+            domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=self.scores_scale))
         return out  # [B, T, Hq D]
 
 
@@ -156,4 +181,4 @@ class SekRowAttention(SekInplaceAttention):
     def __init__(self, g, w, cfg, inv_freq: np.ndarray, max_positions: int):  # no past_len: only the rotary tables
         d = cfg.dims
         self.g, self.D, self.Hq, self.Hkv = g, d.head_dim, d.n_heads, d.n_kv_heads
-        self.cos, self.sin = rope_tables(w, inv_freq, max_positions)
+        self._tables(w, cfg, inv_freq, max_positions)

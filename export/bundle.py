@@ -257,6 +257,12 @@ def _check_supported(role: str, src: WeightSource, opts: ExportOptions) -> None:
         raise UnsupportedModelError(
             f"{role} has head_dim {D}; ONNX Runtime's GroupQueryAttention (--kv-mode ort-inplace) needs a multiple "
             f"of 16: export for TensorRT with --kv-mode portable (--for datacenter-gpu; a CPU profile refuses it)")
+    fmt = opts.weights if role == "target" else draft_format(opts)
+    if fmt.intgemm_smooth and not src.config.plain_layers():
+        raise UnsupportedModelError(
+            f"--intgemm-smooth calibrates on a numpy forward pass of llama's layer; {role} is a "
+            f"{src.config.family.name} model, whose layers differ (q/k norm, multipliers or layers without RoPE): "
+            f"export it without --intgemm-smooth")
     sw = src.config.sliding_window
     if sw is not None and sw < opts.max_context:
         raise UnsupportedModelError(

@@ -23,6 +23,10 @@ class Family:
     hf_architectures: tuple[str, ...]
     gguf_architectures: tuple[str, ...]
     default_tie_embeddings: bool
+    qk_norm: bool = False  # each head's q and k RMS-normalized (over head_dim) before RoPE (qwen3)
+    # a GGUF without per-layer RoPE metadata: every n-th layer (1-based) attends without RoPE, as llama.cpp's own
+    # model code hard-codes it (smollm3: 4); 0: every layer rotates
+    gguf_nope_every: int = 0
 
 
 FAMILIES: dict[str, Family] = {
@@ -38,6 +42,17 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", qkv_bias=False, gguf_permute_qk=True,
                hf_architectures=("MistralForCausalLM",), gguf_architectures=(),
                default_tie_embeddings=False),
+        Family("qwen3", qkv_bias=False, gguf_permute_qk=False,
+               hf_architectures=("Qwen3ForCausalLM",), gguf_architectures=("qwen3",),
+               default_tie_embeddings=False, qk_norm=True),
+        # Granite 3: llama layers with four multipliers (ModelConfig's embedding/residual/attention/logit scales)
+        Family("granite", qkv_bias=False, gguf_permute_qk=True,
+               hf_architectures=("GraniteForCausalLM",), gguf_architectures=("granite",),
+               default_tie_embeddings=True),
+        # SmolLM3: llama layers, some without RoPE (ModelConfig.rope_layers)
+        Family("smollm3", qkv_bias=False, gguf_permute_qk=True,
+               hf_architectures=("SmolLM3ForCausalLM",), gguf_architectures=("smollm3",),
+               default_tie_embeddings=True, gguf_nope_every=4),
     )
 }
 
@@ -74,6 +89,22 @@ class ModelConfig:
     tie_embeddings: bool
     max_positions: int
     sliding_window: int | None = None
+    embedding_scale: float = 1.0  # the gathered embedding rows times this (granite)
+    residual_scale: float = 1.0  # each block's output times this before it joins the residual stream (granite)
+    attention_scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim) (granite sets its own)
+    logit_scale: float = 1.0  # the logits divided by this (granite)
+    rope_layers: tuple[bool, ...] | None = None  # per layer: whether it applies RoPE (None: every layer; smollm3)
+
+    def scores_scale(self) -> float:
+        return float(1.0 / np.sqrt(self.dims.head_dim)) if self.attention_scale is None else float(self.attention_scale)
+
+    def rotates(self, layer: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer]
+
+    def plain_layers(self) -> bool:
+        """Whether the model is llama's layer exactly: no q/k norm, no multipliers, RoPE in every layer."""
+        return (not self.family.qk_norm and self.rope_layers is None and self.attention_scale is None
+                and (self.embedding_scale, self.residual_scale, self.logit_scale) == (1.0, 1.0, 1.0))
 
     def inv_freq(self, rope_freq_factors: np.ndarray | None = None) -> np.ndarray:
         """RoPE inverse frequencies [D/2] (float32), with the configured scaling applied."""
@@ -105,10 +136,12 @@ def _llama3_inv_freq(inv: np.ndarray, sc: dict[str, Any]) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
-def layer_names(i: int, qkv_bias: bool) -> list[str]:
-    """Canonical per-layer weight names every loader provides."""
+def layer_names(i: int, family: Family) -> list[str]:
+    """Canonical per-layer weight names every loader provides for a family."""
     names = [f"l{i}.attn_norm", f"l{i}.q", f"l{i}.k", f"l{i}.v", f"l{i}.o",
              f"l{i}.mlp_norm", f"l{i}.gate", f"l{i}.up", f"l{i}.down"]
-    if qkv_bias:
+    if family.qkv_bias:
         names += [f"l{i}.q_bias", f"l{i}.k_bias", f"l{i}.v_bias"]
+    if family.qk_norm:
+        names += [f"l{i}.q_norm", f"l{i}.k_norm"]
     return names

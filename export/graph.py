@@ -467,6 +467,14 @@ def build_model_graph(
         std = g.op("Sqrt", g.op("Add", var, g.const(cfg.rms_eps, np.float32)))
         return g.op("Mul", g.op("Div", x, std), weight)
 
+    def head_norm(y: str, heads: int, weight: str) -> str:
+        """y [B, T, heads D]: each head's D values RMS-normalized with its weight [D] (qwen3's q and k norm)."""
+        per_head = g.op("Reshape", y, g.const([0, 0, heads, d.head_dim]))
+        return g.op("Reshape", rmsnorm(per_head, weight), g.const([0, 0, heads * d.head_dim]))
+
+    def scaled(y: str, factor: float) -> str:
+        return y if factor == 1.0 else g.op("Mul", y, g.const(np.float32(factor), np.float32))
+
     say("embeddings")
     embed_f32 = src.get("embed")  # [V, H]
     if fmt.quantized and fmt.embedding == "fp16":  # fp16 table, one row gathered per token, then widened
@@ -475,6 +483,7 @@ def build_model_graph(
     else:
         embed = w.add("embed.weight", embed_f32)
         x = g.op("Gather", embed, "input_ids", axis=0)  # [B, T, H]
+    x = scaled(x, cfg.embedding_scale)
     if (not cfg.tie_embeddings or not fmt.quantized) and head_ids is None:
         del embed_f32
 
@@ -487,12 +496,18 @@ def build_model_graph(
         if cfg.family.qkv_bias:
             bias = np.concatenate([src.get(f"l{i}.q_bias"), src.get(f"l{i}.k_bias"), src.get(f"l{i}.v_bias")])
             qkv = linear.epilogue(qkv, bias=w.add(f"{p}.attn.qkv.bias", bias))
+        if cfg.family.qk_norm:
+            q, k, v = g.op("Split", qkv, g.const([d.n_heads * d.head_dim] + [d.n_kv_heads * d.head_dim] * 2),
+                           axis=-1, n_out=3)
+            q = head_norm(q, d.n_heads, w.add(f"{p}.attn.q_norm.weight", src.get(f"l{i}.q_norm")))
+            k = head_norm(k, d.n_kv_heads, w.add(f"{p}.attn.k_norm.weight", src.get(f"l{i}.k_norm")))
+            qkv = g.op("Concat", q, k, v, axis=-1)
         attn = attention(i, qkv)  # [B, T, Hq D]; writes present.{i}.*
-        x = linear.epilogue(linear(attn, f"{p}.attn.o", [f"l{i}.o"]), residual=x)
+        x = linear.epilogue(scaled(linear(attn, f"{p}.attn.o", [f"l{i}.o"]), cfg.residual_scale), residual=x)
 
         h = rmsnorm(x, w.add(f"{p}.mlp_norm.weight", src.get(f"l{i}.mlp_norm")))
         act = linear.epilogue(linear(h, f"{p}.mlp.gate_up", [f"l{i}.gate", f"l{i}.up"]), swiglu=d.ffn)  # [B, T, F]
-        x = linear.epilogue(linear(act, f"{p}.mlp.down", [f"l{i}.down"]), residual=x)
+        x = linear.epilogue(scaled(linear(act, f"{p}.mlp.down", [f"l{i}.down"]), cfg.residual_scale), residual=x)
         residuals.append(x)
 
     say("lm_head")
@@ -513,6 +528,8 @@ def build_model_graph(
     else:
         tied = embed_f32 if cfg.tie_embeddings else None
         logits = linear(flat, "lm_head", ["lm_head"], spec=head_spec, weights=tied)  # [B*L, V]
+    if cfg.logit_scale != 1.0:  # granite: the logits divided by its logits_scaling
+        logits = g.op("Div", logits, g.const(np.float32(cfg.logit_scale), np.float32))
     out_shape = g.op("Concat", g.op("Shape", "logits_at"), g.const([n_logits]), axis=0)
     g.nodes.append(helper.make_node("Reshape", [logits, out_shape], ["logits"]))
     if argmax:  # device-side greedy: [B, L] ids, so a greedy round copies L ids instead of L x V logits.

@@ -23,7 +23,7 @@ import numpy as np
 from specedge.runtime.errors import BundleError, SpecEdgeError, UnsupportedModelError
 from specedge.runtime.manifest import ModelDims
 
-from .families import ModelConfig, family_for_gguf, family_for_hf
+from .families import Family, ModelConfig, family_for_gguf, family_for_hf, layer_names
 
 
 @dataclass
@@ -79,6 +79,7 @@ def _expected_shapes(d: ModelDims) -> dict[str, tuple[int, ...]]:
     q, kv = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
     return {"attn_norm": (d.hidden,), "mlp_norm": (d.hidden,), "q": (q, d.hidden), "k": (kv, d.hidden),
             "v": (kv, d.hidden), "o": (d.hidden, q), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
+            "q_norm": (d.head_dim,), "k_norm": (d.head_dim,),
             "gate": (d.ffn, d.hidden), "up": (d.ffn, d.hidden), "down": (d.hidden, d.ffn)}
 
 
@@ -89,9 +90,13 @@ def check_source(src: WeightSource) -> None:
     c, d = src.config, src.config.dims
     if not (math.isfinite(c.rope_theta) and c.rope_theta > 0 and math.isfinite(c.rms_eps) and c.rms_eps > 0):
         raise BundleError(f"{src.path}: rope base {c.rope_theta} and norm epsilon {c.rms_eps} must be finite and > 0")
+    for name in ("embedding_scale", "residual_scale", "attention_scale", "logit_scale"):
+        v = getattr(c, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise BundleError(f"{src.path}: the model's {name.replace('_', ' ')} is {v}; it must be finite and > 0")
     want = _expected_shapes(d)
-    required = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
-    missing = [f"l{i}.{k}" for i in range(d.n_layers) for k in required if f"l{i}.{k}" not in src.shapes]
+    missing = [n for i in range(d.n_layers) for n in layer_names(i, c.family)
+               if n not in src.shapes and not n.endswith("_bias")]  # a missing bias is zero
     if src.shapes and missing:
         raise BundleError(f"{src.path}: the configuration declares {d.n_layers} layers, and tensors "
                           f"{missing[:3]}{' ...' if len(missing) > 3 else ''} are missing")
@@ -116,6 +121,7 @@ _HF_LAYER = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k",
     "self_attn.v_proj.weight": "v", "self_attn.o_proj.weight": "o", "self_attn.q_proj.bias": "q_bias",
     "self_attn.k_proj.bias": "k_bias", "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "post_attention_layernorm.weight": "mlp_norm", "mlp.gate_proj.weight": "gate",
     "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
 }
@@ -196,10 +202,33 @@ def load_hf_dir(d: Path) -> WeightSource:
         rope_scaling=_hf_rope_scaling(cfg), tie_embeddings=tie,
         max_positions=int(cfg.get("max_position_embeddings", 2048)),
         sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+        **_hf_layer_quirks(cfg, family, dims.n_layers),
     )
     return WeightSource(config, d, "hf", lambda n: _load_st_tensor(index[n]), frozenset(index),
                         meta={"architecture": cfg.get("architectures")},
                         shapes={n: tuple(int(x) for x in e[2]) for n, e in index.items()})
+
+
+def _hf_layer_quirks(cfg: dict[str, Any], family: Family, n_layers: int) -> dict[str, Any]:
+    """ModelConfig's multipliers and RoPE layers from a Hugging Face config (granite's four multipliers, smollm3's
+    ``no_rope_layers``: 1 where the layer rotates, 0 where it does not)."""
+    out: dict[str, Any] = {}
+    if family.name == "granite":
+        out = {"embedding_scale": float(cfg.get("embedding_multiplier", 1.0)),
+               "residual_scale": float(cfg.get("residual_multiplier", 1.0)),
+               "attention_scale": float(cfg.get("attention_multiplier", 1.0)),
+               "logit_scale": float(cfg.get("logits_scaling", 1.0))}
+    flags = cfg.get("no_rope_layers") if family.name == "smollm3" else None
+    if flags is not None:
+        if len(flags) != n_layers:
+            raise BundleError(f"no_rope_layers has {len(flags)} entries for {n_layers} layers")
+        out["rope_layers"] = tuple(bool(f) for f in flags)
+    elif family.name == "smollm3":  # the config class's default: every n-th layer without RoPE
+        every = int(cfg.get("no_rope_layer_interval", 4))
+        out["rope_layers"] = tuple((i + 1) % every != 0 for i in range(n_layers))
+    if out.get("rope_layers") is not None and all(out["rope_layers"]):
+        out["rope_layers"] = None
+    return out
 
 
 def _hf_rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -216,6 +245,7 @@ _GGUF_LAYER = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v",
     "attn_output.weight": "o", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
     "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
 }
 
 
@@ -287,6 +317,7 @@ def load_gguf(path: Path) -> WeightSource:
         rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling, tie_embeddings="lm_head" not in index,
         max_positions=int(gguf_field(reader, f"{arch}.context_length", 2048)),
+        **_gguf_layer_quirks(path, reader, arch, family, dims.n_layers),
     )
     factors = None
     if "rope_freqs.weight" in tensors:
@@ -314,6 +345,20 @@ def load_gguf(path: Path) -> WeightSource:
     return WeightSource(config, path, "gguf", get, frozenset(index), rope_freq_factors=factors,
                         meta={"architecture": arch, "tensor_types": types}, _raw=raw,
                         shapes={n: tuple(int(x) for x in reversed(t.shape)) for n, t in index.items()})
+
+
+def _gguf_layer_quirks(path: Path, reader: Any, arch: str, family: Family, n_layers: int) -> dict[str, Any]:
+    """ModelConfig's multipliers and RoPE layers from GGUF metadata, under the keys llama.cpp's converter writes
+    (``{arch}.embedding_scale``, ``.residual_scale``, ``.attention.scale``, ``.logit_scale``)."""
+    out: dict[str, Any] = {}
+    for key, field_name in (("embedding_scale", "embedding_scale"), ("residual_scale", "residual_scale"),
+                            ("attention.scale", "attention_scale"), ("logit_scale", "logit_scale")):
+        v = gguf_field(reader, f"{arch}.{key}")
+        if v is not None:
+            out[field_name] = float(v)  # check_source: finite and > 0
+    if family.gguf_nope_every:
+        out["rope_layers"] = tuple((i + 1) % family.gguf_nope_every != 0 for i in range(n_layers))
+    return out
 
 
 def _gguf_int(path: Path, reader: Any, key: str, default: int | None = None) -> int:

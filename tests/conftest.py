@@ -42,18 +42,38 @@ def make_tokenizer(path: Path) -> None:
          "add_bos_token": False}))
 
 
+# What each family's tiny model sets beyond the shared dimensions: values far from 1 and from the defaults, so that
+# a multiplier or a layer quirk the export dropped shows in the logits.
+FAMILY_EXTRAS = {
+    "llama": {}, "qwen2": {},
+    "llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "qwen3": {"head_dim": 32},  # Qwen3's head_dim is its own, not hidden / heads
+    "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.09,
+                "logits_scaling": 2.5},
+    "smollm3": {"pad_token_id": 0},  # every 4th layer without RoPE: the config's default, and llama.cpp's rule
+}
+
+
 def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: int = 64, seed: int = 0,
                   init: float = 0.2, tie: bool = False) -> Path:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    names = {"llama": "Llama", "llama3": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "granite": "Granite",
+             "smollm3": "SmolLM3"}[family]
+    config_cls, model_cls = (getattr(transformers, f"{names}{x}") for x in ("Config", "ForCausalLM"))
+    extras = FAMILY_EXTRAS[family]
     torch.manual_seed(seed)
-    cfg = cls[0](vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 tie_word_embeddings=tie, initializer_range=init, rope_theta=10000.0,
-                 bos_token_id=1, eos_token_id=2)
-    model = cls[1](cfg).eval()
+    cfg = config_cls(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     tie_word_embeddings=tie, initializer_range=init, rope_theta=10000.0,
+                     bos_token_id=1, eos_token_id=2, **extras)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # norm weights away from 1 (their init): a norm applied to the wrong values shows
+        for name, p in model.named_parameters():
+            if "norm" in name and family not in ("llama", "qwen2"):
+                p.add_(torch.randn_like(p) * 0.3)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     make_tokenizer(path)

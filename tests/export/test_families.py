@@ -1,0 +1,119 @@
+"""Every family against references no one here wrote: a tiny random model from transformers' own config class, and
+its GGUF made by llama.cpp's own converter; both exported and run against transformers' fp32 logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from specedge.export.graph import build_model_graph
+from specedge.export.loaders import load_source
+
+from ..conftest import make_hf_model
+from ..llama_cpp import convert_hf_to_gguf
+
+torch = pytest.importorskip("torch")  # the reference side: not in the fast tier's venv
+
+FAMILIES = ("qwen3", "granite", "smollm3", "llama3")
+S_MAX = 96
+N_POS = 64
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory) -> dict[str, dict]:
+    """Per family: its HF folder, the same weights through llama.cpp's converter (f32), and transformers' logits
+    over 64 positions of one random sequence."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for i, fam in enumerate(FAMILIES):
+        # 4 layers: smollm3's 4th attends without RoPE
+        hf = make_hf_model(root / fam, fam, layers=4, seed=10 + i, tie=fam in ("llama3", "granite"))
+        gg = convert_hf_to_gguf(hf, root / f"{fam}.gguf")
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        ids = torch.randint(3, 320, (1, N_POS), generator=torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            logits = ref(ids).logits[0].numpy()
+        out[fam] = {"hf": hf, "gguf": gg, "ids": ids[0].numpy(), "logits": logits}
+    return out
+
+
+def _rel_rms(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+
+def _portable_logits(path, src, ids: np.ndarray, split: int) -> np.ndarray:
+    """Logits of every position, fed as ``ids[:split]`` then the rest on top of the cache (split 0: one step)."""
+    d = src.config.dims
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    kv = {f"past_key_values.{i}.{k}": np.zeros((1, d.n_kv_heads, S_MAX, d.head_dim), np.float32)
+          for i in range(d.n_layers) for k in ("key", "value")}
+    rows = []
+    for at, chunk in ((0, ids[:split]), (split, ids[split:])):
+        if not len(chunk):
+            continue
+        n = len(chunk)
+        out = sess.run(None, {"input_ids": chunk[None].astype(np.int64), "past_len": np.array([at]),
+                              "logits_at": np.arange(n)[None], **kv})
+        rows.append(out[0][0])
+        for i in range(d.n_layers):
+            kv[f"past_key_values.{i}.key"][:, :, at:at + n] = out[1 + 2 * i][:, :, :n]
+            kv[f"past_key_values.{i}.value"][:, :, at:at + n] = out[2 + 2 * i][:, :, :n]
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_exported_from_its_folder_and_from_llama_cpp_s_gguf_matches_transformers(
+        family_models, family, source, tmp_path):
+    m = family_models[family]
+    src = load_source(m[source])
+    assert src.config.family.name == ("llama" if family == "llama3" else family)
+    path, _, _ = build_model_graph(src, tmp_path, "m", max_positions=S_MAX)
+    for split in (0, 24):  # all 64 from position 0; 24 as a prefix in the cache, then 40 on top of it
+        got = _portable_logits(path, src, m["ids"], split)
+        assert _rel_rms(got, m["logits"]) < 1e-4, (family, source, split)
+
+
+def test_each_family_s_quirks_are_read_from_both_sources(family_models):
+    for source in ("hf", "gguf"):
+        c = {f: load_source(family_models[f][source]).config for f in FAMILIES}
+        assert c["qwen3"].family.qk_norm and c["qwen3"].dims.head_dim == 32
+        g = c["granite"]
+        got = (g.embedding_scale, g.residual_scale, g.attention_scale, g.logit_scale)
+        assert got == pytest.approx((3.0, 0.4, 0.09, 2.5), rel=1e-6)  # GGUF holds them as float32
+        assert c["smollm3"].rope_layers == (True, True, True, False)
+        assert all(x.plain_layers() for x in (c["llama3"],)) and c["llama3"].tie_embeddings
+    assert load_source(family_models["llama3"]["gguf"]).rope_freq_factors is not None  # llama3 RoPE, as ggml has it
+    assert load_source(family_models["llama3"]["hf"]).config.rope_scaling["rope_type"] == "llama3"
+
+
+def _inplace_logits(path, src, ids: np.ndarray, split: int) -> np.ndarray:
+    """As _portable_logits, through an ort-inplace graph: each step's present buffers are the next step's past."""
+    d = src.config.dims
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    kv = {f"past_key_values.{i}.{k}": np.zeros((1, d.n_kv_heads, S_MAX, d.head_dim), np.float32)
+          for i in range(d.n_layers) for k in ("key", "value")}
+    rows = []
+    for at, chunk in ((0, ids[:split]), (split, ids[split:])):
+        if not len(chunk):
+            continue
+        out = sess.run(None, {"input_ids": chunk[None].astype(np.int64), "past_len": np.array([at]),
+                              "logits_at": np.arange(len(chunk))[None], **kv})
+        rows.append(out[0][0])
+        kv = {f"past_key_values.{i}.{k}": out[1 + 2 * i + j] for i in range(d.n_layers)
+              for j, k in enumerate(("key", "value"))}
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_in_place_attention_takes_each_family_s_layers(family_models, family, tmp_path):
+    """ONNX Runtime's GroupQueryAttention with the cache bound in place: rotary tables from the graph (identity
+    ones for smollm3's layers without RoPE) and the family's own score scale."""
+    m = family_models[family]
+    src = load_source(m["hf"])
+    path, _, _ = build_model_graph(src, tmp_path, "m", kv_mode="ort-inplace", max_positions=S_MAX)
+    for split in (0, 24):
+        assert _rel_rms(_inplace_logits(path, src, m["ids"], split), m["logits"]) < 1e-4, (family, split)
