@@ -11,7 +11,7 @@ from specedge.export.graph import build_model_graph
 from specedge.export.loaders import load_source
 
 from ..conftest import make_hf_model
-from ..llama_cpp import convert_hf_to_gguf
+from ..llama_cpp import convert_hf_to_gguf, requantize_gguf
 
 torch = pytest.importorskip("torch")  # the reference side: not in the fast tier's venv
 
@@ -117,3 +117,82 @@ def test_the_in_place_attention_takes_each_family_s_layers(family_models, family
     path, _, _ = build_model_graph(src, tmp_path, "m", kv_mode="ort-inplace", max_positions=S_MAX)
     for split in (0, 24):
         assert _rel_rms(_inplace_logits(path, src, m["ids"], split), m["logits"]) < 1e-4, (family, split)
+
+
+@pytest.fixture(scope="module")
+def family_drafts(tmp_path_factory) -> dict[str, object]:
+    """A draft model of each family: one layer, half the width, other weights."""
+    root = tmp_path_factory.mktemp("family-drafts")
+    return {f: make_hf_model(root / f, f, layers=1, hidden=32, seed=40 + i, tie=f in ("llama3", "granite"))
+            for i, f in enumerate(FAMILIES)}
+
+
+def _q4_blocks(name: str):
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if name == "token_embd.weight":
+        return Q.F32
+    return Q.Q8_0 if name == "output.weight" else Q.Q4_1 if "ffn_down" in name else Q.Q4_0
+
+
+def _opts(**kw):
+    from specedge.export.bundle import ExportOptions
+
+    return ExportOptions(k=4, max_context=128, prefill_chunk=16, verify_widths=(2, 3), **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_s_gguf_blocks_are_carried_and_compute_as_its_fp32_export(family_models, family, tmp_path):
+    """llama.cpp's GGUF with its linears in Q4_0/Q4_1 blocks (the head Q8_0 where untied): every matrix carried as
+    the file holds it, nothing re-quantized; fp32 compute (accuracy level 0, fp32 head and embedding) gives the
+    logits of the same GGUF exported fp32, as for the llama family (test_quantized_bundle)."""
+    from specedge.export.bundle import export_bundle
+    from specedge.export.quant import WeightFormat
+    from specedge.runtime import SpecDecoder
+
+    m = family_models[family]
+    gg = requantize_gguf(m["gguf"], tmp_path / "q4.gguf", _q4_blocks)
+    n_layers = load_source(gg).config.dims.n_layers
+    fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts()).out)
+    q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "q", _opts(
+        weights=WeightFormat("int4", accuracy_level=0, lm_head="fp32", embedding="fp32"))).out)
+    info = q.manifest.target.quant
+    assert info["repacked_from_gguf"] == 7 * n_layers and info["requantized"] == 0, info
+    ids = np.array(m["ids"][:5])
+    a = np.array(fp32.target.step(ids, 0, all_logits=True)[:5])
+    b = np.array(q.target.step(ids, 0, all_logits=True)[:5])
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+PROMPTS = ["def fib(n):", "hello world hello world hello", "the cat sat on the"]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_default_cpu_form_decodes_each_family_speculatively_bitwise_plain(
+        family_models, family_drafts, family, source, tmp_path):
+    """The CPU profile's form (specedge's int4 kernels, row-addressed steps, fp16 KV): greedy and seeded sampling
+    equal plain decoding token for token with prompt lookup, a draft model of the same family and auto."""
+    from specedge.export.bundle import export_bundle
+    from specedge.export.quant import WeightFormat
+    from specedge.runtime import SamplingParams, SpecDecoder
+
+    m = family_models[family]
+    target = requantize_gguf(m["gguf"], tmp_path / "q4.gguf", _q4_blocks) if source == "gguf" else m["hf"]
+    out = export_bundle(target, family_drafts[family], tmp_path / "b", _opts(
+        weights=WeightFormat("int4", form="specedge"), kv_mode="rows", kv_dtype="float16")).out
+    dec = SpecDecoder.load(out)
+    assert dec.manifest.target.quant["format"] == "SekMatMul"
+    if source == "gguf":  # every block carried; a tied head is made from the float embedding table
+        assert dec.manifest.target.quant["requantized"] == int(load_source(target).config.tie_embeddings)
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.9, seed=5)
+    for prompt in PROMPTS:
+        for params in (greedy, sampled):
+            plain = dec.generate(prompt, params, drafter="none").token_ids
+            assert len(plain) == 24
+            for drafter, k in (("prompt-lookup", 4), ("model", 1), ("model", 4), ("auto", 4)):
+                res = dec.generate(prompt, params, drafter=drafter, k=k)
+                assert res.token_ids == plain, (family, source, prompt, drafter, k, params.temperature)
+                assert drafter != "model" or res.stats.drafted > 0

