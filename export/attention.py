@@ -31,11 +31,11 @@ from specedge.runtime.manifest import (
 )
 
 
-def rope_tables(w, inv_freq: np.ndarray, max_positions: int) -> tuple[str, str]:
+def rope_tables(w, inv_freq: np.ndarray, max_positions: int, prefix: str = "rope") -> tuple[str, str]:
     """The cos and sin tables [positions, D/2] the in-place attentions rotate by (rotate-half)."""
     freqs = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))  # [S_max, D/2]
-    return (w.add("rope.cos_cache", np.cos(freqs).astype(np.float32)),
-            w.add("rope.sin_cache", np.sin(freqs).astype(np.float32)))
+    return (w.add(f"{prefix}.cos_cache", np.cos(freqs).astype(np.float32)),
+            w.add(f"{prefix}.sin_cache", np.sin(freqs).astype(np.float32)))
 
 
 def identity_tables(w, half: int, max_positions: int) -> tuple[str, str]:
@@ -65,25 +65,33 @@ class PortableAttention:
                                    axis=0)  # [S_max, T]
         positions = g.op("Add", past_col, g.op("Unsqueeze", ar_T, g.const([0])))  # [B, T]
         pos_f = g.op("Unsqueeze", g.op("Cast", positions, to=TensorProto.FLOAT), g.const([2]))  # [B, T, 1]
-        freqs = g.op("Mul", pos_f, w.add("rope.inv_freq", inv_freq))  # [B, T, D/2]
-        emb = g.op("Concat", freqs, freqs, axis=-1)  # [B, T, D]
-        self.cos = g.op("Unsqueeze", g.op("Cos", emb), g.const([2]))  # [B, T, 1, D]
-        self.sin = g.op("Unsqueeze", g.op("Sin", emb), g.const([2]))
+
+        def cos_sin(name: str, inv: np.ndarray) -> tuple[str, str]:
+            freqs = g.op("Mul", pos_f, w.add(name, inv))  # [B, T, D/2]
+            emb = g.op("Concat", freqs, freqs, axis=-1)  # [B, T, D]
+            return (g.op("Unsqueeze", g.op("Cos", emb), g.const([2])),  # [B, T, 1, D]
+                    g.op("Unsqueeze", g.op("Sin", emb), g.const([2])))
+
+        self.cos, self.sin = cos_sin("rope.inv_freq", inv_freq)
+        self.local = (cos_sin("rope.local_inv_freq", cfg.local_inv_freq())
+                      if any(cfg.is_local(i) for i in range(d.n_layers)) else None)
+        self.is_local = cfg.is_local
         self.half = g.const([self.D // 2, self.D // 2])
         self.qkv_split = g.const([self.Hq * self.D, self.Hkv * self.D, self.Hkv * self.D])
         self.scale = g.const(cfg.scores_scale(), np.float32)
         self.rotates = cfg.rotates
 
-    def _rope(self, x: str) -> str:  # x [B, T, heads, D], rotate-half convention
+    def _rope(self, x: str, cos: str, sin: str) -> str:  # x [B, T, heads, D], rotate-half convention
         g = self.g
         x1, x2 = g.op("Split", x, self.half, axis=-1, n_out=2)
         rot = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
-        return g.op("Add", g.op("Mul", x, self.cos), g.op("Mul", rot, self.sin))
+        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
 
     def __call__(self, i: int, qkv: str) -> str:
         g, D, Hq, Hkv, G = self.g, self.D, self.Hq, self.Hkv, self.G
         q, k, v = g.op("Split", qkv, self.qkv_split, axis=-1, n_out=3)
-        rope = self._rope if self.rotates(i) else (lambda x: x)
+        cos, sin = self.local if self.is_local(i) else (self.cos, self.sin)
+        rope = (lambda x: self._rope(x, cos, sin)) if self.rotates(i) else (lambda x: x)
         q = rope(g.op("Reshape", q, g.const([0, 0, Hq, D])))  # [B, T, Hq, D]
         k = rope(g.op("Reshape", k, g.const([0, 0, Hkv, D])))  # [B, T, Hkv, D]
         v = g.op("Reshape", v, g.const([0, 0, Hkv, D]))
@@ -115,12 +123,17 @@ class _TableAttention:
         d = cfg.dims
         self.scores_scale = cfg.scores_scale()
         self.cos, self.sin = rope_tables(w, inv_freq, max_positions)
-        self.rotates = cfg.rotates
+        self.rotates, self.is_local = cfg.rotates, cfg.is_local
+        layers = range(d.n_layers)
         self.identity = (identity_tables(w, d.head_dim // 2, max_positions)
-                      if not all(cfg.rotates(i) for i in range(d.n_layers)) else None)
+                         if not all(cfg.rotates(i) for i in layers) else None)
+        self.local = (rope_tables(w, cfg.local_inv_freq(), max_positions, "rope.local")
+                      if any(cfg.is_local(i) for i in layers) else None)
 
     def tables(self, i: int) -> tuple[str, str]:
-        return (self.cos, self.sin) if self.rotates(i) else self.identity
+        if not self.rotates(i):
+            return self.identity
+        return self.local if self.is_local(i) else (self.cos, self.sin)
 
 
 class InplaceGqaAttention(_TableAttention):

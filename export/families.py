@@ -27,6 +27,12 @@ class Family:
     # a GGUF without per-layer RoPE metadata: every n-th layer (1-based) attends without RoPE, as llama.cpp's own
     # model code hard-codes it (smollm3: 4); 0: every layer rotates
     gguf_nope_every: int = 0
+    # gemma3: the embedding rows times sqrt(hidden); an RMSNorm weight w applied as (1 + w) (llama.cpp's converter
+    # stores 1 + w); a norm after attention and after the MLP besides the ones before; GeGLU (tanh GELU)
+    gemma: bool = False
+    # a GGUF's local (sliding-window) layers by llama.cpp's rule where the file does not list them: layer il is
+    # local unless il % n == n - 1 (gemma3: 6); their RoPE base {arch}.rope.freq_base_swa, else 10000
+    gguf_local_pattern: int = 0
 
 
 FAMILIES: dict[str, Family] = {
@@ -49,6 +55,10 @@ FAMILIES: dict[str, Family] = {
         Family("granite", qkv_bias=False, gguf_permute_qk=True,
                hf_architectures=("GraniteForCausalLM",), gguf_architectures=("granite",),
                default_tie_embeddings=True),
+        # Gemma 3 text models: local layers (a sliding window, their own RoPE base) between global ones
+        Family("gemma3", qkv_bias=False, gguf_permute_qk=False,
+               hf_architectures=("Gemma3ForCausalLM",), gguf_architectures=("gemma3",),
+               default_tie_embeddings=True, qk_norm=True, gemma=True, gguf_local_pattern=6),
         # SmolLM3: llama layers, some without RoPE (ModelConfig.rope_layers)
         Family("smollm3", qkv_bias=False, gguf_permute_qk=True,
                hf_architectures=("SmolLM3ForCausalLM",), gguf_architectures=("smollm3",),
@@ -94,6 +104,10 @@ class ModelConfig:
     attention_scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim) (granite sets its own)
     logit_scale: float = 1.0  # the logits divided by this (granite)
     rope_layers: tuple[bool, ...] | None = None  # per layer: whether it applies RoPE (None: every layer; smollm3)
+    # per layer: whether it is a local one, attending over the last ``sliding_window`` positions with RoPE base
+    # ``local_rope_theta`` and no scaling (None: no local layers; gemma3)
+    local_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float = 10000.0
 
     def scores_scale(self) -> float:
         return float(1.0 / np.sqrt(self.dims.head_dim)) if self.attention_scale is None else float(self.attention_scale)
@@ -101,9 +115,17 @@ class ModelConfig:
     def rotates(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]
 
+    def is_local(self, layer: int) -> bool:
+        return self.local_layers is not None and self.local_layers[layer]
+
+    def local_inv_freq(self) -> np.ndarray:
+        d = self.dims.head_dim
+        return (1.0 / (self.local_rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))).astype(np.float32)
+
     def plain_layers(self) -> bool:
         """Whether the model is llama's layer exactly: no q/k norm, no multipliers, RoPE in every layer."""
-        return (not self.family.qk_norm and self.rope_layers is None and self.attention_scale is None
+        return (not self.family.qk_norm and not self.family.gemma and self.rope_layers is None
+                and self.local_layers is None and self.attention_scale is None
                 and (self.embedding_scale, self.residual_scale, self.logit_scale) == (1.0, 1.0, 1.0))
 
     def inv_freq(self, rope_freq_factors: np.ndarray | None = None) -> np.ndarray:
@@ -144,4 +166,6 @@ def layer_names(i: int, family: Family) -> list[str]:
         names += [f"l{i}.q_bias", f"l{i}.k_bias", f"l{i}.v_bias"]
     if family.qk_norm:
         names += [f"l{i}.q_norm", f"l{i}.k_norm"]
+    if family.gemma:
+        names += [f"l{i}.post_attn_norm", f"l{i}.post_mlp_norm"]
     return names

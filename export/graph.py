@@ -472,6 +472,17 @@ def build_model_graph(
         per_head = g.op("Reshape", y, g.const([0, 0, heads, d.head_dim]))
         return g.op("Reshape", rmsnorm(per_head, weight), g.const([0, 0, heads * d.head_dim]))
 
+    def geglu(gate_up: str) -> str:
+        """gate|up [.., 2F] -> gelu(gate) * up, GELU's tanh form (gemma's gelu_pytorch_tanh), element by element:
+        0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))."""
+        gate, up = g.op("Split", gate_up, g.const([d.ffn, d.ffn]), axis=-1, n_out=2)
+        cube = g.op("Mul", g.op("Mul", gate, gate), gate)
+        inner = g.op("Mul", g.op("Add", gate, g.op("Mul", cube, g.const(np.float32(0.044715), np.float32))),
+                     g.const(np.float32(np.sqrt(2.0 / np.pi)), np.float32))
+        half = g.op("Mul", gate, g.const(np.float32(0.5), np.float32))
+        gelu = g.op("Mul", half, g.op("Add", g.op("Tanh", inner), g.const(np.float32(1.0), np.float32)))
+        return g.op("Mul", gelu, up)
+
     def scaled(y: str, factor: float) -> str:
         return y if factor == 1.0 else g.op("Mul", y, g.const(np.float32(factor), np.float32))
 
@@ -503,11 +514,18 @@ def build_model_graph(
             k = head_norm(k, d.n_kv_heads, w.add(f"{p}.attn.k_norm.weight", src.get(f"l{i}.k_norm")))
             qkv = g.op("Concat", q, k, v, axis=-1)
         attn = attention(i, qkv)  # [B, T, Hq D]; writes present.{i}.*
-        x = linear.epilogue(scaled(linear(attn, f"{p}.attn.o", [f"l{i}.o"]), cfg.residual_scale), residual=x)
+        y = linear(attn, f"{p}.attn.o", [f"l{i}.o"])
+        if cfg.family.gemma:  # the attention's output normalized before it joins the stream
+            y = rmsnorm(y, w.add(f"{p}.attn.post_norm.weight", src.get(f"l{i}.post_attn_norm")))
+        x = linear.epilogue(scaled(y, cfg.residual_scale), residual=x)
 
         h = rmsnorm(x, w.add(f"{p}.mlp_norm.weight", src.get(f"l{i}.mlp_norm")))
-        act = linear.epilogue(linear(h, f"{p}.mlp.gate_up", [f"l{i}.gate", f"l{i}.up"]), swiglu=d.ffn)  # [B, T, F]
-        x = linear.epilogue(scaled(linear(act, f"{p}.mlp.down", [f"l{i}.down"]), cfg.residual_scale), residual=x)
+        gate_up = linear(h, f"{p}.mlp.gate_up", [f"l{i}.gate", f"l{i}.up"])
+        act = geglu(gate_up) if cfg.family.gemma else linear.epilogue(gate_up, swiglu=d.ffn)  # [B, T, F]
+        y = linear(act, f"{p}.mlp.down", [f"l{i}.down"])
+        if cfg.family.gemma:
+            y = rmsnorm(y, w.add(f"{p}.mlp.post_norm.weight", src.get(f"l{i}.post_mlp_norm")))
+        x = linear.epilogue(scaled(y, cfg.residual_scale), residual=x)
         residuals.append(x)
 
     say("lm_head")

@@ -79,7 +79,8 @@ def _expected_shapes(d: ModelDims) -> dict[str, tuple[int, ...]]:
     q, kv = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
     return {"attn_norm": (d.hidden,), "mlp_norm": (d.hidden,), "q": (q, d.hidden), "k": (kv, d.hidden),
             "v": (kv, d.hidden), "o": (d.hidden, q), "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,),
-            "q_norm": (d.head_dim,), "k_norm": (d.head_dim,),
+            "q_norm": (d.head_dim,), "k_norm": (d.head_dim,), "post_attn_norm": (d.hidden,),
+            "post_mlp_norm": (d.hidden,),
             "gate": (d.ffn, d.hidden), "up": (d.ffn, d.hidden), "down": (d.hidden, d.ffn)}
 
 
@@ -127,12 +128,18 @@ _HF_LAYER = {
 }
 
 
-def _canonical_hf(name: str) -> str | None:
+# Gemma's layer: post_attention_layernorm normalizes the attention's output; the MLP's input norm is its own
+_HF_GEMMA_LAYER = {**_HF_LAYER, "post_attention_layernorm.weight": "post_attn_norm",
+                   "pre_feedforward_layernorm.weight": "mlp_norm", "post_feedforward_layernorm.weight": "post_mlp_norm"}
+
+
+def _canonical_hf(name: str, family: Family) -> str | None:
     if name in _HF_TOP:
         return _HF_TOP[name]
+    layer = _HF_GEMMA_LAYER if family.gemma else _HF_LAYER
     parts = name.split(".", 3)
-    if len(parts) == 4 and parts[0] == "model" and parts[1] == "layers" and parts[3] in _HF_LAYER:
-        return f"l{int(parts[2])}.{_HF_LAYER[parts[3]]}"
+    if len(parts) == 4 and parts[0] == "model" and parts[1] == "layers" and parts[3] in layer:
+        return f"l{int(parts[2])}.{layer[parts[3]]}"
     return None
 
 
@@ -185,7 +192,7 @@ def load_hf_dir(d: Path) -> WeightSource:
     index: dict[str, Any] = {}
     for f in files:
         for name, entry in _read_safetensors_index(f).items():
-            canon = _canonical_hf(name)
+            canon = _canonical_hf(name, family)
             if canon is not None:
                 index[canon] = entry
     n_heads = cfg["num_attention_heads"]
@@ -198,13 +205,20 @@ def load_hf_dir(d: Path) -> WeightSource:
     tie = bool(cfg.get("tie_word_embeddings", family.default_tie_embeddings)) or "lm_head" not in index
     config = ModelConfig(
         family=family, dims=dims, rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=float(cfg.get("rope_theta") or _hf_global_rope(cfg).get("rope_theta", 10000.0)),
         rope_scaling=_hf_rope_scaling(cfg), tie_embeddings=tie,
         max_positions=int(cfg.get("max_position_embeddings", 2048)),
-        sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+        sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window", True)
+                        and (not family.gemma or "sliding_attention" in (cfg.get("layer_types") or [])) else None),
         **_hf_layer_quirks(cfg, family, dims.n_layers),
     )
-    return WeightSource(config, d, "hf", lambda n: _load_st_tensor(index[n]), frozenset(index),
+    def get(name: str) -> np.ndarray:
+        w = _load_st_tensor(index[name])
+        if family.gemma and name.endswith("norm"):  # Gemma's RMSNorm scales by 1 + w, in float32
+            w = w.astype(np.float32) + np.float32(1.0)
+        return w
+
+    return WeightSource(config, d, "hf", get, frozenset(index),
                         meta={"architecture": cfg.get("architectures")},
                         shapes={n: tuple(int(x) for x in e[2]) for n, e in index.items()})
 
@@ -228,11 +242,35 @@ def _hf_layer_quirks(cfg: dict[str, Any], family: Family, n_layers: int) -> dict
         out["rope_layers"] = tuple((i + 1) % every != 0 for i in range(n_layers))
     if out.get("rope_layers") is not None and all(out["rope_layers"]):
         out["rope_layers"] = None
+    if family.gemma:
+        if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
+            raise UnsupportedModelError("soft-capped attention or logits (Gemma 2) are not supported")
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported")
+        out["embedding_scale"] = float(np.float32(cfg["hidden_size"] ** 0.5))  # as transformers casts it
+        out["attention_scale"] = float(cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256))) ** -0.5
+        types = cfg.get("layer_types") or []
+        if len(types) != n_layers:
+            raise BundleError(f"layer_types has {len(types)} entries for {n_layers} layers")
+        local = tuple(t == "sliding_attention" for t in types)
+        if any(local):
+            out["local_layers"] = local
+            rp = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+            if rp.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"local layers' rope scaling {rp.get('rope_type')!r} is not supported")
+            out["local_rope_theta"] = float(rp.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
     return out
 
 
+def _hf_global_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of the global layers: ``rope_parameters`` itself, or its ``full_attention`` entry where
+    it holds one per layer type (gemma3)."""
+    rp = cfg.get("rope_parameters") or {}
+    return rp.get("full_attention", rp) if isinstance(rp.get("full_attention"), dict) else rp
+
+
 def _hf_rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    sc = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    sc = cfg.get("rope_scaling") or _hf_global_rope(cfg)
     if not sc:
         return None
     kind = sc.get("rope_type", sc.get("type", "default"))
@@ -246,6 +284,7 @@ _GGUF_LAYER = {
     "attn_output.weight": "o", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
     "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_mlp_norm",
 }
 
 
@@ -358,6 +397,19 @@ def _gguf_layer_quirks(path: Path, reader: Any, arch: str, family: Family, n_lay
             out[field_name] = float(v)  # check_source: finite and > 0
     if family.gguf_nope_every:
         out["rope_layers"] = tuple((i + 1) % family.gguf_nope_every != 0 for i in range(n_layers))
+    if family.gemma:
+        if gguf_field(reader, f"{arch}.final_logit_softcapping"):
+            raise UnsupportedModelError(f"{path}: soft-capped logits are not supported")
+        out["embedding_scale"] = float(np.float32(_gguf_int(path, reader, f"{arch}.embedding_length") ** 0.5))
+        window = gguf_field(reader, f"{arch}.attention.sliding_window")
+        if window:
+            listed = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
+            n = family.gguf_local_pattern if listed is None or isinstance(listed, list) else int(listed)
+            local = (tuple(bool(x) for x in listed) if isinstance(listed, list)
+                     else tuple(n == 0 or i % n < n - 1 for i in range(n_layers)))
+            out["local_layers"] = local
+            out["local_rope_theta"] = float(gguf_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+            out["sliding_window"] = int(window)
     return out
 
 

@@ -51,6 +51,8 @@ FAMILY_EXTRAS = {
     "qwen3": {"head_dim": 32},  # Qwen3's head_dim is its own, not hidden / heads
     "granite": {"embedding_multiplier": 3.0, "residual_multiplier": 0.4, "attention_multiplier": 0.09,
                 "logits_scaling": 2.5},
+    # 6 layers of gemma3: five local ones, then a global one (llama.cpp's rule); a window no step reaches
+    "gemma3": {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 128, "pad_token_id": 0},
     "smollm3": {"pad_token_id": 0},  # every 4th layer without RoPE: the config's default, and llama.cpp's rule
 }
 
@@ -61,14 +63,16 @@ def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: in
     import transformers
 
     names = {"llama": "Llama", "llama3": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "granite": "Granite",
-             "smollm3": "SmolLM3"}[family]
-    config_cls, model_cls = (getattr(transformers, f"{names}{x}") for x in ("Config", "ForCausalLM"))
+             "smollm3": "SmolLM3", "gemma3": "Gemma3"}[family]
+    config_cls = getattr(transformers, f"{names}TextConfig" if family == "gemma3" else f"{names}Config")
+    model_cls = getattr(transformers, f"{names}ForCausalLM")
     extras = FAMILY_EXTRAS[family]
     torch.manual_seed(seed)
     cfg = config_cls(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                     tie_word_embeddings=tie, initializer_range=init, rope_theta=10000.0,
-                     bos_token_id=1, eos_token_id=2, **extras)
+                     tie_word_embeddings=tie, initializer_range=init, bos_token_id=1, eos_token_id=2,
+                     # gemma3: its own two bases, 10^6 for the global layers and 10^4 for the local ones
+                     **({} if family == "gemma3" else {"rope_theta": 10000.0}), **extras)
     model = model_cls(cfg).eval()
     with torch.no_grad():  # norm weights away from 1 (their init): a norm applied to the wrong values shows
         for name, p in model.named_parameters():
@@ -77,6 +81,9 @@ def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: in
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     make_tokenizer(path)
+    if family == "gemma3":  # else transformers takes Gemma's own tokenizer class, which adds its special tokens
+        cfg_path = path / "tokenizer_config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
 
 

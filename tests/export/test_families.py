@@ -15,7 +15,7 @@ from ..llama_cpp import convert_hf_to_gguf, requantize_gguf
 
 torch = pytest.importorskip("torch")  # the reference side: not in the fast tier's venv
 
-FAMILIES = ("qwen3", "granite", "smollm3", "llama3")
+FAMILIES = ("qwen3", "granite", "smollm3", "llama3", "gemma3")
 S_MAX = 96
 N_POS = 64
 
@@ -27,8 +27,9 @@ def family_models(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("families")
     out = {}
     for i, fam in enumerate(FAMILIES):
-        # 4 layers: smollm3's 4th attends without RoPE
-        hf = make_hf_model(root / fam, fam, layers=4, seed=10 + i, tie=fam in ("llama3", "granite"))
+        # 4 layers: smollm3's 4th attends without RoPE; 6: gemma3's 6th is its global one
+        hf = make_hf_model(root / fam, fam, layers=6 if fam == "gemma3" else 4, seed=10 + i,
+                           tie=fam in ("llama3", "granite", "gemma3"))
         gg = convert_hf_to_gguf(hf, root / f"{fam}.gguf")
         from transformers import AutoModelForCausalLM
 
@@ -85,6 +86,9 @@ def test_each_family_s_quirks_are_read_from_both_sources(family_models):
         got = (g.embedding_scale, g.residual_scale, g.attention_scale, g.logit_scale)
         assert got == pytest.approx((3.0, 0.4, 0.09, 2.5), rel=1e-6)  # GGUF holds them as float32
         assert c["smollm3"].rope_layers == (True, True, True, False)
+        gm = c["gemma3"]
+        assert gm.local_layers == (True,) * 5 + (False,) and gm.sliding_window == 128
+        assert (gm.local_rope_theta, gm.rope_theta) == (10000.0, 1e6) and gm.embedding_scale == pytest.approx(8.0)
         assert all(x.plain_layers() for x in (c["llama3"],)) and c["llama3"].tie_embeddings
     assert load_source(family_models["llama3"]["gguf"]).rope_freq_factors is not None  # llama3 RoPE, as ggml has it
     assert load_source(family_models["llama3"]["hf"]).config.rope_scaling["rope_type"] == "llama3"
@@ -123,7 +127,7 @@ def test_the_in_place_attention_takes_each_family_s_layers(family_models, family
 def family_drafts(tmp_path_factory) -> dict[str, object]:
     """A draft model of each family: one layer, half the width, other weights."""
     root = tmp_path_factory.mktemp("family-drafts")
-    return {f: make_hf_model(root / f, f, layers=1, hidden=32, seed=40 + i, tie=f in ("llama3", "granite"))
+    return {f: make_hf_model(root / f, f, layers=1, hidden=32, seed=40 + i, tie=f in ("llama3", "granite", "gemma3"))
             for i, f in enumerate(FAMILIES)}
 
 
