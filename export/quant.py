@@ -199,7 +199,7 @@ def dequantize(p: Packed) -> np.ndarray:
 # carried exactly (to one fp32 rounding of o) as Packed.offsets; the graph adds sum_b o_b (sum of x over block b).
 # Q6_K (w = d sc_j (q - 32), 6-bit q, a signed 8-bit scale per 16 values) is exact as 8-bit with block 16.
 GGUF_REPACKABLE = {"Q4_0": (32, 18, 4), "Q8_0": (32, 34, 8), "Q4_1": (32, 20, 4), "Q4_K": (256, 144, 4),
-                   "Q6_K": (256, 210, 8)}
+                   "Q6_K": (256, 210, 8), "Q5_0": (32, 22, 8)}  # Q5_0: its 5-bit levels carried at 8 bits
 GGUF_OFFSET_TYPES = ("Q4_1", "Q4_K")  # need Packed.offsets
 
 
@@ -213,7 +213,8 @@ def _q4k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed:
-    """GGUF Q4_0 / Q8_0 / Q4_1 / Q4_K rows (uint8 [N, row bytes]) -> Packed, exact (see GGUF_REPACKABLE).
+    """GGUF Q4_0 / Q8_0 / Q4_1 / Q4_K / Q6_K / Q5_0 rows (uint8 [N, row bytes]) -> Packed, exact (see
+    GGUF_REPACKABLE).
     K (inputs per row) follows from the row bytes; ``k``, if given, is checked against it."""
     if type_name not in GGUF_REPACKABLE:
         raise UnsupportedModelError(f"GGUF {type_name} has no exact MatMulNBits form; only {sorted(GGUF_REPACKABLE)}")
@@ -243,6 +244,13 @@ def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed
         return Packed(np.ascontiguousarray(b), scales, None, k, 8, 16, superblocks=sb)
     if type_name == "Q8_0":
         b = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # signed q -> q + 128
+        return Packed(np.ascontiguousarray(b), f16(0, 2), None, k, bits, block)
+    if type_name == "Q5_0":  # d, 4 bytes of fifth bits, 16 of nibbles: w = d (q - 16), q in 0..31
+        qh = blocks[..., 2:6].copy().view("<u4")[..., 0]  # [N, kb]: bit j is element j's fifth bit
+        qs = blocks[..., 6:22]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)  # elements 0..15, then 16..31
+        high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+        b = (low + (high << 4) - 16 + 128).astype(np.uint8)  # q - 16 in -16..15 at MatMulNBits' 8-bit zero point
         return Packed(np.ascontiguousarray(b), f16(0, 2), None, k, bits, block)
     if type_name == "Q4_K":
         d, dmin = f16(0, 2), f16(2, 4)  # [N, kb]

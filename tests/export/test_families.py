@@ -131,13 +131,18 @@ def family_drafts(tmp_path_factory) -> dict[str, object]:
             for i, f in enumerate(FAMILIES)}
 
 
-def _q4_blocks(name: str):
+def _gguf_blocks(name: str):
+    """The block types of the families' GGUFs: as a Q4_K_M file of a model whose rows are not whole 256-value
+    super-blocks holds them (Gemma 3 270M: Q5_0 for most matrices), with Q4_0 and Q4_1 beside."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
     if name == "token_embd.weight":
         return Q.F32
-    return Q.Q8_0 if name == "output.weight" else Q.Q4_1 if "ffn_down" in name else Q.Q4_0
+    if name == "output.weight":
+        return Q.Q8_0
+    return (Q.Q4_1 if "ffn_down" in name else Q.Q5_0 if any(p in name for p in ("attn_q.", "attn_k.", "ffn_gate"))
+            else Q.Q4_0)
 
 
 def _opts(**kw):
@@ -148,7 +153,7 @@ def _opts(**kw):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_family_s_gguf_blocks_are_carried_and_compute_as_its_fp32_export(family_models, family, tmp_path):
-    """llama.cpp's GGUF with its linears in Q4_0/Q4_1 blocks (the head Q8_0 where untied): every matrix carried as
+    """llama.cpp's GGUF with its linears in Q4_0/Q4_1/Q5_0 blocks (the head Q8_0 where untied): every matrix carried as
     the file holds it, nothing re-quantized; fp32 compute (accuracy level 0, fp32 head and embedding) gives the
     logits of the same GGUF exported fp32, as for the llama family (test_quantized_bundle)."""
     from specedge.export.bundle import export_bundle
@@ -156,7 +161,7 @@ def test_a_family_s_gguf_blocks_are_carried_and_compute_as_its_fp32_export(famil
     from specedge.runtime import SpecDecoder
 
     m = family_models[family]
-    gg = requantize_gguf(m["gguf"], tmp_path / "q4.gguf", _q4_blocks)
+    gg = requantize_gguf(m["gguf"], tmp_path / "q4.gguf", _gguf_blocks)
     n_layers = load_source(gg).config.dims.n_layers
     fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts()).out)
     q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "q", _opts(
@@ -183,7 +188,7 @@ def test_the_default_cpu_form_decodes_each_family_speculatively_bitwise_plain(
     from specedge.runtime import SamplingParams, SpecDecoder
 
     m = family_models[family]
-    target = requantize_gguf(m["gguf"], tmp_path / "q4.gguf", _q4_blocks) if source == "gguf" else m["hf"]
+    target = requantize_gguf(m["gguf"], tmp_path / "q4.gguf", _gguf_blocks) if source == "gguf" else m["hf"]
     out = export_bundle(target, family_drafts[family], tmp_path / "b", _opts(
         weights=WeightFormat("int4", form="specedge"), kv_mode="rows", kv_dtype="float16")).out
     dec = SpecDecoder.load(out)

@@ -165,7 +165,7 @@ def test_scale_search_keeps_positive_scales_and_zero_blocks():
     assert (dequantize(p)[3, 32:64] == 0).all()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q5_0])
 def test_gguf_blocks_repack_bit_exactly(qtype):
     w = _weights(k=96)
     raw = gguf_quantize(w, qtype)  # uint8 [N, row bytes]
@@ -175,7 +175,7 @@ def test_gguf_blocks_repack_bit_exactly(qtype):
 
 def test_other_gguf_types_are_not_repacked():
     with pytest.raises(UnsupportedModelError, match="no exact MatMulNBits form"):
-        repack_gguf("Q5_0", np.zeros((2, 44), np.uint8), 64)
+        repack_gguf("IQ4_XS", np.zeros((2, 136), np.uint8), 256)
 
 
 def _matmulnbits(x: np.ndarray, p, accuracy_level: int) -> np.ndarray:
