@@ -83,7 +83,8 @@ def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: in
     make_tokenizer(path)
     if family == "gemma3":  # else transformers takes Gemma's own tokenizer class, which adds its special tokens
         cfg_path = path / "tokenizer_config.json"
-        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
+        tok_cfg = {**json.loads(cfg_path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}
+        cfg_path.write_text(json.dumps(tok_cfg))
     return path
 
 
