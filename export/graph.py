@@ -157,7 +157,7 @@ class _Linears:
         # an explicit --lm-head width is what the head gets (and what the manifest says), even when the GGUF's own
         # blocks could be carried at another width
         exact_width = name == "lm_head" and self.fmt.lm_head not in ("auto", "gguf")
-        groups = (self._gguf_head(weights) if name == "lm_head" and self.fmt.lm_head == "gguf"
+        groups = (self._gguf_head(weights, parts[0]) if name == "lm_head" and self.fmt.lm_head == "gguf"
                   else self._pack_groups(parts, spec, weights, exact_width))
         outs = [self._emit(x, name if len(groups) == 1 else f"{name}.{i}", packed, spec)
                 for i, packed in enumerate(groups)]
@@ -334,17 +334,18 @@ class _Linears:
             return not exact_width or GGUF_REPACKABLE[raw[0]][2] == spec.bits
         return raw[0] in ("Q4_0", "Q8_0") and GGUF_REPACKABLE[raw[0]][2] == spec.bits
 
-    def _gguf_head(self, weights: np.ndarray | None) -> list[Packed]:
-        """--lm-head gguf: the source's own output.weight blocks, whatever --gguf-exact, --quant-block and
-        --asymmetric say for the other matrices (Q4_K_M files hold it as Q6_K: 6.56 bits a weight, where a
-        re-quantized int8 head at block 128 takes 8.3)."""
-        raw = self.src.raw("lm_head") if weights is None else None
+    def _gguf_head(self, weights: np.ndarray | None, part: str = "lm_head") -> list[Packed]:
+        """--lm-head gguf: the source's own output.weight blocks (``part`` "embed": a tied head's, the token
+        embedding's), whatever --gguf-exact, --quant-block and --asymmetric say for the other matrices (Q4_K_M files
+        hold it as Q6_K: 6.56 bits a weight, where a re-quantized int8 head at block 128 takes 8.3)."""
+        raw = self.src.raw(part) if weights is None else None
+        tensor = "token embedding (the tied head)" if part == "embed" else "output.weight"
         if weights is not None:
-            why = "this head is the token embedding (tied weights) or a partial draft head (--draft-vocab)"
+            why = "this head is a partial draft head (--draft-vocab)"
         elif raw is None:
-            why = "the source has no block-quantized output.weight (not a GGUF, or a float one)"
+            why = f"the source has no block-quantized {tensor} (not a GGUF, or a float one)"
         elif raw[0] not in GGUF_REPACKABLE:
-            why = f"its output.weight is {raw[0]}; the blocks carried as they are: {', '.join(GGUF_REPACKABLE)}"
+            why = f"its {tensor} is {raw[0]}; the blocks carried as they are: {', '.join(GGUF_REPACKABLE)}"
         else:
             why = ""
         if why:
@@ -543,6 +544,8 @@ def build_model_graph(
     elif head_spec is None and (not cfg.tie_embeddings or not fmt.quantized):  # fp32, tied: one shared initializer
         lm_head = embed if cfg.tie_embeddings else w.add("lm_head.weight", src.get("lm_head"))  # [V, H]
         logits = g.op("Gemm", flat, lm_head, transB=1)  # [B*L, V]
+    elif cfg.tie_embeddings and fmt.lm_head == "gguf":  # the embedding's own blocks, as the file holds them
+        logits = linear(flat, "lm_head", ["embed"], spec=head_spec)  # [B*L, V]
     else:
         tied = embed_f32 if cfg.tie_embeddings else None
         logits = linear(flat, "lm_head", ["lm_head"], spec=head_spec, weights=tied)  # [B*L, V]

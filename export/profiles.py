@@ -146,7 +146,8 @@ def auto_form(weights: str, profile: Profile, say: Callable[[str], None]) -> str
 def head_from_file(fmt: WeightFormat, target: Path) -> WeightFormat:
     """--lm-head auto from a GGUF: the file's own output.weight blocks where it has them in a form the quantized
     matrices carry exactly (Q6_K in Q4_K_M files: exact, and smaller than a re-quantized int8 head); else as it was
-    (auto: int8). Tied embeddings have no head of their own; nor has a float source."""
+    (auto: int8). A tied head is the embedding's blocks, carried so where their type is one of those (Gemma 3's Q8_0
+    token_embd); a float source has none."""
     import dataclasses
 
     from .loaders import load_source
@@ -155,5 +156,5 @@ def head_from_file(fmt: WeightFormat, target: Path) -> WeightFormat:
     if fmt.lm_head != "auto" or not fmt.quantized or fmt.form not in ("specedge", "matmulnbits"):
         return fmt
     src = load_source(target)
-    raw = None if src.config.tie_embeddings else src.raw("lm_head")
+    raw = src.raw("embed" if src.config.tie_embeddings else "lm_head")
     return dataclasses.replace(fmt, lm_head="gguf") if raw is not None and raw[0] in GGUF_REPACKABLE else fmt

@@ -92,7 +92,7 @@ class Ours:
         self.manifest = self.dec.manifest
         self.params = SamplingParams(max_new_tokens=max_new)
         self.dec.generate("Hello", SamplingParams(max_new_tokens=8))  # warm-up
-        self.requests = [p.as_request() for p in prompts]
+        self.requests = [p.as_request(bool(self.manifest.tokenizer.chat_template)) for p in prompts]
         self.ids_list = [self.dec.encode_prompt(text, chat) for text, chat in self.requests]
         self.configs = []
         for d, k in [("none", 0), *specs]:

@@ -6,11 +6,12 @@ prompt, from the same prompt token ids.
                                              [--max-new-tokens 96] [--threads 2]
 
 GGUF: the bundle's own source (a name `spec-export fetch` knows, or a path). Each prompt is encoded by the bundle's
-tokenizer (a suite's prompts through its chat template, the text alone where the file has none) and sent to llama-server's ``/completion`` as those token ids, with
-``temperature 0`` (greedy, llama.cpp's own sampler), ``n_predict`` new tokens and ``ignore_eos``. llama-server's
-``/tokenize`` of the prompt's text alone is set beside our encoding of it too (a tokenizer difference is reported, not hidden).
-Where the two texts part, our top-2 logit gap at that token says whether it is a near-tie (< 1: two kernels' rounding
-can pick either). llama-server comes from tools/build_llama_cpp.sh (or SPECEDGE_LLAMA_BIN). Prints the CPU flags.
+tokenizer (a suite's prompts through its chat template; the text alone where the file has none) and sent to
+llama-server's ``/completion`` as those token ids, with ``temperature 0`` (greedy, llama.cpp's own sampler),
+``n_predict`` new tokens and ``ignore_eos``. llama-server's ``/tokenize`` of the prompt's text alone is set beside our
+encoding of it too (a tokenizer difference is reported, not hidden). Where the two texts part, our top-2 logit gap
+at that token says whether it is a near-tie (< 1: two kernels' rounding can pick either). llama-server comes from
+tools/build_llama_cpp.sh (or SPECEDGE_LLAMA_BIN). Prints the CPU flags.
 """
 
 from __future__ import annotations
@@ -78,10 +79,8 @@ def main() -> int:
     rows = []
     try:
         for p in prompts:
-            prompt, chat = p.as_request()
-            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-            if not dec.manifest.tokenizer.chat_template:  # a base model's file: the prompt's text as it is
-                prompt, chat = text, False
+            prompt, chat = p.as_request(bool(dec.manifest.tokenizer.chat_template))
+            text = p.as_request(False)[0]
             ids = dec.encode_prompt(prompt, chat=chat)
             n = min(a.max_new_tokens, ctx - len(ids) - 1)
             ours = dec.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), drafter="none",
@@ -98,9 +97,11 @@ def main() -> int:
                 i = next((j for j in range(min(len(ours), len(theirs))) if ours[j] != theirs[j]),
                          min(len(ours), len(theirs)))
                 gap = top2_gap(dec, ids + ours[:i])
-                verdict = f"part at token {i} (our top-2 gap {gap:.3f}: {'near-tie' if gap < NEAR_TIE else 'NOT a tie'})"
+                kind = "near-tie" if gap < NEAR_TIE else "NOT a tie"
+                verdict = f"part at token {i} (our top-2 gap {gap:.3f}: {kind})"
+            first = next((j for j in range(len(tok) + 1) if tok[j:j + 1] != mine[j:j + 1]), None)
             tok_note = ("" if tok == mine else f"; the text alone: llama.cpp's tokenizer gives {len(tok)} ids, ours "
-                        f"{len(mine)}, first difference at {next(j for j in range(len(tok) + 1) if tok[j:j + 1] != mine[j:j + 1])}")
+                        f"{len(mine)}, first difference at {first}")
             rows.append(f"| {p.id} | {len(ids)} | {len(ours)} | {verdict}{tok_note} |")
     finally:
         server.stop()

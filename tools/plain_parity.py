@@ -50,7 +50,7 @@ def main() -> int:
     for r in range(a.rounds):
         per_o, per_l = [], []
         for i, p in enumerate(prompts):
-            text, chat = p.as_request()
+            text, chat = p.as_request(bool(dec.manifest.tokenizer.chat_template))
             depth = len(dec.encode_prompt(text, chat))
             for engine in (("ours", "llama") if (i + r) % 2 == 0 else ("llama", "ours")):
                 if engine == "llama":

@@ -162,7 +162,7 @@ def check_prompts(prompts: list[BenchPrompt], manifest: Manifest, codec: TextCod
     the error names the prompt's file and line (or suite)."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
     for bp in prompts:
-        prompt, chat = bp.as_request()
+        prompt, chat = bp.as_request(bool(manifest.tokenizer.chat_template))
         try:
             check_fits(manifest, len(codec.encode_prompt(prompt, chat)), params)
         except (PromptError, ContextLengthError) as e:
@@ -206,7 +206,7 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
     runs: list[dict[str, Any]] = []
     t_start, i = time.perf_counter(), 0
     for bp in prompts:
-        prompt, chat = bp.as_request()
+        prompt, chat = bp.as_request(bool(dec.manifest.tokenizer.chat_template))
         for rep in range(plan.repeats):
             for temp in plan.temperatures:
                 params = SamplingParams(max_new_tokens=plan.max_new_tokens, temperature=temp,

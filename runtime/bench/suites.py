@@ -125,8 +125,12 @@ class BenchPrompt:
         """Where the prompt comes from, as error messages name it."""
         return self.where or f"suite {self.suite}, prompt {self.id}"
 
-    def as_request(self) -> tuple[Any, bool]:
-        """(prompt, chat) as SpecDecoder.stream takes them."""
+    def as_request(self, templated: bool = True) -> tuple[Any, bool]:
+        """(prompt, chat) as SpecDecoder.stream takes them. ``templated`` False (a bundle without a chat template: a
+        base model's file): the prompt's text as it is, a chat's contents one per line."""
+        if not templated:
+            text = self.prompt if isinstance(self.prompt, str) else "\n".join(m["content"] for m in self.prompt)
+            return text, False
         if isinstance(self.prompt, tuple):
             return list(self.prompt), False
         return self.prompt, not self.raw

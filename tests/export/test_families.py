@@ -137,9 +137,7 @@ def _gguf_blocks(name: str):
     import gguf
 
     Q = gguf.GGMLQuantizationType
-    if name == "token_embd.weight":
-        return Q.F32
-    if name == "output.weight":
+    if name in ("token_embd.weight", "output.weight"):  # Gemma 3 270M's token_embd (its tied head) is Q8_0
         return Q.Q8_0
     return (Q.Q4_1 if "ffn_down" in name else Q.Q5_0 if any(p in name for p in ("attn_q.", "attn_k.", "ffn_gate"))
             else Q.Q4_0)
@@ -166,7 +164,7 @@ def test_a_family_s_gguf_blocks_are_carried_and_compute_as_its_fp32_export(famil
     fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts()).out)
     q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "q", _opts(
         weights=WeightFormat("int4", accuracy_level=0, lm_head="fp32", embedding="fp32"))).out)
-    info = q.manifest.target.quant
+    info = q.manifest.target.quant  # (the head fp32 here: from the float embedding or output rows)
     assert info["repacked_from_gguf"] == 7 * n_layers and info["requantized"] == 0, info
     ids = np.array(m["ids"][:5])
     a = np.array(fp32.target.step(ids, 0, all_logits=True)[:5])
@@ -189,12 +187,16 @@ def test_the_default_cpu_form_decodes_each_family_speculatively_bitwise_plain(
 
     m = family_models[family]
     target = requantize_gguf(m["gguf"], tmp_path / "q4.gguf", _gguf_blocks) if source == "gguf" else m["hf"]
+    # the CPU profile's head from a GGUF: the file's own blocks (export/profiles.py head_from_file), a tied one's too
+    head = "gguf" if source == "gguf" else "auto"
     out = export_bundle(target, family_drafts[family], tmp_path / "b", _opts(
-        weights=WeightFormat("int4", form="specedge"), kv_mode="rows", kv_dtype="float16")).out
+        weights=WeightFormat("int4", form="specedge", lm_head=head),
+        draft_weights=WeightFormat("int4", form="specedge"), kv_mode="rows", kv_dtype="float16")).out
     dec = SpecDecoder.load(out)
     assert dec.manifest.target.quant["format"] == "SekMatMul"
-    if source == "gguf":  # every block carried; a tied head is made from the float embedding table
-        assert dec.manifest.target.quant["requantized"] == int(load_source(target).config.tie_embeddings)
+    if source == "gguf":  # every block carried, the head's (a tied one: the embedding's Q8_0 blocks) too
+        q = dec.manifest.target.quant
+        assert q["requantized"] == 0 and q["lm_head_gguf_type"] == "Q8_0", q
     greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.9, seed=5)
     for prompt in PROMPTS:
