@@ -37,7 +37,10 @@ def main() -> int:
         params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                                 seed=a.seed if a.temperature > 0 else None)
         for p in suite_prompts(a.suites.split(","), a.per_suite):
-            prompt = [{"role": "user", "content": p.prompt}] if isinstance(p.prompt, str) else list(p.prompt)
+            if dec.manifest.tokenizer.chat_template:
+                prompt = [{"role": "user", "content": p.prompt}] if isinstance(p.prompt, str) else list(p.prompt)
+            else:  # a base model's file: the text as it is
+                prompt = p.as_request(False)[0]
             ref = dec.generate(prompt, params, drafter="none").token_ids
             runs = [(d, k) for d in drafters for k in ks if k <= dec.manifest.k]
             if a.temperature > 0:
