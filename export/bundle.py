@@ -310,8 +310,11 @@ def _export_model(role: str, src: WeightSource, tmp: Path, opts: ExportOptions,
     if smoothing:
         quant["smoothing"] = smoothing
     if quant:
+        types = quant.get("requantized_gguf_types")
+        lossy = f"; GGUF {', '.join(types)} blocks have no exact form here and were re-quantized" if types else ""
         say(f"  {role}: {fmt.name}: {quant['repacked_from_gguf']} matrices re-packed from GGUF blocks, "
-            f"{quant['requantized']} re-quantized (weight rel. RMS error {quant['requant_weight_rel_rms_error']:.4f})")
+            f"{quant['requantized']} re-quantized (weight rel. RMS error {quant['requant_weight_rel_rms_error']:.4f})"
+            f"{lossy}")
     say(f"  {role}: graph written in {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mb():.0f} MB")
     return ModelEntry(
         family=src.config.family.name, dims=src.config.dims, graph=onnx_path.name, weights=data_path.name,

@@ -347,7 +347,9 @@ def info(bundle: str, verify: bool) -> None:
             click.echo(f"{'':<11} {form} int{q['bits']} {_quant_layout(q, form)}, "
                        f"lm_head {q['lm_head']}, embedding {q['embedding']}; {q['repacked_from_gguf']} re-packed from "
                        f"GGUF, {q['requantized']} re-quantized "
-                       f"(weight rel. RMS error {q['requant_weight_rel_rms_error']})")
+                       f"(weight rel. RMS error {q['requant_weight_rel_rms_error']})"
+                       + (f"; GGUF {', '.join(q['requantized_gguf_types'])} re-quantized"
+                          if q.get("requantized_gguf_types") else ""))
     for raw in m.engines.values():
         es = EngineSet.from_json(raw)
         where = (f"TensorRT {es.tensorrt} on {es.gpu.get('name')} "

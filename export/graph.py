@@ -144,6 +144,7 @@ class _Linears:
         self._err_num = self._err_den = 0.0
         self._worst = 0.0
         self.head_type = ""  # --lm-head gguf: the GGUF type the head was carried as
+        self.requantized_types: set[str] = set()  # GGUF block types with no exact form here, re-quantized
 
     def __call__(self, x: str, name: str, parts: list[str], spec: QuantSpec | None = None,
                  weights: np.ndarray | None = None) -> str:
@@ -365,6 +366,8 @@ class _Linears:
         raws = [self.src.raw(p) for p in parts]
         packed = []
         for _p, r in zip(parts, raws):
+            if r is not None and r[0] not in GGUF_REPACKABLE:
+                self.requantized_types.add(r[0])
             if self._carried(r, spec, exact_width):
                 packed.append(repack_gguf(*r))
                 # an 8-bit part in the integer-GEMM form is re-quantized per channel (_emit), not carried
@@ -415,6 +418,7 @@ class _Linears:
                 **({"activation_bits": self.fmt.intgemm_activation_bits, "weight_bits": self.fmt.intgemm_weight_bits,
                     "pair_sum_bound": self.fmt.intgemm_pair_bound} if self.fmt.intgemm else {}),
                 "repacked_from_gguf": self.repacked, "requantized": self.requantized,
+                **({"requantized_gguf_types": sorted(self.requantized_types)} if self.requantized_types else {}),
                 "requant_weight_rel_rms_error": round(err, 5),
                 "requant_weight_rel_rms_error_max": round(self._worst, 5)}
 

@@ -203,13 +203,14 @@ def load_hf_dir(d: Path) -> WeightSource:
         ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"],
     )
     tie = bool(cfg.get("tie_word_embeddings", family.default_tie_embeddings)) or "lm_head" not in index
+    local_types = "sliding_attention" in (cfg.get("layer_types") or ["sliding_attention"])  # gemma3: any local layer
     config = ModelConfig(
         family=family, dims=dims, rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(cfg.get("rope_theta") or _hf_global_rope(cfg).get("rope_theta", 10000.0)),
         rope_scaling=_hf_rope_scaling(cfg), tie_embeddings=tie,
         max_positions=int(cfg.get("max_position_embeddings", 2048)),
         sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window", True)
-                        and (not family.gemma or "sliding_attention" in (cfg.get("layer_types") or [])) else None),
+                        and (not family.gemma or local_types) else None),
         **_hf_layer_quirks(cfg, family, dims.n_layers),
     )
     def get(name: str) -> np.ndarray:
@@ -249,7 +250,10 @@ def _hf_layer_quirks(cfg: dict[str, Any], family: Family, n_layers: int) -> dict
             raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported")
         out["embedding_scale"] = float(np.float32(cfg["hidden_size"] ** 0.5))  # as transformers casts it
         out["attention_scale"] = float(cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256))) ** -0.5
-        types = cfg.get("layer_types") or []
+        types = cfg.get("layer_types")
+        if not types:  # older configs: every n-th layer global (sliding_window_pattern, 6 by default)
+            n = int(cfg.get("sliding_window_pattern") or 6)
+            types = ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(n_layers)]
         if len(types) != n_layers:
             raise BundleError(f"layer_types has {len(types)} entries for {n_layers} layers")
         local = tuple(t == "sliding_attention" for t in types)

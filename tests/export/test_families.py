@@ -207,3 +207,18 @@ def test_the_default_cpu_form_decodes_each_family_speculatively_bitwise_plain(
                 res = dec.generate(prompt, params, drafter=drafter, k=k)
                 assert res.token_ids == plain, (family, source, prompt, drafter, k, params.temperature)
                 assert drafter != "model" or res.stats.drafted > 0
+
+
+def test_a_gguf_type_without_an_exact_form_is_named_where_it_is_re_quantized(family_models, tmp_path):
+    import gguf
+
+    from specedge.export.bundle import export_bundle
+    from specedge.export.quant import WeightFormat
+    from specedge.runtime import SpecDecoder
+
+    Q = gguf.GGMLQuantizationType
+    gg = requantize_gguf(family_models["llama3"]["gguf"], tmp_path / "q51.gguf",
+                         lambda n: Q.Q5_1 if "ffn_up" in n else _gguf_blocks(n))
+    q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "b", _opts(
+        weights=WeightFormat("int4", form="specedge"))).out).manifest.target.quant
+    assert q["requantized_gguf_types"] == ["Q5_1"] and q["requantized"] >= 4  # gate|up of 4 layers, the head
