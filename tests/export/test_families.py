@@ -45,8 +45,10 @@ def _rel_rms(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
 
 
-def _portable_logits(path, src, ids: np.ndarray, split: int) -> np.ndarray:
-    """Logits of every position, fed as ``ids[:split]`` then the rest on top of the cache (split 0: one step)."""
+def _logits(path, src, ids: np.ndarray, split: int, inplace: bool = False) -> np.ndarray:
+    """Logits of every position, fed as ``ids[:split]`` then the rest on top of the cache (split 0: one step).
+    Portable graphs return the new rows, copied into the cache here; an ort-inplace graph's present buffers are the
+    next step's past."""
     d = src.config.dims
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     kv = {f"past_key_values.{i}.{k}": np.zeros((1, d.n_kv_heads, S_MAX, d.head_dim), np.float32)
@@ -60,8 +62,12 @@ def _portable_logits(path, src, ids: np.ndarray, split: int) -> np.ndarray:
                               "logits_at": np.arange(n)[None], **kv})
         rows.append(out[0][0])
         for i in range(d.n_layers):
-            kv[f"past_key_values.{i}.key"][:, :, at:at + n] = out[1 + 2 * i][:, :, :n]
-            kv[f"past_key_values.{i}.value"][:, :, at:at + n] = out[2 + 2 * i][:, :, :n]
+            for j, k in enumerate(("key", "value")):
+                name = f"past_key_values.{i}.{k}"
+                if inplace:
+                    kv[name] = out[1 + 2 * i + j]
+                else:
+                    kv[name][:, :, at:at + n] = out[1 + 2 * i + j][:, :, :n]
     return np.concatenate(rows)
 
 
@@ -74,7 +80,7 @@ def test_a_family_exported_from_its_folder_and_from_llama_cpp_s_gguf_matches_tra
     assert src.config.family.name == ("llama" if family == "llama3" else family)
     path, _, _ = build_model_graph(src, tmp_path, "m", max_positions=S_MAX)
     for split in (0, 24):  # all 64 from position 0; 24 as a prefix in the cache, then 40 on top of it
-        got = _portable_logits(path, src, m["ids"], split)
+        got = _logits(path, src, m["ids"], split)
         assert _rel_rms(got, m["logits"]) < 1e-4, (family, source, split)
 
 
@@ -94,24 +100,6 @@ def test_each_family_s_quirks_are_read_from_both_sources(family_models):
     assert load_source(family_models["llama3"]["hf"]).config.rope_scaling["rope_type"] == "llama3"
 
 
-def _inplace_logits(path, src, ids: np.ndarray, split: int) -> np.ndarray:
-    """As _portable_logits, through an ort-inplace graph: each step's present buffers are the next step's past."""
-    d = src.config.dims
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    kv = {f"past_key_values.{i}.{k}": np.zeros((1, d.n_kv_heads, S_MAX, d.head_dim), np.float32)
-          for i in range(d.n_layers) for k in ("key", "value")}
-    rows = []
-    for at, chunk in ((0, ids[:split]), (split, ids[split:])):
-        if not len(chunk):
-            continue
-        out = sess.run(None, {"input_ids": chunk[None].astype(np.int64), "past_len": np.array([at]),
-                              "logits_at": np.arange(len(chunk))[None], **kv})
-        rows.append(out[0][0])
-        kv = {f"past_key_values.{i}.{k}": out[1 + 2 * i + j] for i in range(d.n_layers)
-              for j, k in enumerate(("key", "value"))}
-    return np.concatenate(rows)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_in_place_attention_takes_each_family_s_layers(family_models, family, tmp_path):
     """ONNX Runtime's GroupQueryAttention with the cache bound in place: rotary tables from the graph (identity
@@ -120,7 +108,7 @@ def test_the_in_place_attention_takes_each_family_s_layers(family_models, family
     src = load_source(m["hf"])
     path, _, _ = build_model_graph(src, tmp_path, "m", kv_mode="ort-inplace", max_positions=S_MAX)
     for split in (0, 24):
-        assert _rel_rms(_inplace_logits(path, src, m["ids"], split), m["logits"]) < 1e-4, (family, split)
+        assert _rel_rms(_logits(path, src, m["ids"], split, inplace=True), m["logits"]) < 1e-4, (family, split)
 
 
 @pytest.fixture(scope="module")
