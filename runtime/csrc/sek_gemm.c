@@ -817,13 +817,16 @@ static inline __attribute__((always_inline)) __m256i pairs256(const int8_t *p) {
     const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
     return _mm256_set_m128i(_mm_unpackhi_epi16(x, x), _mm_unpacklo_epi16(x, x));
 }
-/* G 4-bit chunks from chunk j0 of one tile (bp: its block's first chunk), both 8-column halves, against m rows:
- * out[r * ostride + 8h + 0..7] += mul[h] * the rows' exact integer dot products with half h. A row's two
- * broadcasts of each chunk's activations serve both halves. A row's int16 sum of 2G pair sums is at most
- * 2G * 2 * 15 * 127 < 2^15. */
+/* G 4-bit chunks from chunk j0 of one tile (bp: its block's first chunk), both 8-column halves, against m rows. A
+ * row's two broadcasts of each chunk's activations serve both halves, and its products go into one int16 sum per
+ * half. `carry` (a constant) says where that sum goes: 0, out[r * ostride + 8h + 0..7] += mul[h] * the sum, widened
+ * in vpmaddwd; 1, into c16[r][h] for the next chunks' call; 2, added to c16[r][h] and then widened into out. A
+ * row's int16 sum over 4 chunks is at most 4 * 2 * 2 * 15 * 127 = 30480 < 2^15: the integers are those of a
+ * widening per chunk, with one vpmaddwd per half every 4 chunks rather than every 2. */
 static inline __attribute__((always_inline)) void q4_rows256(const uint8_t *bp, int64_t j0, const int G,
                                                             const int8_t *ab, int64_t K, int64_t m, const __m256i *mul,
-                                                            int32_t *out, int64_t ostride) {
+                                                            int32_t *out, int64_t ostride, __m256i (*c16)[2],
+                                                            const int carry) {
     const __m256i mask = _mm256_set1_epi8(15);
     __m256i lo[2][2], hi[2][2];
     SEK_UNROLL
@@ -849,6 +852,16 @@ static inline __attribute__((always_inline)) void q4_rows256(const uint8_t *bp, 
             s0 = g ? _mm256_add_epi16(s0, p0) : p0;
             s1 = g ? _mm256_add_epi16(s1, p1) : p1;
         }
+        if (carry == 1) {
+            c16[r][0] = s0;
+            c16[r][1] = s1;
+            SEK_MCA_END("avx2_q4_row");
+            continue;
+        }
+        if (carry == 2) {
+            s0 = _mm256_add_epi16(s0, c16[r][0]);
+            s1 = _mm256_add_epi16(s1, c16[r][1]);
+        }
         __m256i *o = (__m256i *)(out + r * ostride);
         _mm256_storeu_si256(o, _mm256_add_epi32(_mm256_loadu_si256(o), _mm256_madd_epi16(s0, mul0)));
         _mm256_storeu_si256(o + 1, _mm256_add_epi32(_mm256_loadu_si256(o + 1), _mm256_madd_epi16(s1, mul1)));
@@ -868,7 +881,13 @@ static inline __attribute__((always_inline)) void dots_rows256(const sek_weights
     const uint8_t *bp = w->b + (tile * nb + b) * bstride;
     const int8_t *ab = qa + b * blk;
     if (w->bits == 4) {
-        for (int64_t j0 = 0; j0 < blk / 8; j0 += 2) q4_rows256(bp, j0, 2, ab, K, m, mul, out, ostride); /* blk % 16 == 0 */
+        __m256i c16[SEK_RH][2]; /* blk % 16 == 0: chunks in fours, then a last two */
+        int64_t j0 = 0;
+        for (; j0 + 4 <= blk / 8; j0 += 4) {
+            q4_rows256(bp, j0, 2, ab, K, m, mul, out, ostride, c16, 1);
+            q4_rows256(bp, j0 + 2, 2, ab, K, m, mul, out, ostride, c16, 2);
+        }
+        if (j0 < blk / 8) q4_rows256(bp, j0, 2, ab, K, m, mul, out, ostride, c16, 0);
         return;
     }
     const __m256i m63 = _mm256_set1_epi8(63), m30 = _mm256_set1_epi8(0x30), m0c = _mm256_set1_epi8(0x0c),
@@ -911,34 +930,21 @@ static inline __attribute__((always_inline)) void dots_rows256(const sek_weights
     }
 }
 
-/* R rows x one tile (two 8-column halves). */
+/* R rows x one tile (two 8-column halves), R a constant: the rows' sums in registers (dots256). */
 static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, const sek_weights *w, float *y,
                                                            int64_t ldy, int64_t r0, const int R, int64_t tile,
-                                                           const int vnni, const int half) {
+                                                           const int vnni) {
     const int64_t nb = w->k / w->blk, K = x->k;
     const int8_t *qa = x->qa + r0 * K;
     const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
-    __m256 yv[SEK_RH][2];
+    __m256 yv[SEK_R2][2];
     SEK_UNROLL
     for (int r = 0; r < R; r++) yv[r][0] = yv[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i acc[SEK_RH][2];
-        if (half) { /* one 8-column half at a time, the sums through memory (dots_rows256) */
-            int32_t ih[SEK_RH][SEK_TILE] __attribute__((aligned(32)));
-            memset(ih, 0, sizeof ih[0] * R);
-            const int64_t bstride = w->blk * SEK_TILE * w->bits / 8;
-            prefetch_block(w->b + (tile * nb + b) * bstride, bstride);
-            const __m256i ones[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(1)};
-            dots_rows256(w, qa, K, b, R, tile, ones, ih[0], SEK_TILE);
-            SEK_UNROLL
-            for (int r = 0; r < R; r++)
-                SEK_UNROLL
-                for (int h = 0; h < 2; h++) acc[r][h] = _mm256_load_si256((const __m256i *)(ih[r] + 8 * h));
-        } else {
-            SEK_UNROLL
-            for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-            dots256(w, qa, K, b, R, tile, acc, vnni);
-        }
+        __m256i acc[SEK_R2][2];
+        SEK_UNROLL
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        dots256(w, qa, K, b, R, tile, acc, vnni);
         SEK_UNROLL
         for (int h = 0; h < 2; h++) {
             __m256 s, zs;
@@ -957,6 +963,81 @@ static inline __attribute__((always_inline)) void tile_avx2(const sek_rows *x, c
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (r0 + r) * ldy + tile * SEK_TILE + 8 * h, yv[r][h]);
 }
 
+/* m rows (up to SEK_RH, a variable) x one tile, the rows streamed past the weights (dots_rows256): the integer sums
+ * and the fp32 results in memory, and each block's epilogue a loop over the rows -- tile_avx2's operations, row by
+ * row. */
+static __attribute__((noinline)) void tile_rows_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy,
+                                                     int64_t r0, int64_t m, int64_t tile) {
+    const int64_t nb = w->k / w->blk, K = x->k, bstride = w->blk * SEK_TILE * w->bits / 8;
+    const int8_t *qa = x->qa + r0 * K;
+    const float *sa = x->sa + r0 * nb, *sasum = x->sasum + r0 * nb;
+    float yv[SEK_RH][SEK_TILE] __attribute__((aligned(32)));
+    int32_t ih[SEK_RH][SEK_TILE] __attribute__((aligned(32)));
+    memset(yv, 0, sizeof yv[0] * m);
+    const __m256i ones[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(1)};
+    for (int64_t b = 0; b < nb; b++) {
+        memset(ih, 0, sizeof ih[0] * m);
+        prefetch_block(w->b + (tile * nb + b) * bstride, bstride);
+        dots_rows256(w, qa, K, b, m, tile, ones, ih[0], SEK_TILE);
+        SEK_UNROLL
+        for (int h = 0; h < 2; h++) {
+            __m256 s, zs;
+            scales256(w, tile, b, h, &s, &zs);
+            for (int64_t r = 0; r < m; r++) {
+                const __m256 ss = _mm256_mul_ps(s, _mm256_set1_ps(sa[r * nb + b]));
+                __m256 v = _mm256_load_ps(yv[r] + 8 * h);
+                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(ih[r] + 8 * h))), ss, v);
+                _mm256_store_ps(yv[r] + 8 * h, _mm256_fnmadd_ps(zs, _mm256_set1_ps(sasum[r * nb + b]), v));
+            }
+        }
+    }
+    for (int64_t r = 0; r < m; r++) memcpy(y + (r0 + r) * ldy + tile * SEK_TILE, yv[r], sizeof yv[r]);
+}
+
+/* A super-block's float epilogue for R rows of one tile (tile_sb_scalar's order of fp32 operations), one 8-column
+ * half at a time: M = sum_j m_j * bsum_j in vpmaddwd over pairs of blocks, then the row's two fused multiply-adds.
+ * The rows are a loop whose body is a few instructions, whatever R is: copies unrolled for a row count that is only
+ * known at run time cost a chain of compares per row and kept every row's M on the stack. */
+static inline __attribute__((always_inline)) void sb_epilogue256(const sek_weights *w, int64_t tile, int64_t sb,
+                                                                const int16_t *bsum, int64_t nb, const float *sa,
+                                                                int64_t nsb, int64_t R, int32_t (*i1)[SEK_TILE],
+                                                                float (*yv)[SEK_TILE]) {
+    const int64_t per = w->sblk / w->blk, b0 = sb * per, npair = per / 2, so = (tile * nsb + sb) * SEK_TILE;
+    const int8_t *mv = w->mn ? w->mn : w->sc;
+    SEK_UNROLL
+    for (int h = 0; h < 2; h++) {
+        __m256i m2[SEK_BLK_MAX / 32]; /* blocks in pairs: one vpmaddwd per pair */
+        for (int64_t q = 0; q < npair; q++) {
+            const __m128i m0 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b0 + 2 * q) + 8 * h)));
+            const __m128i m1 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b0 + 2 * q + 1) + 8 * h)));
+            m2[q] = _mm256_set_m128i(_mm_unpackhi_epi16(m0, m1), _mm_unpacklo_epi16(m0, m1));
+        }
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + so + 8 * h)));
+        const __m256 dmv = w->mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->dmin + so + 8 * h))) : dv;
+        const __m256i zc = _mm256_set1_epi32(w->zconst);
+        for (int64_t r = 0; r < R; r++) {
+            const int16_t *bs = bsum + r * nb + b0;
+            __m256i mm = _mm256_setzero_si256();
+            for (int64_t q = 0; q < npair; q++) { /* bsum_j, bsum_j+1 as one little-endian int32: the pair's lanes */
+                int32_t pair;
+                memcpy(&pair, bs + 2 * q, 4);
+                mm = _mm256_add_epi32(mm, _mm256_madd_epi16(m2[q], _mm256_set1_epi32(pair)));
+            }
+            const __m256 sar = _mm256_set1_ps(sa[r * nsb + sb]);
+            const __m256i ii = _mm256_load_si256((const __m256i *)(i1[r] + 8 * h));
+            __m256 v = _mm256_load_ps(yv[r] + 8 * h);
+            if (w->mn) {
+                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii), _mm256_mul_ps(dv, sar), v);
+                v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_mul_ps(dmv, sar), v);
+            } else {
+                const __m256i acc = _mm256_sub_epi32(ii, _mm256_mullo_epi32(mm, zc));
+                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv, sar), v);
+            }
+            _mm256_store_ps(yv[r] + 8 * h, v);
+        }
+    }
+}
+
 /* Two-level scales: tile_sb_scalar's arithmetic for R rows of one tile (the integer sums in memory: 16 registers). */
 static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x, const sek_weights *w, float *y,
                                                               int64_t ldy, int64_t r0, const int R, int64_t tile,
@@ -965,7 +1046,6 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
     const int8_t *qa = x->qa + r0 * K;
     const int16_t *bsum = x->bsum + r0 * nb;
     const float *sa = x->sa + r0 * nsb;
-    const int8_t *mv = w->mn ? w->mn : w->sc;
     float yv[SEK_RH][SEK_TILE] __attribute__((aligned(32)));
     int32_t i1[SEK_RH][SEK_TILE] __attribute__((aligned(32)));
     memset(yv, 0, sizeof yv[0] * R);
@@ -993,47 +1073,17 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
                 }
             }
         }
-        const int64_t so = (tile * nsb + sb) * SEK_TILE;
-        SEK_UNROLL
-        for (int h = 0; h < 2; h++) {
-            __m256i m2[SEK_BLK_MAX / 32], mm[SEK_RH]; /* M: blocks in pairs, one vpmaddwd per pair */
-            const int64_t b0 = sb * per, npair = per / 2;
-            for (int64_t q = 0; q < npair; q++) {
-                const __m128i m0 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b0 + 2 * q) + 8 * h)));
-                const __m128i m1 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(mv + blk_off(w, tile, b0 + 2 * q + 1) + 8 * h)));
-                m2[q] = _mm256_set_m128i(_mm_unpackhi_epi16(m0, m1), _mm_unpacklo_epi16(m0, m1));
-            }
-            SEK_UNROLL
-            for (int r = 0; r < R; r++) {
-                __m256i acc = _mm256_setzero_si256();
-                for (int64_t q = 0; q < npair; q++) {
-                    const int16_t *bs = bsum + r * nb + b0 + 2 * q;
-                    const uint32_t pair = (uint32_t)(uint16_t)bs[0] | (uint32_t)(uint16_t)bs[1] << 16;
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(m2[q], _mm256_set1_epi32((int32_t)pair)));
-                }
-                mm[r] = acc;
-            }
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + so + 8 * h)));
-            const __m256 dmv = w->mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->dmin + so + 8 * h))) : dv;
-            const __m256i zc = _mm256_set1_epi32(w->zconst);
-            SEK_UNROLL
-            for (int r = 0; r < R; r++) {
-                const __m256 sar = _mm256_set1_ps(sa[r * nsb + sb]);
-                const __m256i ii = _mm256_load_si256((const __m256i *)(i1[r] + 8 * h));
-                __m256 v = _mm256_load_ps(yv[r] + 8 * h);
-                if (w->mn) {
-                    v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ii), _mm256_mul_ps(dv, sar), v);
-                    v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm[r]), _mm256_mul_ps(dmv, sar), v);
-                } else {
-                    const __m256i acc = _mm256_sub_epi32(ii, _mm256_mullo_epi32(mm[r], zc));
-                    v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dv, sar), v);
-                }
-                _mm256_store_ps(yv[r] + 8 * h, v);
-            }
-        }
+        sb_epilogue256(w, tile, sb, bsum, nb, sa, nsb, R, i1, yv);
     }
     SEK_UNROLL
     for (int r = 0; r < R; r++) memcpy(y + (r0 + r) * ldy + tile * SEK_TILE, yv[r], sizeof yv[r]);
+}
+
+/* tile_sb_avx2 for m rows streamed past the weights (m a variable), compiled on its own: inlined into the tile loop
+ * beside the register passes, its loops measured 7-14 % slower at 2-9 rows (register allocation across all of them). */
+static __attribute__((noinline)) void tile_sb_rows_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy,
+                                                        int64_t r0, int64_t m, int64_t tile) {
+    tile_sb_avx2(x, w, y, ldy, r0, (int)m, tile, 0, 1);
 }
 
 /* Tiles [t0, t1). The rows go in passes of up to SEK_R2 whole tiles, or, on AVX2 without VNNI from SEK_HALF_FROM rows
@@ -1051,13 +1101,13 @@ static inline __attribute__((always_inline)) void tiles_avx2_any(const sek_rows 
         if (sb)                                              \
             tile_sb_avx2(x, w, y, ldy, r0, RR, t, vnni, H);  \
         else                                                 \
-            tile_avx2(x, w, y, ldy, r0, RR, t, vnni, H);     \
+            tile_avx2(x, w, y, ldy, r0, RR, t, vnni);        \
         break;
             if (half) { /* the rows' count a variable: their sums live in memory (dots_rows256) */
                 if (sb)
-                    tile_sb_avx2(x, w, y, ldy, r0, R, t, 0, 1);
+                    tile_sb_rows_avx2(x, w, y, ldy, r0, R, t);
                 else
-                    tile_avx2(x, w, y, ldy, r0, R, t, 0, 1);
+                    tile_rows_avx2(x, w, y, ldy, r0, R, t);
             } else {
                 switch (R) { SEK_CASE(1, 0) SEK_CASE(2, 0) SEK_CASE(3, 0) SEK_CASE(4, 0) SEK_CASE(5, 0) }
             }

@@ -125,6 +125,12 @@ PLANTS = {
     "specedge kernel: an AVX2 streamed row's second half keeps only its last chunk's products": (
         "runtime/csrc/sek_gemm.c", "s1 = g ? _mm256_add_epi16(s1, p1) : p1;", "s1 = p1;",
         ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: an AVX2 streamed row drops the int16 sums its block's first two chunks carried": (
+        "runtime/csrc/sek_gemm.c", "s0 = _mm256_add_epi16(s0, c16[r][0]);", "(void)c16;",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "specedge kernel: the AVX2 epilogue pairs a row's block sums one block off": (
+        "runtime/csrc/sek_gemm.c", "memcpy(&pair, bs + 2 * q, 4);", "memcpy(&pair, bs + q, 4);",
+        ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: an AVX2 streamed row's second half dots the first half's high nibbles": (
         "runtime/csrc/sek_gemm.c", "_mm256_maddubs_epi16(hi[g][1], va1)", "_mm256_maddubs_epi16(hi[g][0], va1)",
         ["tests/runtime/test_sek_kernel.py"]),
