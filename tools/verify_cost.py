@@ -2,6 +2,7 @@
 """What a multi-token (verify) step costs against a plain step, per bundle, interleaved in one run.
 
     python tools/verify_cost.py engines/qwen [engines/qwen-requant ...] [--past-len 128] [--repeats 15]
+    python tools/verify_cost.py engines/qwen engines/qwen --lib OLD.so --lib NEW.so     # two kernel builds
 
 For each bundle's target, every all-logits width T the bundle declares (and T = 1) is stepped ``repeats`` times
 at ``past_len``, the widths and bundles in rotating order so the machine's state is shared fairly, each time as a
@@ -11,7 +12,9 @@ width costs nothing extra), and every ratio to it came out too small. Prints the
 its ratio to the bundle's plain step — the width plain decoding runs: T = 1 where a lone row is computed exactly as
 inside a wider step (specedge's own kernels and attention), else T = 2 (the batch-invariance rule: a plain round
 carries a free one-token guess) — and to T = 1 and T = 2, with the CPU flags, since these ratios depend on the
-kernels the CPU gets.
+kernels the CPU gets. ``--lib``, once per bundle, loads that bundle on a kernel library of its own (a file
+``runtime.kernels.library_path()`` built, e.g. from another checkout or with another ``SPECEDGE_KERNEL_MARCH``), so
+two builds of the kernels are timed side by side on one bundle.
 """
 
 from __future__ import annotations
@@ -20,11 +23,22 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from specedge.runtime import SpecDecoder
 from specedge.runtime.bench.runner import machine_info
+
+
+def load(bundle: str, lib: str | None) -> SpecDecoder:
+    import specedge.runtime.kernels as kernels
+
+    if lib is not None:
+        if not Path(lib).is_file():
+            raise SystemExit(f"--lib {lib}: no such file (build one with runtime.kernels.library_path())")
+        kernels._built = Path(lib)
+    return SpecDecoder.load(bundle)
 
 
 def main() -> int:
@@ -33,8 +47,16 @@ def main() -> int:
     ap.add_argument("--past-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--burst", type=int, default=3, help="timed steps per width in a row (after one untimed)")
+    ap.add_argument("--lib", action="append", default=[],
+                    help="a kernel library for each bundle in turn (as many as bundles, or none)")
     a = ap.parse_args()
-    decs = [SpecDecoder.load(b) for b in a.bundles]
+    if a.lib and len(a.lib) != len(a.bundles):
+        ap.error(f"--lib given {len(a.lib)} times for {len(a.bundles)} bundles: give it once per bundle, or not at all")
+    decs = [load(b, lib) for b, lib in zip(a.bundles, a.lib or [None] * len(a.bundles))]
+    names = [b + (f" + {lib}" if lib else "") for b, lib in zip(a.bundles, a.lib or [None] * 99)]
+    if len(set(names)) < len(names):
+        ap.error("a bundle is named twice on the same kernels: give each its own --lib")
+    a.bundles = names
     widths, plain_w = {}, {}
     for b, d in zip(a.bundles, decs):
         plain_w[b] = d.target.min_width  # what plain decoding runs: 1 where a lone row is exact, else 2 (+ a guess)
