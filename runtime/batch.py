@@ -361,9 +361,11 @@ class Batch:
         widths = sorted(w.T for w in target.entry.widths if w.L == w.T and w.T >= target.min_width)
         budget = widths[-1]
 
+        depth = sum(m.req.n for m in ms) // len(ms)  # the step's rows attend over their own contexts: their mean
+
         def step_time(rows: int) -> float:
             if costs is not None:
-                return costs.verify_time(rows)
+                return costs.verify_time(rows, depth)
             fits = [t for t in widths if t >= rows]  # no timings (no request drafts): the width's rows
             return float(fits[0]) if fits else float("inf")
 
@@ -413,7 +415,7 @@ class Batch:
             out = target.step_rows(ids, slots, positions, ids_only=greedy)
         t2 = time.perf_counter()
         if costs is not None and not fed:
-            costs.observe_target(len(ids), t2 - t1)
+            costs.observe_target(len(ids), t2 - t1, depth)
         at = 0
         for m, p, n, guess in zip(ms, props, take, guessed):
             req, st = m.req, m.req.stats

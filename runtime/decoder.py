@@ -34,7 +34,15 @@ from .policy import CostModel
 from .request import GenerationResult, Request, StreamEvent, check_fits, commit
 from .sampling import SamplingParams, accept_argmax, choose_next, top1_probability, verify_round
 from .stats import Stats
-from .step_costs import cost_cache_file, read_step_costs, time_runner, write_step_costs
+from .step_costs import (
+    StepCosts,
+    cost_cache_file,
+    cost_depth,
+    read_step_costs,
+    time_runner,
+    time_slopes,
+    write_step_costs,
+)
 from .text import IncrementalDetokenizer, TextCodec
 from .trees import TREE_BRANCHES_MAX, TREE_MAX, path_moves, shape, spine_length, tree_refusal, walk
 
@@ -134,18 +142,21 @@ class SpecDecoder:
         :mod:`.step_costs`), then refreshed by every round's own timings. ``say(message)`` is told when it times."""
         if self._costs is None:
             path = self.cost_cache_file()
-            steps = read_step_costs(path)
-            if steps is None:
+            kept = read_step_costs(path)
+            if kept is None:
                 if say is not None:
                     say("timing the model steps auto decides with (once"
                         + (f"; kept a day in {path.parent})" if path is not None else ")") + " …")
                 steps = self.time_steps(repeats=3, all_logits_only=True, roles=("target",))
                 # the draft at every width, its prefill chunk too: what catching up on a prompt costs
                 steps.update(self.time_steps(repeats=3, roles=("draft",)))
-                write_step_costs(path, steps)
-            target = {T: s for T, s in steps["target"].items() if T >= self.target.min_width}
-            draft = steps.get("draft", {})
-            self._costs = CostModel(target, draft.get(1), draft_widths=draft)
+                kept = StepCosts(steps, cost_depth(self.manifest.max_context), self.time_slopes(repeats=3))
+                write_step_costs(path, kept)
+            target = {T: s for T, s in kept.steps["target"].items() if T >= self.target.min_width}
+            draft = kept.steps.get("draft", {})
+            self._costs = CostModel(target, draft.get(1), draft_widths=draft, base_depth=kept.depth,
+                                    target_slope=kept.slopes.get("target", {}),
+                                    draft_slope=kept.slopes.get("draft", {}).get(1, 0.0))
         return self._costs
 
     def cost_cache_file(self) -> Path | None:
@@ -305,6 +316,8 @@ class SpecDecoder:
         t0 = time.perf_counter()
         # rows from n-1 on are the round's to write: a self draft writes them first (the verify step rewrites them)
         slot.rows.writing(req.tokens, req.n - 1)
+        if self._costs is not None:
+            self._costs.depth = req.n  # the round's steps attend over the request's context
         prop = drafter.propose(req.tokens[: req.n], min(k, remaining - 1), req.params, req.rng)
         guess = len(prop.tokens) == 0 and self.target.min_width >= 2
         if guess:  # a width-2 step anyway: let its second row check a free guess
@@ -402,6 +415,26 @@ class SpecDecoder:
                 if runner is not None and role in roles:
                     out[role] = time_runner(runner, self.manifest.max_context, repeats, past_len, all_logits_only,
                                             reduce)
+        return out
+
+    def time_slopes(self, repeats: int = 3) -> dict[str, dict[int, float]]:
+        """Seconds each position of context adds to a step: the target's plain and widest verify widths (K + 1 rows
+        at most) and the draft's one-token step, {"target": {T: s}, "draft": {1: s}} (:func:`.step_costs.
+        time_slopes`; empty where S_max is too short to tell). The fastest of ``repeats``, like the cost model's
+        steps; the same dummy rows as ``time_steps``."""
+        out: dict[str, dict[int, float]] = {}
+        widths = sorted(w.T for w in self.target.entry.widths
+                        if w.L == w.T and self.target.min_width <= w.T <= self.manifest.k + 1)
+        with self._lock:
+            self.slots[0].rows.forget()
+            if self.draft_cache is not None:
+                self.draft_cache.forget()
+            for role, runner, ws in (("target", self.target, [widths[0], widths[-1]] if widths else []),
+                                     ("draft", self.draft_runner, [1])):
+                if runner is not None and ws:
+                    slopes = time_slopes(runner, self.manifest.max_context, sorted(set(ws)), repeats, np.min)
+                    if slopes:
+                        out[role] = slopes
         return out
 
     def close(self) -> None:

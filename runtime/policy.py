@@ -6,6 +6,7 @@ drafter and draft length by predicted tokens per second. :class:`adaptive.AutoDr
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,20 +60,49 @@ class CostModel:
     target_split: TargetSplit = field(default_factory=lambda: TargetSplit())
     branch_odds: BranchOdds = field(default_factory=lambda: BranchOdds())  # tree branches' hits (:mod:`.trees`)
     plain_pace: float | None = None  # tokens per second plain rounds have run at, whole rounds on the wall clock
+    # The context the step costs were timed at (``target``, ``draft``), and what each further position adds to a step:
+    # seconds per position at speed 1 for some target widths (``target_slope``; others interpolated linearly in the
+    # width, the attention's rows) and for the draft's one-token step. ``depth``: the context the next steps attend
+    # over (the decoder sets it each round), so a 3,000-token prompt's rounds are priced at its own depth.
+    base_depth: int = 0
+    target_slope: dict[int, float] = field(default_factory=dict)
+    draft_slope: float = 0.0
+    depth: int = 0
 
-    def verify_time(self, n: int) -> float:
-        """Time of the target step that n tokens run in (the smallest width >= n)."""
+    def _slope(self, w: int) -> float:
+        """Seconds per position of context a target step of width w adds (at speed 1)."""
+        s = self.target_slope
+        if not s:
+            return 0.0
+        if w in s:
+            return s[w]
+        ws = sorted(s)
+        if len(ws) == 1:
+            return s[ws[0]] * w / ws[0]
+        i = min(max(bisect.bisect_left(ws, w), 1), len(ws) - 1)  # the timed widths around w (the end two outside)
+        lo, hi = ws[i - 1], ws[i]
+        return max(0.0, s[lo] + (s[hi] - s[lo]) * (w - lo) / (hi - lo))
+
+    def _width_time(self, w: int, depth: int | None) -> float:
+        """Seconds of a target step of width w at ``depth`` positions (None: ``self.depth``), at speed 1; never
+        below half the width's timed cost (a context shorter than the timing's)."""
+        d = self.depth if depth is None else depth
+        return max(0.5 * self.target[w], self.target[w] + self._slope(w) * (d - self.base_depth))
+
+    def verify_time(self, n: int, depth: int | None = None) -> float:
+        """Time of the target step that n tokens run in (the smallest width >= n), at ``depth`` positions of
+        context (None: ``self.depth``; a batched step of several requests: their mean)."""
         fits = [t for t in self.target if t >= n]
-        return self.speed * self.target[min(fits)] if fits else float("inf")
+        return self.speed * self._width_time(min(fits), depth) if fits else float("inf")
 
-    def observe_target(self, n: int, seconds: float) -> None:
-        """A target step of n tokens took ``seconds``: the speed takes (1 - decay) of its log-ratio to the
-        prediction, the width's shape (1 - shape_decay) of what is left."""
+    def observe_target(self, n: int, seconds: float, depth: int | None = None) -> None:
+        """A target step of n tokens at ``depth`` positions took ``seconds``: the speed takes (1 - decay) of its
+        log-ratio to the prediction, the width's shape (1 - shape_decay) of what is left."""
         fits = [t for t in self.target if t >= n]
         if fits and seconds > 0:
             w = min(fits)
-            self.speed *= (seconds / (self.speed * self.target[w])) ** (1 - self.decay)
-            self.target[w] *= (seconds / (self.speed * self.target[w])) ** (1 - self.shape_decay)
+            self.speed *= (seconds / (self.speed * self._width_time(w, depth))) ** (1 - self.decay)
+            self.target[w] *= (seconds / (self.speed * self._width_time(w, depth))) ** (1 - self.shape_decay)
 
     def _catchup_prediction(self, plan: list[int]) -> float:
         steps = 0.0
@@ -100,13 +130,19 @@ class CostModel:
         if predicted > 0:
             self.catchup_scale = self.decay * self.catchup_scale + (1 - self.decay) * seconds / predicted
 
+    def _draft_depth(self) -> float:
+        """What ``depth`` adds to a one-token draft step, at speed 1."""
+        return self.draft_slope * (self.depth - self.base_depth)
+
     def observe_draft(self, seconds_per_step: float) -> None:
-        shape = seconds_per_step / self.speed
+        shape = max(0.5 * (self.draft or 0.0), seconds_per_step / self.speed - self._draft_depth())
         self.draft = shape if self.draft is None else self.decay * self.draft + (1 - self.decay) * shape
 
     def draft_time(self) -> float:
-        """Seconds of one 1-token draft step now (0 without a draft)."""
-        return self.speed * (self.draft or 0.0)
+        """Seconds of one 1-token draft step now (0 without a draft), at ``depth`` positions."""
+        if not self.draft:
+            return 0.0
+        return self.speed * max(0.5 * self.draft, self.draft + self._draft_depth())
 
     # -- predicted tokens per second ------------------------------------------------
     def observe_guess(self, confirmed: int) -> None:

@@ -129,7 +129,8 @@ def to_markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         f"kv_mode {b['kv_mode']}; {models}.",
         f"Plan: max_new_tokens {plan['max_new_tokens']}, ignore_eos {plan['ignore_eos']}, repeats {plan['repeats']}, "
         f"temperatures {plan['temperatures']}; {raw['meta']['seconds']:.0f} s; peak RSS {raw['meta']['peak_rss_mb']:.0f} MB.",
-        "Step costs (one step per declared width): " + "; ".join(
+        f"Step costs (one step per declared width, at {raw['meta'].get('step_costs_depth', '?')} positions of "
+        "context): " + "; ".join(
             f"{role} " + ", ".join(f"T={t}: {s * 1000:.1f} ms" for t, s in sorted(c.items(), key=lambda kv: int(kv[0])))
             for role, c in steps.items()) + f"; draft/target cost ratio c = {_f(summary['cost_ratio_c'], '.3f')}.",
         "",

@@ -26,6 +26,7 @@ from ..manifest import Manifest, kv_row_bytes
 from ..request import check_fits
 from ..sampling import SamplingParams
 from ..text import TextCodec
+from ..step_costs import cost_depth
 from .suites import BenchPrompt, suite_prompts
 
 DRAFTERS = ("model", "prompt-lookup", "none", "auto", "hybrid")  # auto/hybrid run once, at the bundle's K
@@ -199,6 +200,7 @@ def run_bench(dec: SpecDecoder, plan: BenchPlan,
     meta = {"machine": machine_info(), "bundle": bundle_info(dec), "plan": _plan_dict(plan),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     steps = dec.time_steps()
+    meta["step_costs_depth"] = cost_depth(dec.manifest.max_context)
     # warm-up: first use of every graph width, drafter and tree (a tree this bundle cannot verify is refused here)
     for drafter, tree in sorted({(d, t) for d, _, t in configs}, key=str):
         dec.generate("Hello", SamplingParams(max_new_tokens=8), drafter=drafter,

@@ -809,3 +809,34 @@ def test_the_guard_leaves_a_drafts_catch_up_out_of_its_rounds_pace_and_hybrid_al
     tokens = np.arange(10, 40, dtype=np.int64)
     hybrid.propose(tokens, 8, SamplingParams(), np.random.default_rng(0))
     assert hybrid._last[0] == "model"
+
+
+def test_cost_model_prices_a_step_at_its_own_context():
+    """A step's attention grows with the context it reads, and the widths grow apart with it: the cost model adds
+    each width's seconds per position (timed for some widths, linear in the width between them) over the context the
+    steps were timed at, for the target and the draft alike; a step observed as predicted at its depth moves neither
+    the machine's speed nor the width's shape."""
+    c = CostModel({1: 0.030, 3: 0.040, 9: 0.080}, 0.012, base_depth=128, target_slope={1: 2e-6, 9: 18e-6},
+                  draft_slope=1e-6)
+    assert c.verify_time(1, 128) == pytest.approx(0.030)
+    assert c.verify_time(1, 4128) == pytest.approx(0.030 + 4000 * 2e-6)
+    assert c.verify_time(3, 4128) == pytest.approx(0.040 + 4000 * 6e-6)  # 2e-6 + 16e-6 * 2 / 8 per position
+    assert c.verify_time(2, 4128) == c.verify_time(3, 4128)  # two tokens run in the 3-row step
+    assert c.verify_time(1, 0) == pytest.approx(0.030 - 128 * 2e-6)
+    assert c.draft_time() == pytest.approx(0.012 - 128 * 1e-6)  # depth 0 until the decoder sets it
+    c.depth = 8128
+    assert c.draft_time() == pytest.approx(0.012 + 8000 * 1e-6) and c.verify_time(9) == pytest.approx(0.080 + 0.144)
+    # deep in a context the verify rows cost more against a plain step: a lookup round of 2 pays less there
+    shallow = CostModel(dict(c.target), 0.012)
+    assert c.rate_lookup(0.5, 2) / c.rate_plain() < 0.95 * shallow.rate_lookup(0.5, 2) / shallow.rate_plain()
+    before = dict(c.target)
+    c.observe_target(3, c.verify_time(3, 2128), depth=2128)
+    c.observe_draft(c.draft_time())
+    assert c.speed == pytest.approx(1.0) and c.target == pytest.approx(before) and c.draft == pytest.approx(0.012)
+    c.observe_target(9, 2 * c.verify_time(9))  # the machine slows down: every width and depth with it
+    assert c.speed > 1.0 and c.verify_time(1, 128) == pytest.approx(0.030 * c.speed)
+    flat = CostModel({1: 0.030, 5: 0.050})  # no slopes timed (a short S_max): the timed costs at every depth
+    assert flat.verify_time(5, 30000) == pytest.approx(0.050)
+    one = CostModel({1: 0.030, 5: 0.050}, base_depth=100, target_slope={1: 1e-6})  # one width timed: per row
+    assert one.verify_time(5, 1100) == pytest.approx(0.050 + 1000 * 5e-6)
+    assert CostModel({1: 0.030}, base_depth=1000, target_slope={1: 1e-4}).verify_time(1, 0) == pytest.approx(0.015)

@@ -184,7 +184,7 @@ def test_the_draft_model_drafts_for_requests_together_in_shared_steps(rows_bundl
     assert dec.draft_runner.slots == 3 and len(dec.draft_caches) == 3
     costs = dec.cost_model()
     costs.draft_widths = {t: 1e-9 for t in costs.draft_widths}
-    monkeypatch.setattr(costs, "verify_time", lambda rows: 1e-3)
+    monkeypatch.setattr(costs, "verify_time", lambda rows, depth=None: 1e-3)
     monkeypatch.setattr(costs, "catchup_time", lambda plan: 1e-9)  # (else a slow machine's catch-up skips the draft)
     got, stats = drain([dec.stream(p, params, drafter=d) for p, d in zip(prompts, drafters)], random.Random(1))
     assert got == want

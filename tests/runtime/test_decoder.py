@@ -612,3 +612,56 @@ def test_a_target_that_computes_a_lone_logits_row_exactly_feeds_a_prompt_s_rest_
     assert sorted(feed_plan(runner, 51, 0, 64, lone_last=True)) == [(3, False), (48, False)]
     assert feed_plan(runner, 40, 0, 64, lone_last=True) == [(40, False)]
     assert feed_plan(runner, 300, 0, 64, lone_last=True)[:4] == [(64, False)] * 4
+
+
+def test_step_costs_are_timed_at_a_short_context_with_each_widths_cost_per_position(monkeypatch, tmp_path):
+    """auto's step costs come from a short context (a chat or code prompt's), not from a quarter of S_max, which puts
+    a 32k bundle's every step at 8,192 positions; a few widths are timed again deep in the cache, in turn with the
+    short ones, and their difference per position is what the cost model adds for a request's own context. Kept
+    with the costs, and read back whole."""
+    import json as _json
+    from types import SimpleNamespace
+
+    from specedge.runtime import step_costs as D
+
+    clock, seen = [0.0], []
+
+    def step(ids, pos, all_logits=False, **kw):  # noqa: ANN001
+        seen.append(pos)
+        clock[0] += 0.010 + 0.002 * len(ids) + 1e-6 * len(ids) * pos  # attention: rows x positions
+        return None
+
+    widths = [SimpleNamespace(T=t, L=t) for t in (1, 2, 5)] + [SimpleNamespace(T=64, L=1)]
+    runner = SimpleNamespace(entry=SimpleNamespace(widths=widths), step=step)
+    monkeypatch.setattr(D.time, "perf_counter", lambda: clock[0])
+    assert D.cost_depth(32768) == D.COST_DEPTH == 128 and D.cost_depth(256) == 64
+    timed = D.time_runner(runner, 32768, 2, None, True, min)
+    assert set(timed) == {1, 2, 5} and set(seen) == {128}
+    assert timed[5] == pytest.approx(0.010 + 0.010 + 5 * 128e-6)
+    slopes = D.time_slopes(runner, 32768, [1, 5, 64], 2, min)  # 64: a prefill width, not timed
+    assert slopes == pytest.approx({1: 1e-6, 5: 5e-6}) and set(seen) == {128, D.DEEP_DEPTH}
+    assert D.time_slopes(runner, 2048, [1, 5], 2, min) == pytest.approx({1: 1e-6, 5: 5e-6})  # 128 and 1,024
+    assert D.time_slopes(runner, 512, [1, 5], 2, min) == {}  # 128 and 256: too close to tell apart
+    path = tmp_path / "costs.json"
+    kept = D.StepCosts({"target": timed, "draft": {1: 0.004}}, 128, {"target": slopes})
+    D.write_step_costs(path, kept)
+    assert D.read_step_costs(path) == kept
+    raw = _json.loads(path.read_text())
+    path.write_text(_json.dumps({**raw, "slopes": {"target": {"1": -1.0}}}))
+    assert D.read_step_costs(path) is None  # a negative cost per position: timed again
+
+
+def test_auto_prices_each_round_at_the_requests_own_context(decoders, monkeypatch):
+    """The decoder tells the cost model the context each round's steps attend over (the request's tokens so far)
+    before its drafter chooses, so auto weighs a long prompt's rounds at their depth."""
+    from specedge.runtime.adaptive import AutoDrafter
+
+    dec = decoders["model"]
+    costs = dec.cost_model()
+    depths: list[int] = []
+    propose = AutoDrafter.propose
+    monkeypatch.setattr(AutoDrafter, "propose", lambda self, tokens, *a, **kw: (
+        depths.append((costs.depth, len(tokens))), propose(self, tokens, *a, **kw))[1])
+    dec.generate(PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True), drafter="auto")
+    n = len(dec.encode_prompt(PROMPTS[0]))
+    assert depths and all(d == t for d, t in depths) and depths[0][0] == n + 1 and depths[-1][0] > n + 1
