@@ -1080,7 +1080,7 @@ static inline __attribute__((always_inline)) void tile_sb_avx2(const sek_rows *x
 }
 
 /* tile_sb_avx2 for m rows streamed past the weights (m a variable), compiled on its own: inlined into the tile loop
- * beside the register passes, its loops measured 7-14 % slower at 2-9 rows (register allocation across all of them). */
+ * beside the register passes, its loops measured 4-11 % slower at 2-9 rows (register allocation across all of them). */
 static __attribute__((noinline)) void tile_sb_rows_avx2(const sek_rows *x, const sek_weights *w, float *y, int64_t ldy,
                                                         int64_t r0, int64_t m, int64_t tile) {
     tile_sb_avx2(x, w, y, ldy, r0, (int)m, tile, 0, 1);
