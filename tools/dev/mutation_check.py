@@ -266,8 +266,11 @@ PLANTS = {
         "runtime/policy.py", "self._catchup_prediction(plan) - self.draft_time())",
         "self._catchup_prediction(plan))", ["tests/runtime/test_adaptive.py"]),
     "auto's step costs averaged per width alone (widths not run keep an old phase's speed)": (
-        "runtime/policy.py", "self.speed *= (seconds / (self.speed * self.target[w])) ** (1 - self.decay)",
-        "self.target[w] *= (seconds / (self.speed * self.target[w])) ** (1 - self.decay)",
+        "runtime/policy.py", "self.speed *= (seconds / (self.speed * self._width_time(w, depth))) ** (1 - self.decay)",
+        "self.target[w] *= (seconds / (self.speed * self._width_time(w, depth))) ** (1 - self.decay)",
+        ["tests/runtime/test_adaptive.py"]),
+    "auto prices every step at the context its costs were timed at": (
+        "runtime/policy.py", "self.target[w] + self._slope(w) * (d - self.base_depth)", "self.target[w]",
         ["tests/runtime/test_adaptive.py"]),
     "auto scores a copying request's gap by tokens per second again": (
         "runtime/policy.py", 'if gap == float("inf") or rate <= 0:', "if True:", ["tests/runtime/test_adaptive.py"]),
