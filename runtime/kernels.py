@@ -84,6 +84,18 @@ def compiler() -> list[str]:
     return [cc]
 
 
+def use_library(path: str | Path) -> Path:
+    """Take the kernels of the bundles loaded from now on from ``path``, a library ``library_path()`` built (from
+    another checkout, or with another SPECEDGE_KERNEL_MARCH), instead of this checkout's: tools that time two builds
+    side by side in one process. Sessions already open keep the library they registered."""
+    global _built
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such file (build one with specedge.runtime.kernels.library_path())")
+    _built = p
+    return p
+
+
 def library_path() -> Path:
     """The built kernel library for this machine, compiling it first if needed (once per sources/CPU)."""
     global _built

@@ -23,7 +23,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -32,12 +31,13 @@ from specedge.runtime.bench.runner import machine_info
 
 
 def load(bundle: str, lib: str | None) -> SpecDecoder:
-    import specedge.runtime.kernels as kernels
+    from specedge.runtime.kernels import use_library
 
     if lib is not None:
-        if not Path(lib).is_file():
-            raise SystemExit(f"--lib {lib}: no such file (build one with runtime.kernels.library_path())")
-        kernels._built = Path(lib)
+        try:
+            use_library(lib)
+        except FileNotFoundError as e:
+            raise SystemExit(f"--lib {e}") from None
     return SpecDecoder.load(bundle)
 
 

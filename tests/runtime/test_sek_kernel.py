@@ -776,3 +776,16 @@ def test_the_arm_neon_path_computes_the_same_bits_as_this_cpu(tmp_path, march):
     subprocess.run(["aarch64-linux-gnu-gcc", *CFLAGS, f"-march={march}", "-Werror", "-Wall", "-o",
                     str(tmp_path / "libspecedge_kernels.so"), *(str(csrc / s) for s in SOURCES), "-lm"],
                    check=True, capture_output=True)
+
+
+def test_a_kernel_library_built_elsewhere_can_be_used_by_name(monkeypatch, tmp_path):
+    """Tools that time two kernel builds in one process (tools/verify_cost.py, tools/dev/ab_decode.py --lib) name a
+    library file; the bundles loaded after that take their kernels from it, and a missing file is refused by name."""
+    from specedge.runtime import kernels
+
+    monkeypatch.setattr(kernels, "_built", None)
+    lib = tmp_path / "libspecedge_kernels.so"
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        kernels.use_library(lib)
+    lib.write_bytes(b"\x7fELF")
+    assert kernels.use_library(lib) == lib and kernels.library_path() == lib

@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from specedge.runtime import SamplingParams, SpecDecoder
 from specedge.runtime.bench import suite_prompts
@@ -87,12 +86,13 @@ def summary(res: dict) -> list[str]:
 
 
 def load(bundle: str, lib: str | None) -> SpecDecoder:
-    import specedge.runtime.kernels as kernels
+    from specedge.runtime.kernels import use_library
 
     if lib is not None:
-        if not Path(lib).is_file():
-            raise SystemExit(f"--lib {lib}: no such file (build one with runtime.kernels.library_path())")
-        kernels._built = Path(lib)
+        try:
+            use_library(lib)
+        except FileNotFoundError as e:
+            raise SystemExit(f"--lib {e}") from None
     dec = SpecDecoder.load(bundle, verify="size")
     dec.generate("Hello", SamplingParams(max_new_tokens=8))  # warm-up
     return dec
