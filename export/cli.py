@@ -149,8 +149,9 @@ def _profile_option(f):  # noqa: ANN001
                    "coarser head changes which tokens it proposes, never the output (docs/weight-formats.md).")
 @click.option("--gguf-exact/--no-gguf-exact", default=True, show_default=True,
               help="int8/int4 from a GGUF: carry its blocks exactly wherever the format can hold them (Q4_0, Q4_1, "
-                   "Q4_K as int4 (+ offsets); Q8_0 and Q6_K as int8, even in an int4 bundle) instead of "
-                   "re-quantizing them to the requested width (lossy, faster: docs/weight-formats.md).")
+                   "Q4_K as int4 (+ offsets); Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, Q8_0, IQ4_NL, IQ4_XS at up to 8 "
+                   "bits, even in an int4 bundle) instead of re-quantizing them to the requested width (lossy, "
+                   "smaller, faster: docs/weight-formats.md).")
 @click.option("--quant-form", type=click.Choice(["auto", "specedge", "matmulnbits", "qdq", "intgemm"]),
               default="auto", show_default=True,
               help="How int8/int4 matrices are written. auto: specedge on a CPU profile where a C compiler runs, "

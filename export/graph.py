@@ -379,8 +379,9 @@ class _Linears:
             return [self._quantize(np.concatenate([self.src.get(p) for p in parts], axis=0), spec)]
         packed = [x if x is not None else self._quantize(self.src.get(p), spec) for p, x in zip(parts, packed)]
         groups: list[list[Packed]] = []
-        for x in packed:
-            if groups and (groups[-1][0].bits, groups[-1][0].block) == (x.bits, x.block):
+        form = lambda p: (p.bits, p.block, None if p.superblocks is None else p.superblocks.key())  # noqa: E731
+        for x in packed:  # parts with two-level scales fuse only with parts of the same kind (they keep them)
+            if groups and form(groups[-1][0]) == form(x):
                 groups[-1].append(x)
             else:
                 groups.append([x])

@@ -19,8 +19,9 @@ and the op reads only K columns of A.
 GGUF Q4_0 (value = (q - 8) * d, 32 per block) and Q8_0 (value = q * d) are exactly this
 symmetric form with block 32, only with a different nibble order (Q4_0 holds elements i and
 i+16 in byte i) and a signed 8-bit q; :func:`repack_gguf` converts their bytes without
-touching a value. Every other GGUF type needs float zero points or nested scales and is
-dequantized, then re-quantized (:func:`quantize`).
+touching a value, and carries the other types of GGUF_REPACKABLE as exactly (with per-block
+offsets, and the K-quants' two-level scales beside). A type outside it is dequantized, then
+re-quantized (:func:`quantize`), and the export names it.
 """
 
 from __future__ import annotations
@@ -198,9 +199,22 @@ def dequantize(p: Packed) -> np.ndarray:
 #     w = s (q - 8) + o,   s = d (Q4_1) or d sc_j (Q4_K),   o = m + 8 s (Q4_1) or 8 s - dmin m_j (Q4_K)
 # carried exactly (to one fp32 rounding of o) as Packed.offsets; the graph adds sum_b o_b (sum of x over block b).
 # Q6_K (w = d sc_j (q - 32), 6-bit q, a signed 8-bit scale per 16 values) is exact as 8-bit with block 16.
+# The other types are carried at 8 bits, every value exactly what gguf's dequantization gives (the scales and
+# offsets below are exact fp32 products of an fp16 and a small integer):
+#     Q5_0  w = d (q - 16)                     symmetric, block 32
+#     Q5_1  w = d q + m                        level q (stored q + 128), offset m, block 32
+#     Q5_K  w = d sc_j q - dmin m_j            level q, scale d sc_j, offset -dmin m_j, block 32
+#     Q3_K  w = d (sc_j - 32) q, q in -4..3    symmetric, block 16
+#     Q2_K  w = d sc_j q - dmin m_j, q 0..3    level q, scale d sc_j, offset -dmin m_j, block 16
+#     IQ4_NL / IQ4_XS  w = d_j kvalues[q]      the codebook's int8 value as the level, block 32
+# The K-quants also keep their two-level scales (Packed.superblocks) for specedge's kernel: Q5_K as 6-bit levels
+# with mins, Q3_K as 6-bit levels at zero point 32 (Q6_K's form), Q2_K as 4-bit levels with mins.
 GGUF_REPACKABLE = {"Q4_0": (32, 18, 4), "Q8_0": (32, 34, 8), "Q4_1": (32, 20, 4), "Q4_K": (256, 144, 4),
-                   "Q6_K": (256, 210, 8), "Q5_0": (32, 22, 8)}  # Q5_0: its 5-bit levels carried at 8 bits
-GGUF_OFFSET_TYPES = ("Q4_1", "Q4_K")  # need Packed.offsets
+                   "Q6_K": (256, 210, 8), "Q5_0": (32, 22, 8), "Q5_1": (32, 24, 8), "Q5_K": (256, 176, 8),
+                   "Q3_K": (256, 110, 8), "Q2_K": (256, 84, 8), "IQ4_NL": (32, 18, 8), "IQ4_XS": (256, 136, 8)}
+GGUF_OFFSET_TYPES = ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")  # need Packed.offsets
+# IQ4_NL / IQ4_XS: the 16 levels a 4-bit index selects (ggml's kvalues_iq4nl)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
 
 
 def _q4k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -213,8 +227,7 @@ def _q4k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed:
-    """GGUF Q4_0 / Q8_0 / Q4_1 / Q4_K / Q6_K / Q5_0 rows (uint8 [N, row bytes]) -> Packed, exact (see
-    GGUF_REPACKABLE).
+    """GGUF rows of a type in GGUF_REPACKABLE (uint8 [N, row bytes]) -> Packed, exact (see GGUF_REPACKABLE).
     K (inputs per row) follows from the row bytes; ``k``, if given, is checked against it."""
     if type_name not in GGUF_REPACKABLE:
         raise UnsupportedModelError(f"GGUF {type_name} has no exact MatMulNBits form; only {sorted(GGUF_REPACKABLE)}")
@@ -242,6 +255,8 @@ def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed
         scales = (d[..., None] * sc).reshape(N, kb * 16).astype(np.float32)
         sb = SuperBlocks(sc.reshape(N, kb * 16).astype(np.int8), d, None, None, 6, zero_point=32, level_offset=96)
         return Packed(np.ascontiguousarray(b), scales, None, k, 8, 16, superblocks=sb)
+    if type_name in _EIGHT_BIT_CARRIED:
+        return _EIGHT_BIT_CARRIED[type_name](blocks, k)
     if type_name == "Q8_0":
         b = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # signed q -> q + 128
         return Packed(np.ascontiguousarray(b), f16(0, 2), None, k, bits, block)
@@ -270,6 +285,103 @@ def repack_gguf(type_name: str, raw: np.ndarray, k: int | None = None) -> Packed
     # GGUF: byte i holds element i (low) and i+16 (high); MatMulNBits: elements 2i, 2i+1
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, k_blocks, 32] in element order
     return Packed(np.ascontiguousarray(_pack_nibbles(q)), scales, None, k, bits, block, offsets)
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of every block [N, kb, bytes] -> float32 [N, kb]."""
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _bits_of(qh: np.ndarray, count: int) -> np.ndarray:
+    """uint8 [.., 32] of high-bit masks -> [.., count // 32, 32]: plane i holds bit i of each byte."""
+    return (qh[..., None, :] >> np.arange(count // 32, dtype=np.uint8)[:, None]) & 1
+
+
+def _carried8(levels: np.ndarray, scales: np.ndarray, k: int, block: int, offsets: np.ndarray | None = None,
+              superblocks: SuperBlocks | None = None) -> Packed:
+    """Signed levels [N, k_blocks, block] (-128..127) -> an 8-bit symmetric Packed (stored level + 128)."""
+    n = levels.shape[0]
+    b = (levels.astype(np.int16) + 128).astype(np.uint8).reshape(n, -1, block)
+    return Packed(np.ascontiguousarray(b), np.ascontiguousarray(scales, dtype=np.float32).reshape(n, -1), None, k, 8,
+                  block, None if offsets is None else np.ascontiguousarray(offsets, dtype=np.float32).reshape(n, -1),
+                  superblocks)
+
+
+def _repack_q5_1(blocks: np.ndarray, k: int) -> Packed:  # d, m, 4 bytes of fifth bits, 16 of nibbles: w = d q + m
+    qh = blocks[..., 4:8].copy().view("<u4")[..., 0]
+    qs = blocks[..., 8:24]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+    high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16)
+    return _carried8(low + (high << 4), _f16(blocks, 0), k, 32, _f16(blocks, 2))
+
+
+def _repack_q5_k(blocks: np.ndarray, k: int) -> Packed:
+    """d, dmin, 12 bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 of nibbles: sub-block 2g holds the
+    low nibbles of bytes 32g..32g+31, 2g+1 their high ones; bit j of qh[l] is sub-block j's fifth bit of element l."""
+    n, kb, _ = blocks.shape
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _q4k_scales_mins(blocks[..., 4:16])  # [N, kb, 8]
+    qs = blocks[..., 48:176].reshape(n, kb, 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, kb, 8, 32)
+    q = low.astype(np.int16) | (_bits_of(blocks[..., 16:48], 256).astype(np.int16) << 4)
+    scales, mins = d[..., None] * sc, dmin[..., None] * mn  # exact: fp16 times a 6-bit integer
+    sb = SuperBlocks(sc.reshape(n, -1).astype(np.int8), d, mn.reshape(n, -1).astype(np.int8), dmin, 6,
+                     level_offset=128)
+    return _carried8(q, scales, k, 32, -mins, sb)
+
+
+def _repack_q3_k(blocks: np.ndarray, k: int) -> Packed:
+    """32 bytes of high-bit masks, 64 of 2-bit pairs, 12 of 6-bit scales, d: element e = 128h + 32j + l has its low
+    bits at (qs[32h + l] >> 2j) & 3 and its high bit at bit e // 32 of hmask[l]; level = low - 4 (1 - high)."""
+    n, kb, _ = blocks.shape
+    low = (blocks[..., 32:96].reshape(n, kb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    high = _bits_of(blocks[..., 0:32], 256)  # [N, kb, 8, 32]
+    q = low.reshape(n, kb, 8, 32).astype(np.int16) - 4 * (1 - high.astype(np.int16))
+    sc = blocks[..., 96:108]
+    lo = (sc[..., 0:8, None] >> np.array([0, 4], dtype=np.uint8)).transpose(0, 1, 3, 2).reshape(n, kb, 16) & 0x0F
+    hi = (sc[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)).transpose(0, 1, 3, 2).reshape(n, kb, 16) & 3
+    s = (lo | (hi << 4)).astype(np.int16) - 32  # [N, kb, 16], -32..31
+    d = _f16(blocks, 108)
+    sb = SuperBlocks(s.reshape(n, -1).astype(np.int8), d, None, None, 6, zero_point=32, level_offset=96)
+    return _carried8(q.reshape(n, kb * 16, 16), d[..., None] * s.astype(np.float32), k, 16, None, sb)
+
+
+def _repack_q2_k(blocks: np.ndarray, k: int) -> Packed:
+    """16 bytes of 4-bit scale (low) and min (high) pairs, 64 of 2-bit levels, d, dmin: element e = 128h + 32j + l
+    is (qs[32h + l] >> 2j) & 3, in block e // 16."""
+    n, kb, _ = blocks.shape
+    q = (blocks[..., 16:80].reshape(n, kb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    sc, mn = (blocks[..., 0:16] & 0x0F).astype(np.float32), (blocks[..., 0:16] >> 4).astype(np.float32)
+    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    sb = SuperBlocks(sc.reshape(n, -1).astype(np.int8), d, mn.reshape(n, -1).astype(np.int8), dmin, 4,
+                     level_offset=128)
+    return _carried8(q.reshape(n, kb * 16, 16), d[..., None] * sc, k, 16, -(dmin[..., None] * mn), sb)
+
+
+def _iq4_levels(nibbles: np.ndarray) -> np.ndarray:
+    """[.., 16] bytes of two indices each -> the codebook's levels [.., 32]: element j (low), j + 16 (high)."""
+    return IQ4_LEVELS[np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)]
+
+
+def _repack_iq4_nl(blocks: np.ndarray, k: int) -> Packed:  # d, 16 bytes of indices: w = d kvalues[q]
+    return _carried8(_iq4_levels(blocks[..., 2:18]), _f16(blocks, 0), k, 32)
+
+
+def _repack_iq4_xs(blocks: np.ndarray, k: int) -> Packed:
+    """d, 2 bytes of the 32-blocks' high scale bits, 4 of their low nibbles, 128 of indices: block i's scale is
+    d (ls_i - 32), ls_i = ((scales_l[i / 2] >> 4 (i % 2)) & 15) | (((scales_h >> 2i) & 3) << 4)."""
+    n, kb, _ = blocks.shape
+    sh = blocks[..., 2:4].copy().view("<u2")[..., 0]  # [N, kb]
+    sl = blocks[..., 4:8]
+    lo = (sl[..., None] >> np.array([0, 4], dtype=np.uint8)).reshape(n, kb, 8) & 0x0F
+    hi = (sh[..., None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    ls = (lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32
+    levels = _iq4_levels(blocks[..., 8:136].reshape(n, kb, 8, 16))
+    return _carried8(levels.reshape(n, kb * 8, 32), _f16(blocks, 0)[..., None] * ls.astype(np.float32), k, 32)
+
+
+_EIGHT_BIT_CARRIED = {"Q5_1": _repack_q5_1, "Q5_K": _repack_q5_k, "Q3_K": _repack_q3_k, "Q2_K": _repack_q2_k,
+                      "IQ4_NL": _repack_iq4_nl, "IQ4_XS": _repack_iq4_xs}
 
 
 def concat_rows(parts: list[Packed]) -> Packed:
@@ -364,7 +476,8 @@ def sek_pack(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     k = 8j+t (low nibble) and 8j+4+t (high); 8-bit: chunk g, byte 4c+t holds k = 4g+t. Scales fp32 and zero
     points uint8, both [N/16, k_blocks, 16] (a symmetric matrix gets its implicit 2^(bits-1)). A matrix with float
     offsets (GGUF Q4_1/Q4_K: w = s (q - z) + o) gets fp32 zero-point products instead, zs = z s - o (computed in
-    float64, rounded once: w = s q - zs; for Q4_K, zs is dmin m up to that rounding of o). N is padded to whole
+    float64, rounded once: w = s q - zs; for Q4_K, zs is dmin m up to that rounding of o); 8-bit levels q - 128
+    that are never negative are stored as q - 128 under z = 0, so that zs = -o exactly. N is padded to whole
     tiles with zero columns (scale 0); the graph slices them off. Returns (b, scales, zero points, padded N)."""
     if p.block % 16 or not 16 <= p.block <= 256:
         raise UnsupportedModelError("the specedge kernel takes blocks of 16..256 values (multiples of 16), "
@@ -377,6 +490,10 @@ def sek_pack(p: Packed) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         zp = (_unpack_nibbles(p.zero_points)[:, :kb] if p.bits == 4 else p.zero_points).astype(np.uint8)
     scales = p.scales
     if p.offsets is not None:
+        if p.bits == 8 and p.zero_points is None and q.min(initial=255) >= 128:
+            # 8-bit levels that are all >= 0 (GGUF Q5_1, Q5_K, Q2_K): stored as they are under zero point 0, so
+            # zs = -o exactly and the kernel's weights are gguf's own bit for bit
+            q, zp = q - np.uint8(128), np.zeros_like(zp)
         zp = (zp.astype(np.float64) * scales.astype(np.float64) - p.offsets.astype(np.float64)).astype(np.float32)
     n_pad = -(-n // SEK_TILE) * SEK_TILE
     if n_pad != n:

@@ -95,11 +95,10 @@ def requantize_gguf(src: Path, out: Path, qtype_of: Callable[[str], object]) -> 
     """``src`` (an f32 GGUF) rewritten with every 2-D tensor in the ggml type ``qtype_of(tensor name)`` returns
     (``gguf.GGMLQuantizationType``; F32 keeps it): every metadata key copied as it is, as llama.cpp's
     ``gguf_new_metadata.py`` does. The blocks come from gguf-py's quantizers (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the
-    tests' round-to-nearest K-quant writer (Q4_K, Q6_K; ``test_gguf.quantize_k``), not from llama.cpp's search."""
+    tests' round-to-nearest writers for the rest (``test_gguf.quantize_test``), not from llama.cpp's search."""
     import gguf
-    from gguf.quants import quantize
 
-    from .export.test_gguf import quantize_k
+    from .export.test_gguf import quantize_test
 
     Q = gguf.GGMLQuantizationType
     reader = gguf.GGUFReader(str(src))
@@ -118,7 +117,7 @@ def requantize_gguf(src: Path, out: Path, qtype_of: Callable[[str], object]) -> 
             w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
             continue
         rows = data.reshape(int(t.shape[1]), int(t.shape[0]))
-        raw = quantize_k(rows, qt) if qt in (Q.Q4_K, Q.Q6_K) else quantize(rows, qt)
+        raw = quantize_test(rows, qt)
         w.add_tensor(t.name, raw, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own benchmark and speculation binaries natively (the peers of tools/bench_peers.py), plus
-# llama-server (the concurrency peer for tools that measure serving), from the llama.cpp source that the
-# llama-cpp-python sdist on PyPI carries. Cached outside the repository:
+# llama-server (the concurrency peer for tools that measure serving) and llama-quantize (GGUFs of other block types,
+# quantized by llama.cpp itself), from the llama.cpp source that the llama-cpp-python sdist on PyPI carries. Cached
+# outside the repository:
 #   $SPECEDGE_CACHE (default ~/.cache/specedge)/llama.cpp/<version>/build/bin/{llama-bench,llama-lookup,
-#   llama-speculative-simple,llama-server}
+#   llama-speculative-simple,llama-server,llama-quantize}
 # Usage: tools/build_llama_cpp.sh [llama-cpp-python version, default 0.3.36]   (prints the bin directory)
 #   SPECEDGE_LLAMA_ISA=avx2 builds ggml for AVX2 + FMA + F16C + BMI2 without AVX512 (GGML_NATIVE off) into
 #   build-avx2/: llama.cpp as an AVX2-only CPU runs it, to set beside ours built with SPECEDGE_KERNEL_MARCH=haswell
@@ -19,8 +20,9 @@ case "$ISA" in
     *) echo "SPECEDGE_LLAMA_ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
 esac
 BIN=$BUILD/bin
-TARGETS="llama-bench llama-lookup llama-speculative-simple llama-server"
-if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-speculative-simple" ] && [ -x "$BIN/llama-server" ]; then echo "$BIN"; exit 0; fi
+TARGETS="llama-bench llama-lookup llama-speculative-simple llama-server llama-quantize"
+if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-speculative-simple" ] && [ -x "$BIN/llama-server" ] &&
+   [ -x "$BIN/llama-quantize" ]; then echo "$BIN"; exit 0; fi
 mkdir -p "$ROOT"
 if [ ! -d "$ROOT/src" ]; then
     python3 -m pip download --no-deps --no-binary=:all: -q -d "$ROOT/sdist" "llama-cpp-python==$VER" >&2

@@ -8,8 +8,9 @@ prompt, from the same prompt token ids.
 GGUF: the bundle's own source (a name `spec-export fetch` knows, or a path). Each prompt is encoded by the bundle's
 tokenizer (a suite's prompts through its chat template; the text alone where the file has none) and sent to
 llama-server's ``/completion`` as those token ids, with ``temperature 0`` (greedy, llama.cpp's own sampler),
-``n_predict`` new tokens and ``ignore_eos``. llama-server's ``/tokenize`` of the prompt's text alone is set beside our
-encoding of it too (a tokenizer difference is reported, not hidden). Where the two texts part, our top-2 logit gap
+``n_predict`` new tokens and ``ignore_eos`` (which gives every end-of-generation token a logit of -inf there: where
+our greedy text ends, the two count as the same up to that end). llama-server's ``/tokenize`` of the prompt's text
+alone is set beside our encoding of it too (a tokenizer difference is reported, not hidden). Where the two texts part, our top-2 logit gap
 at that token says whether it is a near-tie (< 1: two kernels' rounding can pick either). llama-server comes from
 tools/build_llama_cpp.sh (or SPECEDGE_LLAMA_BIN). Prints the CPU flags.
 """
@@ -77,6 +78,7 @@ def main() -> int:
                            port, "llama-server", log)
     same = 0
     rows = []
+    eos = set(dec.manifest.tokenizer.eos_ids)
     try:
         for p in prompts:
             prompt, chat = p.as_request(bool(dec.manifest.tokenizer.chat_template))
@@ -90,12 +92,17 @@ def main() -> int:
                                                 "return_tokens": True})["tokens"]
             tok = post(port, "/tokenize", {"content": text, "add_special": True})["tokens"]
             mine = dec.encode_prompt(text, chat=False)
+            i = next((j for j in range(min(len(ours), len(theirs))) if ours[j] != theirs[j]),
+                     min(len(ours), len(theirs)))
             if ours == theirs:
                 same += 1
                 verdict = "same"
+            elif i < len(ours) and ours[i] in eos:
+                # llama-server's ignore_eos bans every end-of-generation token (its logit -inf), so where ours is
+                # the greedy choice, llama.cpp takes the runner-up: the answers agree up to their end
+                same += 1
+                verdict = f"same up to our end of text at token {i} (ignore_eos bans it in llama-server)"
             else:
-                i = next((j for j in range(min(len(ours), len(theirs))) if ours[j] != theirs[j]),
-                         min(len(ours), len(theirs)))
                 gap = top2_gap(dec, ids + ours[:i])
                 kind = "near-tie" if gap < NEAR_TIE else "NOT a tie"
                 verdict = f"part at token {i} (our top-2 gap {gap:.3f}: {kind})"

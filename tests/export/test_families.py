@@ -121,14 +121,14 @@ def family_drafts(tmp_path_factory) -> dict[str, object]:
 
 def _gguf_blocks(name: str):
     """The block types of the families' GGUFs: as a Q4_K_M file of a model whose rows are not whole 256-value
-    super-blocks holds them (Gemma 3 270M: Q5_0 for most matrices), with Q4_0 and Q4_1 beside."""
+    super-blocks holds them (Gemma 3 270M: Q5_0 for most matrices), with Q4_0, Q4_1, Q5_1 and IQ4_NL beside."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
     if name in ("token_embd.weight", "output.weight"):  # Gemma 3 270M's token_embd (its tied head) is Q8_0
         return Q.Q8_0
     return (Q.Q4_1 if "ffn_down" in name else Q.Q5_0 if any(p in name for p in ("attn_q.", "attn_k.", "ffn_gate"))
-            else Q.Q4_0)
+            else Q.Q5_1 if "attn_output" in name else Q.IQ4_NL if "attn_v" in name else Q.Q4_0)
 
 
 def _opts(**kw):
@@ -139,9 +139,9 @@ def _opts(**kw):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_family_s_gguf_blocks_are_carried_and_compute_as_its_fp32_export(family_models, family, tmp_path):
-    """llama.cpp's GGUF with its linears in Q4_0/Q4_1/Q5_0 blocks (the head Q8_0 where untied): every matrix carried as
-    the file holds it, nothing re-quantized; fp32 compute (accuracy level 0, fp32 head and embedding) gives the
-    logits of the same GGUF exported fp32, as for the llama family (test_quantized_bundle)."""
+    """llama.cpp's GGUF with its linears in Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL blocks (the head Q8_0 where untied): every
+    matrix carried as the file holds it, nothing re-quantized; fp32 compute (accuracy level 0, fp32 head and
+    embedding) gives the logits of the same GGUF exported fp32, as for the llama family (test_quantized_bundle)."""
     from specedge.export.bundle import export_bundle
     from specedge.export.quant import WeightFormat
     from specedge.runtime import SpecDecoder
@@ -205,8 +205,8 @@ def test_a_gguf_type_without_an_exact_form_is_named_where_it_is_re_quantized(fam
     from specedge.runtime import SpecDecoder
 
     Q = gguf.GGMLQuantizationType
-    gg = requantize_gguf(family_models["llama3"]["gguf"], tmp_path / "q51.gguf",
-                         lambda n: Q.Q5_1 if "ffn_up" in n else _gguf_blocks(n))
+    gg = requantize_gguf(family_models["llama3"]["gguf"], tmp_path / "mxfp4.gguf",
+                         lambda n: Q.MXFP4 if "ffn_up" in n else _gguf_blocks(n))
     q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "b", _opts(
         weights=WeightFormat("int4", form="specedge"))).out).manifest.target.quant
-    assert q["requantized_gguf_types"] == ["Q5_1"] and q["requantized"] >= 4  # gate|up of 4 layers, the head
+    assert q["requantized_gguf_types"] == ["MXFP4"] and q["requantized"] >= 4  # ffn_up of 4 layers

@@ -25,8 +25,9 @@ def _f16(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_k(t: np.ndarray, qt) -> np.ndarray:
-    """float [N, K] (K a multiple of 256) -> GGUF Q4_K or Q6_K rows, uint8 [N, K/256 * bytes]: round-to-nearest
-    under ggml's block layouts (gguf-py reads K-quants but cannot write them). Tests only: not llama.cpp's search."""
+    """float [N, K] (K a multiple of 256) -> GGUF Q4_K, Q6_K, Q5_K, Q3_K, Q2_K or IQ4_XS rows, uint8 [N, K/256 *
+    bytes]: round-to-nearest under ggml's block layouts (gguf-py reads these types but cannot write them). Tests
+    only: not llama.cpp's search."""
     n, k = t.shape
     x = t.astype(np.float32).reshape(n, k // 256, 256)
     if qt == Q.Q6_K:
@@ -60,9 +61,83 @@ def quantize_k(t: np.ndarray, qt) -> np.ndarray:
                                     (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
         qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(n, -1, 128)
         parts = [_f16(d)[..., None].view(np.uint8), _f16(dmin)[..., None].view(np.uint8), packed_sc, qs]
+    elif qt in (Q.Q5_K, Q.Q2_K):  # w = d sc q - dmin m: Q5_K 32-blocks, 6-bit sc/m, q 0..31; Q2_K 16s, 4-bit, 0..3
+        blk, top, qmax = (32, 63, 31) if qt == Q.Q5_K else (16, 15, 3)
+        sub = x.reshape(n, -1, 256 // blk, blk)
+        mn = np.maximum(-sub.min(-1), 0.0)
+        scale = (sub.max(-1) + mn) / qmax
+        d, dmin = (_f16(v.max(-1) / top).astype(np.float32) for v in (scale, mn))
+        sc, m = (np.where(f[..., None] > 0, np.rint(v / np.where(f > 0, f, 1)[..., None]), 0).clip(0, top)
+                 .astype(np.uint8) for v, f in ((scale, d), (mn, dmin)))
+        step = d[..., None] * sc
+        q = (np.rint((sub + (dmin[..., None] * m)[..., None]) / np.where(step > 0, step, 1)[..., None])
+             .clip(0, qmax).astype(np.uint8))
+        if qt == Q.Q5_K:
+            packed_sc = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                                        (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+                                        (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
+            qh = sum(((q[..., i, :] >> 4) & 1) << i for i in range(8)).astype(np.uint8)  # [n, sb, 32]
+            qs = ((q[..., 0::2, :] & 15) | ((q[..., 1::2, :] & 15) << 4)).reshape(n, -1, 128)
+            parts = [_f16(d)[..., None].view(np.uint8), _f16(dmin)[..., None].view(np.uint8), packed_sc, qh, qs]
+        else:  # element 128h + 32j + l at bits 2j of qs[32h + l]
+            e = q.reshape(n, -1, 2, 4, 32)
+            qs = sum(e[..., j, :] << (2 * j) for j in range(4)).astype(np.uint8).reshape(n, -1, 64)
+            parts = [sc | (m << 4), qs, _f16(d)[..., None].view(np.uint8), _f16(dmin)[..., None].view(np.uint8)]
+    elif qt == Q.Q3_K:  # w = d (sc - 32) q, q in -4..3, 16-blocks, sc 6-bit
+        sub = x.reshape(n, -1, 16, 16)
+        scale = np.abs(sub).max(-1) / 4.0
+        d = _f16(scale.max(-1) / 31.0).astype(np.float32)
+        sc = np.where(d[..., None] > 0, np.rint(scale / np.where(d > 0, d, 1)[..., None]), 0).clip(0, 31)
+        step = d[..., None] * sc
+        q3 = np.rint(sub / np.where(step > 0, step, 1)[..., None]).clip(-4, 3) + 4
+        q3 = q3.astype(np.uint8).reshape(n, -1, 256)
+        s6 = (sc + 32).astype(np.uint8)  # [n, sb, 16]
+        hmask = sum(((q3[..., 32 * i: 32 * i + 32] >> 2) & 1) << i for i in range(8)).astype(np.uint8)
+        e = (q3 & 3).reshape(n, -1, 2, 4, 32)
+        qs = sum(e[..., j, :] << (2 * j) for j in range(4)).astype(np.uint8).reshape(n, -1, 64)
+        low = (s6[..., :8] & 15) | ((s6[..., 8:] & 15) << 4)
+        high = sum(((s6[..., 4 * i: 4 * i + 4] >> 4) & 3) << (2 * i) for i in range(4)).astype(np.uint8)
+        parts = [hmask, qs, low, high, _f16(d)[..., None].view(np.uint8)]
+    elif qt == Q.IQ4_XS:  # w = d (ls - 32) kvalues[i], 32-blocks, ls 6-bit
+        sub = x.reshape(n, -1, 8, 32)
+        scale = np.abs(sub).max(-1) / 127.0
+        d = _f16(scale.max(-1) / 31.0).astype(np.float32)
+        ls = (np.where(d[..., None] > 0, np.rint(scale / np.where(d > 0, d, 1)[..., None]), 0).clip(0, 31) + 32)
+        idx = _iq4_indices(sub, d[..., None] * (ls - 32))
+        ls = ls.astype(np.uint16)
+        parts = [_f16(d)[..., None].view(np.uint8),
+                 sum((ls[..., i] >> 4) << (2 * i) for i in range(8)).astype(np.uint16)[..., None].view(np.uint8),
+                 ((ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)).astype(np.uint8),
+                 (idx[..., :16] | (idx[..., 16:] << 4)).reshape(n, -1, 128)]
     else:
         raise ValueError(qt)
     return np.concatenate([p.reshape(n, k // 256, -1).astype(np.uint8) for p in parts], axis=-1).reshape(n, -1)
+
+
+def _iq4_indices(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The codebook index nearest each value of x [.., 32] at its block's step [..] -> uint8 [.., 32]."""
+    from specedge.export.quant import IQ4_LEVELS
+
+    return np.abs(x[..., None] - step[..., None, None] * IQ4_LEVELS).argmin(-1).astype(np.uint8)
+
+
+def quantize_iq4_nl(t: np.ndarray) -> np.ndarray:
+    """float [N, K] (K a multiple of 32) -> GGUF IQ4_NL rows: w = d kvalues[i] per 32 values, nearest index."""
+    n, k = t.shape
+    x = t.astype(np.float32).reshape(n, k // 32, 32)
+    d = _f16(np.abs(x).max(-1) / 127.0)
+    idx = _iq4_indices(x, d.astype(np.float32))
+    rows = np.concatenate([d[..., None].view(np.uint8), idx[..., :16] | (idx[..., 16:] << 4)], axis=-1)
+    return rows.reshape(n, -1)
+
+
+def quantize_test(t: np.ndarray, qt) -> np.ndarray:
+    """float [N, K] -> GGUF rows of ggml type qt: gguf-py's quantizer where it has one, else the tests' own."""
+    if qt == Q.IQ4_NL:
+        return quantize_iq4_nl(t)
+    if qt in (Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q3_K, Q.Q2_K, Q.IQ4_XS):
+        return quantize_k(t, qt)
+    return quantize(t, qt)
 
 
 def write_tiny_gguf(hf_dir, path, qtypes):
@@ -109,8 +184,7 @@ def write_tiny_gguf(hf_dir, path, qtypes):
         if qt == Q.F32:
             w.add_tensor(gname, t)
         else:
-            raw = quantize_k(t, qt) if qt in (Q.Q4_K, Q.Q6_K) else quantize(t, qt)
-            w.add_tensor(gname, raw, raw_dtype=qt)
+            w.add_tensor(gname, quantize_test(t, qt), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -173,9 +173,41 @@ def test_gguf_blocks_repack_bit_exactly(qtype):
     np.testing.assert_array_equal(dequantize(p), gguf_dequantize(raw, qtype).reshape(w.shape))
 
 
+# where each carried type keeps its fp16 fields (d, and m / dmin), by byte within its block
+GGUF_FP16_FIELDS = {"Q5_1": (0, 2), "Q5_K": (0, 2), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def random_gguf_rows(rng, type_name: str, n: int, blocks: int) -> np.ndarray:
+    """Random valid GGUF rows (any bits are valid levels, scales and indices; the fp16 fields finite, one of
+    them a subnormal and one a negative zero)."""
+    from specedge.export.quant import GGUF_REPACKABLE
+
+    _, nbytes, _ = GGUF_REPACKABLE[type_name]
+    raw = rng.integers(0, 256, size=(n, blocks, nbytes), dtype=np.uint8)
+    for at in GGUF_FP16_FIELDS[type_name]:
+        raw[..., at:at + 2] = np.frombuffer(rng.uniform(-0.02, 0.02, n * blocks).astype(np.float16).tobytes(),
+                                            np.uint8).reshape(n, blocks, 2)
+    at = GGUF_FP16_FIELDS[type_name][0]
+    raw[0, 0, at:at + 2] = np.frombuffer(np.float16(-3e-6).tobytes(), np.uint8)
+    raw[-1, -1, at:at + 2] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
+    return raw.reshape(n, blocks * nbytes)
+
+
+@pytest.mark.parametrize("type_name", sorted(GGUF_FP16_FIELDS))
+def test_more_gguf_types_round_trip_bit_exactly(type_name):
+    """Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS: the carried levels, scales and offsets dequantize to gguf-py's
+    own values bit for bit (random blocks: gguf-py cannot quantize most of these, only read them)."""
+    raw = random_gguf_rows(np.random.default_rng(5), type_name, 6, 3)
+    p = repack_gguf(type_name, raw)
+    ref = gguf_dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(6, -1)
+    assert p.bits == 8 and p.k == ref.shape[1] and (p.offsets is not None) == (type_name in ("Q5_1", "Q5_K", "Q2_K"))
+    np.testing.assert_array_equal(dequantize(p), ref)
+    assert (p.superblocks is not None) == type_name.endswith("_K")
+
+
 def test_other_gguf_types_are_not_repacked():
     with pytest.raises(UnsupportedModelError, match="no exact MatMulNBits form"):
-        repack_gguf("IQ4_XS", np.zeros((2, 136), np.uint8), 256)
+        repack_gguf("IQ3_S", np.zeros((2, 110), np.uint8), 256)
 
 
 def _matmulnbits(x: np.ndarray, p, accuracy_level: int) -> np.ndarray:

@@ -440,6 +440,40 @@ def test_the_specedge_form_carries_gguf_blocks_with_offsets(tiny_llama, tmp_path
         assert dec.generate(PROMPTS[1], params, drafter="prompt-lookup", k=k).token_ids == plain
 
 
+@pytest.mark.parametrize("form", ["specedge", "matmulnbits"])
+def test_the_common_gguf_types_are_carried_as_the_file_holds_them(tmp_path, form):
+    """A GGUF of Q5_K, Q3_K, Q2_K, IQ4_XS, IQ4_NL and Q5_1 matrices: every one carried, nothing re-quantized (the
+    K-quants with their two-level scales in specedge's kernel, the others at 8 bits); the logits are those of the
+    same GGUF dequantized to fp32 up to 8-bit activations; greedy and seeded speculation equal plain decoding."""
+    import onnx
+
+    from ..conftest import make_hf_model
+
+    hf = make_hf_model(tmp_path / "hf", "llama", hidden=256)
+    gg = tmp_path / "m.gguf"
+    write_tiny_gguf(hf, gg, {"attn_q": Q.Q5_K, "attn_k": Q.Q3_K, "attn_v": Q.Q2_K, "attn_output": Q.IQ4_XS,
+                             "ffn_gate": Q.IQ4_NL, "ffn_up": Q.Q5_1, "ffn_down": Q.Q5_K, "output": Q.Q3_K})
+    dec = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "s",
+                                         _opts("int4", "ort-inplace", form=form)).out)
+    info = dec.manifest.target.quant
+    assert info["requantized"] == 0 and "requantized_gguf_types" not in info
+    assert info["repacked_from_gguf"] == 2 * 7 + 1
+    ops = {n.op_type for n in onnx.load(str(dec.bundle_dir / "target.onnx"), load_external_data=False).graph.node}
+    assert ({"SekMatMulSB", "SekMatMul"} <= ops) if form == "specedge" else ("MatMulNBits" in ops)
+    fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts("fp32", "ort-inplace")).out)
+    ids = fp32.encode_prompt(PROMPTS[1])
+    a, b = _logits(fp32, ids), _logits(dec, ids)
+    assert np.abs(a - b).max() / np.abs(a).max() < 0.1  # 8-bit activations (a wiring error moves them by ~100 %)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=4)
+    for prompt in PROMPTS:
+        plain = dec.generate(prompt, params, drafter="none").token_ids
+        seeded = dec.generate(prompt, sampled, drafter="none").token_ids
+        for k in (1, 4):
+            assert dec.generate(prompt, params, drafter="prompt-lookup", k=k).token_ids == plain
+            assert dec.generate(prompt, sampled, drafter="prompt-lookup", k=k).token_ids == seeded
+
+
 def test_the_specedge_form_reads_k_quants_with_their_own_two_level_scales(tmp_path):
     """A GGUF of Q4_K and Q6_K matrices (llama.cpp's Q4_K_M mix) goes into specedge's kernel as the file holds it:
     SekMatMulSB nodes with 4- and 6-bit levels and integer block scales, nothing re-quantized; the logits are

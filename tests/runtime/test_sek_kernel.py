@@ -221,24 +221,72 @@ def test_gguf_blocks_with_offsets_run_exactly_through_the_kernel(kernel, type_na
     assert np.array_equal(y[:, :n], ref)
 
 
+# where a GGUF type keeps its fp16 fields (d, and dmin / m), by byte within its block
+GGUF_FP16 = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_K": (0, 2), "Q3_K": (108,), "Q2_K": (80, 82), "Q5_1": (0, 2),
+             "IQ4_NL": (0,), "IQ4_XS": (0,)}
+# the kernel's form of each: level bits, block, zero point, bits a weight
+K_QUANT_FORM = {"Q4_K": (4, 32, 0, 4.625), "Q6_K": (6, 16, 32, 6.5625), "Q5_K": (6, 32, 0, 6.625),
+                "Q3_K": (6, 16, 32, 6.5625), "Q2_K": (4, 16, 0, 5.125)}
+
+
 def _k_quant_rows(rng, type_name: str, n: int, superblocks: int) -> np.ndarray:
-    """Random valid GGUF rows of a K-quant (any bits are valid levels and scales; d and dmin finite fp16)."""
+    """Random valid GGUF rows (any bits are valid levels, scales and indices; d and dmin finite fp16)."""
     from specedge.export.quant import GGUF_REPACKABLE
 
     _, nbytes, _ = GGUF_REPACKABLE[type_name]
     raw = rng.integers(0, 256, size=(n, superblocks, nbytes), dtype=np.uint8)
-    for at in ((0, 2) if type_name == "Q4_K" else (208,)):
+    for at in GGUF_FP16[type_name]:
         raw[..., at:at + 2] = np.frombuffer(rng.uniform(-0.02, 0.02, n * superblocks).astype(np.float16).tobytes(),
                                             np.uint8).reshape(n, superblocks, 2)
     return raw.reshape(n, superblocks * nbytes)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q5_1", "IQ4_NL", "IQ4_XS"])
+def test_gguf_types_carried_at_8_bits_run_exactly_through_the_kernel(kernel, type_name):
+    """GGUF Q5_1 (w = d q + m) and IQ4_NL / IQ4_XS (w = d_j kvalues[q]) through SekMatMul at 8 bits: the levels,
+    scales and zero-point products it reads stand for gguf's own dequantization bit for bit (Q5_1's levels under
+    zero point 0, so zs = -m exactly), the kernel computes exactly its documented arithmetic on every ISA path, and
+    a row never depends on the other rows of its step."""
+    import gguf
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from specedge.export.quant import repack_gguf
+
+    rng = np.random.default_rng(11)
+    n = 24
+    raw = _k_quant_rows(rng, type_name, n, 2)
+    ref_w = gguf_dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, -1)
+    p = repack_gguf(type_name, raw)
+    b, s, z, n_pad = sek_pack(p)
+    tiles = lambda v: v.transpose(0, 2, 1).reshape(n_pad, -1)[:n]  # noqa: E731  [N/16, blocks, 16] -> [N, blocks]
+    q = b.reshape(n_pad // 16, -1, p.block // 4, 16, 4).transpose(0, 3, 1, 2, 4).reshape(n_pad, -1, p.block)[:n]
+    if type_name == "Q5_1":
+        assert z.dtype == np.float32 and q.max() < 32  # zs: fp32, levels stored as they are
+        w = q.astype(np.float32) * tiles(s)[..., None] - tiles(z)[..., None]
+    else:
+        assert z.dtype == np.uint8 and (tiles(z) == 128).all()
+        w = (q.astype(np.float32) - 128) * tiles(s)[..., None]
+    np.testing.assert_array_equal(w.reshape(n, -1), ref_w)
+    a = rng.standard_normal((9, p.k)).astype(np.float32)
+    a[1] *= 300.0
+    zs = tiles(z).astype(np.float32) * (1 if z.dtype == np.float32 else tiles(s))
+    ref = _reference_blocks(a[:3], q.astype(np.int64), tiles(s), np.float32(zs), p.block)
+    for isa in kernel.isas():
+        full = kernel.gemm(a, b, s, z, n_pad, p.k, p.block, 8, isa)
+        assert np.array_equal(full[:3, :n], ref), isa
+        for t in (1, 2, 5):
+            part = kernel.gemm(a[3:3 + t], b, s, z, n_pad, p.k, p.block, 8, isa)
+            assert np.array_equal(part, full[3:3 + t]), (isa, t)
+
+
+@pytest.mark.parametrize("type_name", sorted(K_QUANT_FORM))
 def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_name, tmp_path):
-    """GGUF Q4_K (w = d sc q - dmin m, 4-bit) and Q6_K (w = d sc (q - 32), 6-bit) through SekMatMulSB: the packed
-    levels and integer scales stand for exactly gguf's own dequantization (d sc and dmin m are exact fp32
-    products), the kernel computes exactly its documented two-level arithmetic (_reference_sb) on every ISA path,
-    a row never depends on the other rows, and ONNX Runtime's op gives the same bits."""
+    """GGUF K-quants through SekMatMulSB: Q4_K (w = d sc q - dmin m, 4-bit), Q6_K (w = d sc (q - 32), 6-bit), Q5_K
+    (5-bit levels with mins, held at 6 bits), Q3_K (3-bit levels in Q6_K's form) and Q2_K (2-bit levels with mins,
+    held at 4 bits in blocks of 16). The packed levels and integer scales stand for exactly gguf's own
+    dequantization (d sc and dmin m are exact fp32 products), the kernel computes exactly its documented two-level
+    arithmetic (_reference_sb) on every ISA path, a row never depends on the other rows, and ONNX Runtime's op
+    gives the same bits."""
     import gguf
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -247,16 +295,16 @@ def test_gguf_k_quants_run_with_their_own_two_level_scales_exactly(kernel, type_
     rng = np.random.default_rng(7)
     n, nsb = 40, 2  # N not a whole tile
     raw = _k_quant_rows(rng, type_name, n, nsb)
-    at = 0 if type_name == "Q4_K" else 208  # d: subnormal and signed-zero fp16 values too (the C path converts them)
+    at = GGUF_FP16[type_name][0]  # d: subnormal and signed-zero fp16 values too (the C path converts them)
     raw[0, at:at + 2] = np.frombuffer(np.float16(-3e-6).tobytes(), np.uint8)
     raw[1, at:at + 2] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
     ref_w = gguf_dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(n, -1)  # fp32, rounded once
     p = repack_gguf(type_name, raw)
     b, sc, d, mn, dmin, n_pad = sek_pack_sb(p)
-    bits, block, zp = (4, 32, 0) if type_name == "Q4_K" else (6, 16, 32)
-    assert (mn is None) == (type_name == "Q6_K") and b.size == n_pad * p.k * bits // 8 and d.dtype == np.float16
+    bits, block, zp, per_weight = K_QUANT_FORM[type_name]
+    assert (mn is None) == (zp == 32) and b.size == n_pad * p.k * bits // 8 and d.dtype == np.float16
     assert b.nbytes + sc.nbytes + d.nbytes + (0 if mn is None else mn.nbytes + dmin.nbytes) == \
-        n_pad * p.k * (4.625 if bits == 4 else 6.5625) / 8  # bits a weight (GGUF: 4.5 / 6.5625)
+        n_pad * p.k * per_weight / 8  # bits a weight (GGUF: Q4_K 4.5, Q6_K 6.5625, Q5_K 5.5, Q3_K 3.4375, Q2_K 2.625)
     # the weights the kernel stands for, from what it reads (its layout undone)
     tiles = lambda v: v.transpose(0, 2, 1).reshape(n_pad, -1)[:n]  # noqa: E731  [N/16, blocks, 16] -> [N, blocks]
     s_blk = np.float32(np.repeat(tiles(d), 256 // block, axis=1) * tiles(sc).astype(np.float32))
