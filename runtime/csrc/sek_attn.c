@@ -547,23 +547,28 @@ static void pv_chunk2(float *acc0, float *acc1, const float *v, const float *p0,
 }
 
 /* The chunk's softmax part for np queries with the same cn rows of scores s: per query the chunk's maximum (scores in
- * order, as `s > max ? s : max`), the new running maximum, alpha (the earlier chunks' rescale; none before the
- * first), l * alpha, exp of the scores less the maximum into pr, and l plus those exps in order. The queries' chains
- * of compares and adds run side by side (np a constant of each call: they stay in registers), and each query's
- * operations are those it has alone. */
+ * order, as `s > max ? s : max`), the new running maximum, alpha (the earlier chunks' rescale; none before a query's
+ * first chunk, where its maximum is still -inf), l * alpha, exp of the scores less the maximum into pr, and l plus
+ * those exps in order. A query's first lo[i] rows lie before its sliding window: their scores are -inf, their exps
+ * 0. The queries' chains of compares and adds run side by side (np a constant of each call: they stay in
+ * registers), and each query's operations are those it has alone. */
 static inline __attribute__((always_inline)) void softmax_rows(float (*s)[SEK_CHUNK], float (*pr)[SEK_CHUNK], int64_t cn,
-                                                               int first, float *m, float *l, float *alpha,
+                                                               const int64_t *lo, float *m, float *l, float *alpha,
                                                                const int np) {
     float mc[4], ls[4];
-    for (int i = 0; i < np; i++) mc[i] = -INFINITY;
+    for (int i = 0; i < np; i++) {
+        mc[i] = -INFINITY;
+        for (int64_t j = 0; j < lo[i]; j++) s[i][j] = -INFINITY;
+    }
     for (int64_t j = 0; j < cn; j++)
         for (int i = 0; i < np; i++) mc[i] = s[i][j] > mc[i] ? s[i][j] : mc[i];
     for (int i = 0; i < np; i++) {
         const float m_new = mc[i] > m[i] ? mc[i] : m[i];
-        alpha[i] = first ? 0.f : expf(m[i] - m_new);
+        alpha[i] = m[i] == -INFINITY ? 0.f : expf(m[i] - m_new);
         ls[i] = l[i] * alpha[i];
         for (int64_t j = 0; j < cn; j++) s[i][j] -= m_new;
         exp_block(s[i], pr[i], cn);
+        for (int64_t j = 0; j < lo[i]; j++) pr[i][j] = 0.f; /* exp_block clamps at -87: exp(-inf) is not 0 there */
         m[i] = m_new;
     }
     for (int64_t j = 0; j < cn; j++)
@@ -573,9 +578,10 @@ static inline __attribute__((always_inline)) void softmax_rows(float (*s)[SEK_CH
 
 #define SEK_SUB 16 /* cache rows the queries of an item take in turn: 8 KB of K (or V) at d = 128, L1-resident */
 
-/* One chunk (cache rows c0 .. c0+cn[p]-1 of kc, vc, which hold `type`; first: c0 is 0) of the online softmax for the
- * nq queries (row, head) of an item, all of one KV group; m, l, acc carry each query's state, and a query whose row
- * ends before c0 has cn[p] <= 0. Per query the arithmetic is a lone query's: scores dot(q, k) * scale, the chunk's
+/* One chunk (cache rows c0 .. c0+cn[p]-1 of kc, vc, which hold `type`) of the online softmax for the nq queries
+ * (row, head) of an item, all of one KV group; m, l, acc carry each query's state (m -inf before its first chunk), a
+ * query whose row ends before c0 or whose window starts after the chunk has cn[p] <= 0, and one whose window starts
+ * inside it skips its first lo[p] rows (they weigh 0). Per query the arithmetic is a lone query's: scores dot(q, k) * scale, the chunk's
  * maximum, exp of the scores less the running maximum, the earlier chunks rescaled by alpha, then acc = acc * alpha
  * + p v row after row. Only the order across queries is the item's: they take SEK_SUB cache rows at a time in turn,
  * so those rows come from memory once for all of them (a group's cache at 1,900 positions is 2 MB a layer: more than
@@ -583,9 +589,9 @@ static inline __attribute__((always_inline)) void softmax_rows(float (*s)[SEK_CH
  * while the queries read it (a whole chunk's K and V as fp32 would be 64 KB at d = 128: more than L1; measured on
  * Zen 4 at depth 8,192, converting 16 rows at a time takes a fifth off the step's attention). The next chunk's rows,
  * up to row `end` (the rows the item reads), are prefetched meanwhile. */
-static void attend_chunk(const float *q, const void *kc, const void *vc, int type, int64_t c0, int64_t end, int first,
-                         const int64_t *cn, int64_t d, float scale, int64_t nq, float *m, float *l, float *acc,
-                         float *buf) {
+static void attend_chunk(const float *q, const void *kc, const void *vc, int type, int64_t c0, int64_t end,
+                         const int64_t *cn, const int64_t *lo, int64_t d, float scale, int64_t nq, float *m, float *l,
+                         float *acc, float *buf) {
     float s[SEK_Q_MAX][SEK_CHUNK], pr[SEK_Q_MAX][SEK_CHUNK], alpha[SEK_Q_MAX];
     int64_t cmax = 0;
     for (int64_t p = 0; p < nq; p++) cmax = cn[p] > cmax ? cn[p] : cmax;
@@ -607,9 +613,9 @@ static void attend_chunk(const float *q, const void *kc, const void *vc, int typ
         int64_t np = 1;
         while (np < 4 && p + np < nq && cn[p + np] == cn[p]) np++;
         np = np == 4 ? 4 : np >= 2 ? 2 : 1;
-        if (cn[p] > 0 && np == 4) softmax_rows(s + p, pr + p, cn[p], first, m + p, l + p, alpha + p, 4);
-        else if (cn[p] > 0 && np == 2) softmax_rows(s + p, pr + p, cn[p], first, m + p, l + p, alpha + p, 2);
-        else if (cn[p] > 0) softmax_rows(s + p, pr + p, cn[p], first, m + p, l + p, alpha + p, 1);
+        if (cn[p] > 0 && np == 4) softmax_rows(s + p, pr + p, cn[p], lo + p, m + p, l + p, alpha + p, 4);
+        else if (cn[p] > 0 && np == 2) softmax_rows(s + p, pr + p, cn[p], lo + p, m + p, l + p, alpha + p, 2);
+        else if (cn[p] > 0) softmax_rows(s + p, pr + p, cn[p], lo + p, m + p, l + p, alpha + p, 1);
         p += np;
     }
     for (int64_t j0 = 0; j0 < cmax; j0 += SEK_SUB) {
@@ -629,21 +635,38 @@ static void attend_chunk(const float *q, const void *kc, const void *vc, int typ
     }
 }
 
+/* Query p's rows of the chunk at c0 (cn: none if <= 0) and how many of them lie before its window (lo), for rows
+ * start[p] .. n[p]-1. The chunks are the cache's, at multiples of SEK_CHUNK whatever the item: a query's chunks and
+ * what it reads of each never depend on the other queries. */
+static void chunk_rows(const int64_t *n, const int64_t *start, int64_t c0, int64_t nq, int64_t *cn, int64_t *lo) {
+    for (int64_t p = 0; p < nq; p++) {
+        cn[p] = c0 + SEK_CHUNK <= start[p] ? 0 : n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
+        lo[p] = start[p] > c0 ? start[p] - c0 : 0;
+    }
+}
+
+/* The first chunk any of the nq queries reads: the one holding the earliest window start. */
+static int64_t first_chunk(const int64_t *start, int64_t nq) {
+    int64_t s0 = start[0];
+    for (int64_t p = 1; p < nq; p++) s0 = start[p] < s0 ? start[p] : s0;
+    return s0 / SEK_CHUNK * SEK_CHUNK;
+}
+
 /* The nq queries q [nq][d] of an item (rotated; all of one KV group, whose cache rows kc, vc [s_max][d] they read),
- * query p over cache rows 0 .. n[p]-1 (nmax the largest): the online softmax chunk after chunk -> each query's sum
- * of exps l[p] and its unnormalized value sum acc [nq][d]. */
-static void attend(const float *q, const void *kc, const void *vc, int type, const int64_t *n, int64_t nmax,
-                   int64_t d, float scale, int64_t nq, float *m, float *l, float *acc) {
-    int64_t cn[SEK_Q_MAX];
+ * query p over cache rows start[p] .. n[p]-1 (nmax the largest n; start 0 but for a sliding window): the online
+ * softmax chunk after chunk -> each query's sum of exps l[p] and its unnormalized value sum acc [nq][d]. */
+static void attend(const float *q, const void *kc, const void *vc, int type, const int64_t *n, const int64_t *start,
+                   int64_t nmax, int64_t d, float scale, int64_t nq, float *m, float *l, float *acc) {
+    int64_t cn[SEK_Q_MAX], lo[SEK_Q_MAX];
     float buf[type != SEK_KV_F32 ? SEK_SUB * d : 1];
     for (int64_t p = 0; p < nq; p++) {
         m[p] = -INFINITY;
         l[p] = 0.f;
     }
     memset(acc, 0, (size_t)(nq * d) * sizeof(float));
-    for (int64_t c0 = 0; c0 < nmax; c0 += SEK_CHUNK) {
-        for (int64_t p = 0; p < nq; p++) cn[p] = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
-        attend_chunk(q, kc, vc, type, c0, nmax, c0 == 0, cn, d, scale, nq, m, l, acc, buf);
+    for (int64_t c0 = first_chunk(start, nq); c0 < nmax; c0 += SEK_CHUNK) {
+        chunk_rows(n, start, c0, nq, cn, lo);
+        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, nq, m, l, acc, buf);
     }
 }
 
@@ -654,32 +677,33 @@ static void attend(const float *q, const void *kc, const void *vc, int type, con
  * arithmetic per query never depends on the other queries, so each query has the bits attend gives it over a cache
  * that holds its rows in order: those of the same tokens decoded as one chain. */
 static void attend_tail(const float *q, const void *kc, const void *vc, int type, const int64_t *n,
-                        const int64_t *direct, const int64_t *tail, int64_t tail_stride, int64_t nmax, int64_t d,
-                        float scale, int64_t nq, int64_t hs, float *m, float *l, float *acc, float *kg, float *vg) {
-    int64_t cn[SEK_Q_MAX] = {0}, len[SEK_Q_MAX]; /* cn: every query's is set before use (GCC cannot tell) */
+                        const int64_t *start, const int64_t *direct, const int64_t *tail, int64_t tail_stride,
+                        int64_t nmax, int64_t d, float scale, int64_t nq, int64_t hs, float *m, float *l, float *acc,
+                        float *kg, float *vg) {
+    int64_t cn[SEK_Q_MAX] = {0}, lo[SEK_Q_MAX] = {0}, len[SEK_Q_MAX]; /* cn, lo: set before use (GCC cannot tell) */
     float buf[type != SEK_KV_F32 ? SEK_SUB * d : 1];
     for (int64_t p = 0; p < nq; p++) {
         m[p] = -INFINITY;
         l[p] = 0.f;
     }
     memset(acc, 0, (size_t)(nq * d) * sizeof(float));
-    for (int64_t c0 = 0; c0 < nmax; c0 += SEK_CHUNK) {
+    for (int64_t c0 = first_chunk(start, nq); c0 < nmax; c0 += SEK_CHUNK) {
         int gathered = 0;
+        chunk_rows(n, start, c0, nq, cn, lo);
         for (int64_t p = 0; p < nq; p++) {
-            cn[p] = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
+            len[p] = cn[p]; /* the rows of a gathered chunk, with lo[p] before the window */
             if (cn[p] > 0 && c0 + cn[p] > direct[p]) cn[p] = 0, gathered = 1;
         }
-        attend_chunk(q, kc, vc, type, c0, nmax, c0 == 0, cn, d, scale, nq, m, l, acc, buf);
+        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, nq, m, l, acc, buf);
         for (int64_t p = 0; gathered && p < nq; p += hs) {
-            const int64_t rows = n[p] - c0 < SEK_CHUNK ? n[p] - c0 : SEK_CHUNK;
+            const int64_t rows = len[p];
             if (rows <= 0 || c0 + rows <= direct[p]) continue;
             for (int64_t j = 0; j < rows; j++) {
                 const int64_t i = c0 + j, row = i < direct[p] ? i : tail[p * tail_stride + i - direct[p]];
                 memcpy(kg + j * d, kv_rows(kc, type, row, 1, d, buf), (size_t)d * sizeof(float));
                 memcpy(vg + j * d, kv_rows(vc, type, row, 1, d, buf), (size_t)d * sizeof(float));
             }
-            for (int64_t h = 0; h < hs; h++) len[h] = rows;
-            attend_chunk(q + p * d, kg, vg, SEK_KV_F32, 0, 0, c0 == 0, len, d, scale, hs, m + p, l + p, acc + p * d,
+            attend_chunk(q + p * d, kg, vg, SEK_KV_F32, 0, 0, len + p, lo + p, d, scale, hs, m + p, l + p, acc + p * d,
                          buf);
         }
     }
@@ -708,6 +732,11 @@ int64_t sek_attn_plan(int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t min
     return blocks * ((t + *rs - 1) / *rs);
 }
 
+/* The first position a query at `pos` attends to: pos - window + 1 with a sliding window (window > 0), else 0. */
+static int64_t window_start(int64_t window, int64_t pos) {
+    return window > 0 && pos >= window ? pos - window + 1 : 0;
+}
+
 /* An item of sek_attn_plan's: rows rb*rs .. (rb+1)*rs-1 (those the step has) x query heads hb*hs .. (hb+1)*hs-1,
  * item = rb * (hq / hs) + hb; the heads lie in one KV group (hs divides hq / hkv). Every query's arithmetic is
  * attend_chunk's, chunk after chunk, whatever the item holds: the same bits as a query alone, so the plan is free
@@ -718,17 +747,18 @@ void sek_attn_row(const sek_attn_args *a, int64_t item) {
     const int64_t rows = a->t - t0 < a->rs ? a->t - t0 : a->rs, nq = rows * hs;
     if (nq <= 0) return; /* an item past the step's rows (sek_attn_plan never makes one) */
     float q[SEK_Q_MAX * 128], acc[SEK_Q_MAX * 128], m[SEK_Q_MAX], l[SEK_Q_MAX];
-    int64_t n[SEK_Q_MAX], nmax = 0;
+    int64_t n[SEK_Q_MAX], start[SEK_Q_MAX], nmax = 0;
     for (int64_t p = 0; p < nq; p++) { /* query p: row t0 + p / hs, head h0 + p % hs */
         const int64_t t = t0 + p / hs, h = h0 + p % hs, pos = a->past_len + t;
         memcpy(q + p * d, a->qkv + t * (a->hq + 2 * a->hkv) * d + h * d, (size_t)d * sizeof(float));
         rope(q + p * d, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
         n[p] = pos + 1;
+        start[p] = window_start(a->window, pos);
         nmax = n[p] > nmax ? n[p] : nmax;
     }
     const size_t at = (size_t)(g * a->s_max) * sek_kv_row_bytes(a->kv_type, d);
-    attend(q, (const char *)a->k_cache + at, (const char *)a->v_cache + at, a->kv_type, n, nmax, d, a->scale, nq, m,
-           l, acc);
+    attend(q, (const char *)a->k_cache + at, (const char *)a->v_cache + at, a->kv_type, n, start, nmax, d, a->scale,
+           nq, m, l, acc);
     for (int64_t p = 0; p < nq; p++) {
         float *o = a->out + (t0 + p / hs) * a->hq * d + (h0 + p % hs) * d;
         const float inv = 1.f / l[p];
@@ -808,7 +838,7 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
         return;
     }
     float q[SEK_Q_MAX * 128], acc[SEK_Q_MAX * 128], m[SEK_Q_MAX], l[SEK_Q_MAX];
-    int64_t n[SEK_Q_MAX], direct[SEK_Q_MAX], nmax = 0, tree = 0;
+    int64_t n[SEK_Q_MAX], start[SEK_Q_MAX], direct[SEK_Q_MAX], nmax = 0, tree = 0;
     int64_t tail[SEK_Q_MAX * SEK_TREE_DEPTH]; /* tree rows: each query's ancestors' rows (row_position) */
     for (int64_t p = 0; p < nq; p++) { /* query p: row r0 + p / hs, head h0 + p % hs */
         const int64_t r = r0 + p / hs;
@@ -817,6 +847,7 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
         memcpy(q + p * d, a->qkv + r * (a->hq + 2 * a->hkv) * d + (h0 + p % hs) * d, (size_t)d * sizeof(float));
         rope(q + p * d, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
         n[p] = pos + 1;
+        start[p] = window_start(a->window, pos);
         direct[p] = a->row_pos[root] + 1; /* rows 0 .. row_pos[root], then the tail */
         tree |= direct[p] != n[p];
         nmax = n[p] > nmax ? n[p] : nmax;
@@ -826,10 +857,10 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
     const void *kc = (const char *)a->k_cache + at, *vc = (const char *)a->v_cache + at;
     if (tree) {
         float kg[SEK_CHUNK * 128], vg[SEK_CHUNK * 128]; /* d <= 128 for tree rows (checked by the caller) */
-        attend_tail(q, kc, vc, a->kv_type, n, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, nq, hs, m, l, acc, kg,
-                    vg);
+        attend_tail(q, kc, vc, a->kv_type, n, start, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, nq, hs, m, l,
+                    acc, kg, vg);
     } else {
-        attend(q, kc, vc, a->kv_type, n, nmax, d, a->scale, nq, m, l, acc);
+        attend(q, kc, vc, a->kv_type, n, start, nmax, d, a->scale, nq, m, l, acc);
     }
     for (int64_t p = 0; p < nq; p++) {
         float *o = a->out + (r0 + p / hs) * a->hq * d + (h0 + p % hs) * d;

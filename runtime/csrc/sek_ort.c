@@ -436,14 +436,16 @@ static const SekCustomOp sek_matmul_op = {
 /* ---------------------------------------------------------------- SekAttention
  *   out [1, T, hq d], present_key, present_value [1, hkv, S, d] =
  *       SekAttention(qkv [1, T, (hq + 2 hkv) d], past_key, past_value [1, hkv, S, d], past_len int64 [1],
- *                    cos, sin [positions, d/2])        attributes: num_heads, kv_num_heads, scale
- * present is the cache itself when the caller binds it to the past's buffer (the runtime does); otherwise the past
+ *                    cos, sin [positions, d/2])        attributes: num_heads, kv_num_heads, scale, window (optional)
+ * window W > 0: a sliding window, the query at position p attends to positions p - W + 1 .. p only (a local layer's
+ * attention; absent or 0, to 0 .. p). present is the cache itself when the caller binds it to the past's buffer (the runtime does); otherwise the past
  * is copied into it first. The caches are float32, float16 or int8; int8 caches are [1, hkv, S, d + 4], each row d
  * int8 values and their fp32 scale (sek.h). */
 typedef struct {
     OrtApiTable api;
     int64_t hq, hkv;
     float scale;
+    int64_t window; /* the optional attribute `window` (0: none) */
 } SekAttnKernel;
 
 static const SekCustomOp sek_row_attention_op, sek_row_attention_f16_op, sek_row_attention_i8_op;
@@ -465,6 +467,16 @@ static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelIn
     if (k->hq <= 0 || k->hkv <= 0 || k->hq % k->hkv) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "%s: num_heads %lld must be a multiple of kv_num_heads %lld",
                             name, (long long)(k->hq), (long long)(k->hkv));
+        free(k);
+        return e;
+    }
+    if ((st = KernelInfoGetAttribute_int64(api)(info, "window", &k->window))) { /* optional: absent is none */
+        ReleaseStatus(api)(st);
+        k->window = 0;
+    }
+    if (k->window < 0) {
+        OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "%s: window %lld; a sliding window is a number of positions "
+                            "> 0, or 0 (absent) for none", name, (long long)k->window);
         free(k);
         return e;
     }
@@ -543,7 +555,7 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     void *o[3];
     TRY(attn_outputs(api, ctx, "SekAttention", T, k->hq * d, in, o));
     sek_attn_args a = {(const float *)in[0].data, o[1], o[2], (const float *)in[4].data, (const float *)in[5].data,
-                       (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1, kv_type};
+                       (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1, kv_type, k->window};
     if (T == 0) return NULL;
     const int64_t items = sek_attn_plan(T, k->hq, k->hkv, d, online_cpus(), &a.hs, &a.rs);
     sek_attn_store(&a);
@@ -572,7 +584,8 @@ static const SekCustomOp sek_attention_op = {SEK_ATTENTION_OP}, sek_attention_f1
 /* ---------------------------------------------------------------- SekRowAttention
  *   out [1, R, hq d], present_key, present_value [N, hkv, S, d] =
  *       SekRowAttention(qkv [1, R, (hq + 2 hkv) d], past_key, past_value [N, hkv, S, d], row_slot int64 [R],
- *                       row_pos int64 [R], cos, sin [positions, d/2])        attributes: num_heads, kv_num_heads, scale
+ *                       row_pos int64 [R], cos, sin [positions, d/2])
+ *       attributes: num_heads, kv_num_heads, scale, window (optional: SekAttention's sliding window)
  * A step of R rows from up to N sequences, each in its own KV slot: row r is the token at position row_pos[r] of the
  * sequence in slot row_slot[r]. Every real row's k and v are written into its slot at its position, then each row's
  * query attends over its slot's rows 0 .. row_pos[r] (so a slot's rows at consecutive positions form a causal chain,
@@ -699,7 +712,7 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
     if (!chunk) return CreateStatus(api)(ORT_FAIL, "SekRowAttention: out of memory");
     sek_row_attn_args a = {(const float *)in[0].data, o[1], o[2], slot, pos, parent, (const float *)in[5].data,
                            (const float *)in[6].data, (float *)o[0], R, N, k->hq, k->hkv, d, S, k->scale, 1, chunk,
-                           kv_type};
+                           kv_type, k->window};
     const int64_t items = sek_row_attn_plan(slot, R, k->hq, k->hkv, d, online_cpus(), &a.hs, chunk);
     sek_row_attn_store(&a);
     OrtStatus *st = KernelContext_ParallelFor(api)(ctx, row_attn_item, (size_t)items, 0, &a);

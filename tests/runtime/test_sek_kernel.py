@@ -574,16 +574,17 @@ def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path)
         library_path()
 
 
-def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.FLOAT) -> bytes:
+def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.FLOAT, window: int = 0) -> bytes:
     """One attention node; its caches (pk, pv and the presents) of element type kv (float, float16, or int8: rows of
-    d values and a 4-byte scale)."""
+    d values and a 4-byte scale); a sliding window of `window` positions (0: none)."""
     F = TensorProto.FLOAT
     D = d + 4 if kv == TensorProto.INT8 else d
     if op == "SekAttention":
         ins, dom, attrs = ["qkv", "pk", "pv", "past_len", "cos", "sin"], "ai.specedge", {}
+        attrs.update({"window": window} if window else {})
     else:  # ONNX Runtime's own, the reference for the same contract
         ins, dom = ["qkv", "", "", "pk", "pv", "seqlens_k", "total", "cos", "sin"], "com.microsoft"
-        attrs = {"do_rotary": 1, "rotary_interleaved": 0}
+        attrs = {"do_rotary": 1, "rotary_interleaved": 0, **({"local_window_size": window} if window else {})}
     node = helper.make_node(op, ins, ["out", "presk", "presv"], domain=dom, num_heads=hq, kv_num_heads=hkv,
                             scale=float(1 / np.sqrt(d)), **attrs)
     vi = helper.make_tensor_value_info
@@ -652,6 +653,57 @@ def test_specedge_attention_groups_queries_without_changing_a_row():
         o = sek.run(None, {"qkv": qkv[:, start:start + width], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
                            "past_len": np.array([past + start], np.int64)})[0]
         assert np.array_equal(o[0], out[0, start:start + width]), (start, width)
+
+
+def _windowed_reference(qkv, pk, pv, cos, sin, hq: int, hkv: int, d: int, past: int, window: int) -> np.ndarray:
+    """Attention in numpy (float64) over the written caches pk, pv [1, hkv, S, d]: row t (position p = past + t),
+    its query rotated by rotate-half RoPE at p, attends to the positions p - window + 1 .. p (0 .. p without one)."""
+    T, g = qkv.shape[1], hq // hkv
+    out = np.zeros((T, hq * d))
+    for t in range(T):
+        p = past + t
+        lo = max(0, p - window + 1) if window else 0
+        c, s_ = cos[p].astype(np.float64), sin[p].astype(np.float64)
+        for h in range(hq):
+            q = qkv[0, t, h * d:(h + 1) * d].astype(np.float64)
+            q = np.concatenate([q[:d // 2] * c - q[d // 2:] * s_, q[d // 2:] * c + q[:d // 2] * s_])
+            k, v = pk[0, h // g, lo:p + 1].astype(np.float64), pv[0, h // g, lo:p + 1].astype(np.float64)
+            sc = k @ q / np.sqrt(d)
+            w = np.exp(sc - sc.max())
+            out[t, h * d:(h + 1) * d] = w @ v / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 16, 40, 64, 100, 500])
+def test_specedge_attention_with_a_sliding_window_matches_and_keeps_every_row(window):
+    """A sliding window of W positions (a query at p attends to p - W + 1 .. p, as transformers' and llama.cpp's
+    local layers do): SekAttention matches a float64 reference and ONNX Runtime's GroupQueryAttention with
+    local_window_size W - 1, over a past spanning several 64-position chunks (windows inside one chunk, across
+    chunk boundaries, and longer than the context), and every row has the same bits at width 1 as in wider steps."""
+    hq, hkv, d, S, past, T = 6, 2, 32, 256, 150, 7
+    cache, cos, sin, qkv = _attention_case(np.random.default_rng(window), hq, hkv, d, S, past, T)
+    sek = _session(_attention_model("SekAttention", hq, hkv, d, window=window))
+    gqa = _session(_attention_model("GroupQueryAttention", hq, hkv, d, window=window))
+    out, pk, pv = sek.run(None, {"qkv": qkv, "pk": cache[0].copy(), "pv": cache[1].copy(), "cos": cos, "sin": sin,
+                                 "past_len": np.array([past], np.int64)})
+    ref = _windowed_reference(qkv, pk, pv, cos, sin, hq, hkv, d, past, window)
+    assert np.abs(out[0] - ref).max() < 1e-5 * np.abs(ref).max()
+    full = _session(_attention_model("SekAttention", hq, hkv, d)).run(
+        None, {"qkv": qkv, "pk": cache[0].copy(), "pv": cache[1].copy(), "cos": cos, "sin": sin,
+               "past_len": np.array([past], np.int64)})[0]
+    assert (np.abs(full - out).max() > 1e-3) == (window < past)  # the window changes what the rows attend to
+    g = gqa.run(None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
+                       "seqlens_k": np.array([past + T - 1], np.int32), "total": np.array(past + T, np.int32)})[0]
+    assert np.abs(out - g).max() < 1e-5 * np.abs(g).max()
+    for start, width in [(t, 1) for t in range(T)] + [(1, 3), (2, 5)]:
+        o = sek.run(None, {"qkv": qkv[:, start:start + width], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
+                           "past_len": np.array([past + start], np.int64)})[0]
+        assert np.array_equal(o[0], out[0, start:start + width]), (start, width)
+
+
+def test_a_negative_window_is_refused():
+    with pytest.raises(Exception, match="window"):
+        _session(_attention_model("SekAttention", 2, 1, 16, window=-3))
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build needs an x86 CPU")

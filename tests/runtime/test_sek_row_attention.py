@@ -60,14 +60,14 @@ def cache_width(d: int, kv) -> int:
 
 
 def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None, tree: bool = False,
-               kv=np.float32) -> bytes:
+               kv=np.float32, window: int = 0) -> bytes:
     """One SekRowAttention node; qkv's width (H_q + 2 H_kv) D unless `width` names another (a symbol: any); with
-    `tree`, the optional row_parent input too; caches of element type kv."""
+    `tree`, the optional row_parent input too; caches of element type kv; a sliding window (0: none)."""
     F, I64, K = TensorProto.FLOAT, TensorProto.INT64, KV_TYPES[kv]
     node = helper.make_node("SekRowAttention", ["qkv", "pk", "pv", "row_slot", "row_pos", "cos", "sin",
                                                 *(["row_parent"] if tree else [])],
                             ["out", "presk", "presv"], domain="ai.specedge", num_heads=hq, kv_num_heads=hkv,
-                            scale=float(1 / np.sqrt(d)))
+                            scale=float(1 / np.sqrt(d)), **({"window": window} if window else {}))
     vi = helper.make_tensor_value_info
     D = cache_width(d, kv)
     inputs = [vi("qkv", F, [1, "R", width or (hq + 2 * hkv) * d]), vi("pk", K, ["N", hkv, "S", D]),
@@ -324,6 +324,44 @@ def test_a_tree_row_has_the_bits_of_its_path_decoded_as_a_chain(hq, hkv, d, kv, 
     assert np.array_equal(_bits(out[0, len(TREE):]), _bits(alone[0][0]))
     flat = dict(feeds, row_parent=np.full(len(step.rows), -1, np.int64))  # row_parent all -1: the plain rows op
     assert np.array_equal(_bits(sess.run(None, flat)[0]), _bits(_run_rows(plain, step, caches, cos, sin)[0]))
+
+
+@pytest.mark.parametrize("kv", ALL_KV)
+@pytest.mark.parametrize("window", [7, 20, 64, 100])
+def test_with_a_sliding_window_every_row_and_tree_node_keeps_its_bits(kv, window):
+    """A sliding window (a local layer's): rows of three slots and padding each equal SekAttention's with the same
+    window on that slot alone, and tree nodes their path decoded as a chain, bitwise; the window changes what a
+    row attends to wherever it is shorter than the row's context."""
+    hq, hkv, d, N, S = 8, 2, 64, 3, 200
+    rng = np.random.default_rng(window)
+    caches = _caches(rng, N, hkv, S, d, [5, 70, 130], kv)
+    cos, sin = _rope_tables(S, d)
+    rows = [(0, 5), (0, 6), (2, 130), (2, 131), (2, 132), (1, 70), (PAD, 0)]
+    step = _step(rng, rows, hq, hkv, d)
+    sek = _session(_attention_model("SekAttention", hq, hkv, d, KV_TYPES[kv], window=window))
+    row_op = _session(_row_model(hq, hkv, d, kv=kv, window=window))
+    out = _run_rows(row_op, step.shuffled(np.random.default_rng(3)), caches, cos, sin)[0]
+    order = step.shuffled(np.random.default_rng(3))
+    full = _run_rows(_session(_row_model(hq, hkv, d, kv=kv)), order, caches, cos, sin)[0]
+    for s in range(N):
+        ref, _, _, idx = _run_alone(sek, step, s, caches, cos, sin)
+        for t, i in enumerate(idx):
+            r = order.rows.index(step.rows[i])
+            assert np.array_equal(_bits(out[0, r]), _bits(ref[0, t])), (s, step.rows[i])
+            assert np.array_equal(out[0, r], full[0, r]) == (step.rows[i][1] < window), step.rows[i]
+    tree = _session(_row_model(hq, hkv, d, tree=True, kv=kv, window=window))
+    plain = row_op
+    parents = [p for p, _ in TREE]
+    root = 130
+    qkv = (2.0 * rng.standard_normal((1, len(TREE), (hq + 2 * hkv) * d))).astype(np.float32)
+    tstep = Step([(2, root + i) for i in range(len(TREE))], qkv)
+    tout = tree.run(None, {"qkv": qkv, "pk": caches[0], "pv": caches[1], "row_slot": tstep.slot,
+                           "row_pos": tstep.pos, "row_parent": np.array(parents, np.int64), "cos": cos,
+                           "sin": sin})[0]
+    for path in _tree_paths(parents):
+        chain = Step([(2, root + j) for j in range(len(path))], qkv[:, path])
+        co = _run_rows(plain, chain, caches, cos, sin)[0]
+        assert np.array_equal(_bits(tout[0, path[-1]]), _bits(co[0, -1])), path
 
 
 def test_bad_tree_rows_are_refused_with_what_was_given_and_what_is_allowed():
