@@ -80,6 +80,24 @@ class PortableAttention:
         self.qkv_split = g.const([self.Hq * self.D, self.Hkv * self.D, self.Hkv * self.D])
         self.scale = g.const(cfg.scores_scale(), np.float32)
         self.rotates = cfg.rotates
+        self.window, self._windowed = cfg.window, {}
+        self._t_minus_s = g.op("Sub", g.op("Unsqueeze", ar_T, g.const([1])), g.op("Unsqueeze", ar_S, g.const([0])))
+        self._t_minus_t = g.op("Sub", g.op("Unsqueeze", ar_T, g.const([1])), g.op("Unsqueeze", ar_T, g.const([0])))
+        self._past_col = past_col
+
+    def _masks(self, window: int) -> tuple[str, str]:
+        """The (past, new) masks of a layer with a sliding window of `window` positions (row t at position
+        past_len + t sees cache position j where past_len + t - j < window), or of full attention (0)."""
+        if not window:
+            return self.mask_past, self.mask_new
+        if window not in self._windowed:
+            g, w = self.g, self.g.const(window)
+            # past: j < past_len and t - j < window - past_len, [B, 1, 1, T, S_max]
+            near = g.op("Less", self._t_minus_s, g.op("Unsqueeze", g.op("Sub", w, self._past_col), g.const([2])))
+            past = g.op("And", self.mask_past, g.op("Unsqueeze", near, g.const([1, 2])))
+            new = g.op("And", self.mask_new, g.op("Unsqueeze", g.op("Less", self._t_minus_t, w), g.const([0, 1, 2])))
+            self._windowed[window] = (past, new)
+        return self._windowed[window]
 
     def _rope(self, x: str, cos: str, sin: str) -> str:  # x [B, T, heads, D], rotate-half convention
         g = self.g
@@ -106,8 +124,9 @@ class PortableAttention:
         v_past = g.op("Unsqueeze", f"past_key_values.{i}.value", g.const([2]))
         s_past = g.op("MatMul", q, g.op("Transpose", k_past, perm=[0, 1, 2, 4, 3]))  # [B, Hkv, G, T, S_max]
         s_new = g.op("MatMul", q, g.op("Unsqueeze", g.op("Transpose", k, perm=[0, 2, 3, 1]), g.const([2])))
-        s_past = g.op("Where", self.mask_past, s_past, self.neg_inf)
-        s_new = g.op("Where", self.mask_new, s_new, self.neg_inf)  # [B, Hkv, G, T, T]
+        mask_past, mask_new = self._masks(self.window(i))
+        s_past = g.op("Where", mask_past, s_past, self.neg_inf)
+        s_new = g.op("Where", mask_new, s_new, self.neg_inf)  # [B, Hkv, G, T, T]
         probs = g.op("Softmax", g.op("Concat", s_past, s_new, axis=-1), axis=-1)
         p_past, p_new = g.op("Split", probs, self.split_past_new, axis=-1, n_out=2)
         attn = g.op("Add", g.op("MatMul", p_past, v_past),
@@ -129,6 +148,7 @@ class _TableAttention:
                          if not all(cfg.rotates(i) for i in layers) else None)
         self.local = (rope_tables(w, cfg.local_inv_freq(), max_positions, "rope.local")
                       if any(cfg.is_local(i) for i in layers) else None)
+        self.window = lambda i: cfg.window(i, max_positions)  # noqa: E731
 
     def tables(self, i: int) -> tuple[str, str]:
         if not self.rotates(i):
@@ -156,7 +176,7 @@ class InplaceGqaAttention(_TableAttention):
              *self.tables(i)],
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"GroupQueryAttention_{g._n}",
             domain="com.microsoft", num_heads=self.Hq, kv_num_heads=self.Hkv, do_rotary=1, rotary_interleaved=0,
-            scale=self.scores_scale))
+            scale=self.scores_scale, **({"local_window_size": self.window(i)} if self.window(i) else {})))
         return out  # [B, T, Hq D]
 
 
@@ -176,7 +196,8 @@ class SekInplaceAttention(InplaceGqaAttention):
             self.op, [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *self.where, *self.tables(i),
                       *self.after],
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"{self.op}_{g._n}",
-            domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=self.scores_scale))
+            domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=self.scores_scale,
+            **({"window": self.window(i)} if self.window(i) else {})))
         return out  # [B, T, Hq D]
 
 

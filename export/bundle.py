@@ -263,11 +263,6 @@ def _check_supported(role: str, src: WeightSource, opts: ExportOptions) -> None:
             f"--intgemm-smooth calibrates on a numpy forward pass of llama's layer; {role} is a "
             f"{src.config.family.name} model, whose layers differ (q/k norm, multipliers or layers without RoPE): "
             f"export it without --intgemm-smooth")
-    sw = src.config.sliding_window
-    if sw is not None and sw < opts.max_context:
-        raise UnsupportedModelError(
-            f"{role} uses a sliding attention window of {sw} < max_context {opts.max_context}; specedge runs full "
-            f"attention only: export with --max-context {sw} or less")
 
 
 def draft_format(opts: ExportOptions) -> WeightFormat:

@@ -266,16 +266,12 @@ def _default_context(target: str, draft: str, v: dict, cache_dir: str | None) ->
     from .self_draft import is_self
 
     chunk = int(v["prefill_chunk"])
-    models, own, windowed = [], [], False
+    models, own = [], []
     for role, name, fmt in (("target", target, v["weights"]), ("draft", draft, v["draft_weights"] or v["weights"])):
         if role == "draft" and (name in DRAFT_NO_MODEL or is_self(name)):
             continue
         cfg = load_source(resolve_model(name, cache_dir, _say)).config
-        # a model with local layers: no longer than their window (attention over a window shorter than S_max is
-        # not masked, so export refuses a longer context)
-        window = cfg.sliding_window if cfg.sliding_window and cfg.sliding_window < cfg.max_positions else None
-        windowed = windowed or window is not None
-        own.append(window or cfg.max_positions)
+        own.append(cfg.max_positions)
         models.append((role, cfg.dims, fmt, chunk, chunk))
     board = this_machine()
     batch = DEFAULT_MAX_BATCH if v["kv_mode"] == "rows" else 1  # spec-run serve's default for the bundle
@@ -283,7 +279,7 @@ def _default_context(target: str, draft: str, v: dict, cache_dir: str | None) ->
     c = context_that_fits(models, min(own), board, kv_dtype=kv_dtype, max_batch=batch)
     kv = sum(m[1].n_layers * 2 * m[1].n_kv_heads * kv_row_bytes(m[1].head_dim, kv_dtype) for m in models) * c
     seqs = f"{batch} sequences" if batch > 1 else "one sequence"
-    why = (("the sliding window of its local layers" if windowed else "the model's own") if c == min(own) else
+    why = ("the model's own" if c == min(own) else
            f"the model's own is {min(own)}; {board.name if board else 'this machine'} holds {c} for {seqs}")
     _say(f"context: S_max {c} ({why}; KV {kv / 2 ** 30:.2f} GiB a sequence, {seqs} by default); --max-context sets "
          "another")

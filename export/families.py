@@ -44,7 +44,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", qkv_bias=True, gguf_permute_qk=False,
                hf_architectures=("Qwen2ForCausalLM",), gguf_architectures=("qwen2",),
                default_tie_embeddings=False),
-        # Mistral runs with full attention: a sliding window shorter than S_max is refused at export.
+        # Mistral: every layer attends over its config's sliding window (ModelConfig.window)
         Family("mistral", qkv_bias=False, gguf_permute_qk=True,
                hf_architectures=("MistralForCausalLM",), gguf_architectures=(),
                default_tie_embeddings=False),
@@ -108,6 +108,9 @@ class ModelConfig:
     # ``local_rope_theta`` and no scaling (None: no local layers; gemma3)
     local_layers: tuple[bool, ...] | None = None
     local_rope_theta: float = 10000.0
+    # per layer: whether ``sliding_window`` applies to it (None: the local layers where there are some, else every
+    # layer; Qwen2's ``max_window_layers``, a config's ``layer_types``)
+    window_layers: tuple[bool, ...] | None = None
 
     def scores_scale(self) -> float:
         return float(1.0 / np.sqrt(self.dims.head_dim)) if self.attention_scale is None else float(self.attention_scale)
@@ -117,6 +120,15 @@ class ModelConfig:
 
     def is_local(self, layer: int) -> bool:
         return self.local_layers is not None and self.local_layers[layer]
+
+    def window(self, layer: int, max_positions: int | None = None) -> int:
+        """The sliding window of the layer's attention, in positions: a query at p attends to p - window + 1 .. p;
+        0 for full attention, and for a window that reaches over all ``max_positions``."""
+        layers = self.window_layers if self.window_layers is not None else self.local_layers
+        w = self.sliding_window or 0
+        if w <= 0 or (layers is not None and not layers[layer]) or (max_positions is not None and w >= max_positions):
+            return 0
+        return int(w)
 
     def local_inv_freq(self) -> np.ndarray:
         d = self.dims.head_dim

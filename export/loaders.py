@@ -243,6 +243,15 @@ def _hf_layer_quirks(cfg: dict[str, Any], family: Family, n_layers: int) -> dict
         out["rope_layers"] = tuple((i + 1) % every != 0 for i in range(n_layers))
     if out.get("rope_layers") is not None and all(out["rope_layers"]):
         out["rope_layers"] = None
+    if not family.gemma and cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+        types = cfg.get("layer_types")
+        if types is None and "max_window_layers" in cfg:  # Qwen2's rule: the layers from max_window_layers on
+            types = ["sliding_attention" if i >= int(cfg["max_window_layers"]) else "full_attention"
+                     for i in range(n_layers)]
+        if types is not None:
+            if len(types) != n_layers:
+                raise BundleError(f"layer_types has {len(types)} entries for {n_layers} layers")
+            out["window_layers"] = tuple(t == "sliding_attention" for t in types)
     if family.gemma:
         if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
             raise UnsupportedModelError("soft-capped attention or logits (Gemma 2) are not supported")

@@ -54,19 +54,20 @@ FAMILY_EXTRAS = {
     # 6 layers of gemma3: five local ones, then a global one (llama.cpp's rule); a window no step reaches
     "gemma3": {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 128, "pad_token_id": 0},
     "smollm3": {"pad_token_id": 0},  # every 4th layer without RoPE: the config's default, and llama.cpp's rule
+    "mistral": {},
 }
 
 
 def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: int = 64, seed: int = 0,
-                  init: float = 0.2, tie: bool = False) -> Path:
+                  init: float = 0.2, tie: bool = False, **config) -> Path:
     import torch
     import transformers
 
     names = {"llama": "Llama", "llama3": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "granite": "Granite",
-             "smollm3": "SmolLM3", "gemma3": "Gemma3"}[family]
+             "smollm3": "SmolLM3", "gemma3": "Gemma3", "mistral": "Mistral"}[family]
     config_cls = getattr(transformers, f"{names}TextConfig" if family == "gemma3" else f"{names}Config")
     model_cls = getattr(transformers, f"{names}ForCausalLM")
-    extras = FAMILY_EXTRAS[family]
+    extras = {**FAMILY_EXTRAS[family], **config}  # config: the family's own keys overridden (a sliding window)
     torch.manual_seed(seed)
     cfg = config_cls(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -10,9 +10,9 @@ tokenizer (a suite's prompts through its chat template; the text alone where the
 llama-server's ``/completion`` as those token ids, with ``temperature 0`` (greedy, llama.cpp's own sampler),
 ``n_predict`` new tokens and ``ignore_eos`` (which gives every end-of-generation token a logit of -inf there: where
 our greedy text ends, the two count as the same up to that end). llama-server's ``/tokenize`` of the prompt's text
-alone is set beside our encoding of it too (a tokenizer difference is reported, not hidden). Where the two texts part, our top-2 logit gap
-at that token says whether it is a near-tie (< 1: two kernels' rounding can pick either). llama-server comes from
-tools/build_llama_cpp.sh (or SPECEDGE_LLAMA_BIN). Prints the CPU flags.
+alone is set beside our encoding of it too (a tokenizer difference is reported, not hidden). Where the two texts
+part, our top-2 logit gap at that token says whether it is a near-tie (< 1: two kernels' rounding can pick either).
+llama-server comes from tools/build_llama_cpp.sh (or SPECEDGE_LLAMA_BIN). Prints the CPU flags.
 """
 
 from __future__ import annotations
