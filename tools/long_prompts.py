@@ -71,6 +71,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     differ = 0
     for name, messages in prompts:
+        if not m.tokenizer.chat_template:  # a base model's file: the messages' text as it is
+            messages = "\n".join(x["content"] for x in messages)
         n = len(dec.encode_prompt(messages))
         if n + a.max_new_tokens > m.max_context:
             raise SystemExit(f"{name}: {n} + {a.max_new_tokens} tokens do not fit S_max={m.max_context}")
