@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give two bundles, or one bundle and --lib twice")
     specs = parse_spec(a.spec)
     decoders = [load(b, lib) for b, lib in pairs]
-    requests = [(p.id, *p.as_request()) for p in suite_prompts(a.suite.split(","), a.per_suite)]
+    templated = all(bool(d.manifest.tokenizer.chat_template) for d in decoders)  # else the prompts' text alone
+    requests = [(p.id, *p.as_request(templated)) for p in suite_prompts(a.suite.split(","), a.per_suite)]
     m = machine_info()
     flags = m["cpu_flags"] if isinstance(m["cpu_flags"], str) else " ".join(m["cpu_flags"])
     sides = [bundle + (f" + {lib}" if lib else "") for bundle, lib in pairs]
