@@ -699,6 +699,13 @@ def test_specedge_attention_with_a_sliding_window_matches_and_keeps_every_row(wi
         o = sek.run(None, {"qkv": qkv[:, start:start + width], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
                            "past_len": np.array([past + start], np.int64)})[0]
         assert np.array_equal(o[0], out[0, start:start + width]), (start, width)
+    outside = past - window + 1  # rows before every query's window: they weigh exactly 0, however large
+    if outside > 0:
+        far = pv.copy()
+        far[:, :, :outside] = 1e35
+        o = sek.run(None, {"qkv": qkv[:, :1], "pk": pk, "pv": far, "cos": cos, "sin": sin,
+                           "past_len": np.array([past], np.int64)})[0]
+        assert np.array_equal(o[0, 0], out[0, 0])
 
 
 def test_a_negative_window_is_refused():

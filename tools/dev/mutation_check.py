@@ -162,12 +162,28 @@ PLANTS = {
         "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RMAX + 1;", ["tests/runtime/test_sek_kernel.py"]),
     "specedge attention: a row attends one position short": (
         "runtime/csrc/sek_attn.c",
-        "n[p] = pos + 1;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const size_t",
-        "n[p] = pos;\n        nmax = n[p] > nmax ? n[p] : nmax;\n    }\n    const size_t",
+        "n[p] = pos + 1;\n        start[p] = window_start(a->window, pos);\n        nmax",
+        "n[p] = pos;\n        start[p] = window_start(a->window, pos);\n        nmax",
         ["tests/runtime/test_sek_kernel.py"]),
     "row-addressed attention: a row attends one position short": (
-        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        direct[p]", "n[p] = pos;\n        direct[p]",
+        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        start[p] = window_start(a->window, pos);\n        direct[p]",
+        "n[p] = pos;\n        start[p] = window_start(a->window, pos);\n        direct[p]",
         ["tests/runtime/test_sek_row_attention.py"]),
+    "sliding window: one position wider than asked": (
+        "runtime/csrc/sek_attn.c", "return window > 0 && pos >= window ? pos - window + 1 : 0;",
+        "return window > 0 && pos >= window ? pos - window : 0;",
+        ["tests/runtime/test_sek_kernel.py", "tests/runtime/test_sek_row_attention.py"]),
+    "sliding window: rows before it keep exp(-87), not 0": (
+        "runtime/csrc/sek_attn.c", "for (int64_t j = 0; j < lo[i]; j++) pr[i][j] = 0.f;",
+        "for (int64_t j = 0; j < lo[i] && 0; j++) pr[i][j] = 0.f;",
+        ["tests/runtime/test_sek_kernel.py"]),
+    "GGUF Q3_K: the high bit read the wrong way round": (
+        "export/quant.py", "q = low.reshape(n, kb, 8, 32).astype(np.int16) - 4 * (1 - high.astype(np.int16))",
+        "q = low.reshape(n, kb, 8, 32).astype(np.int16) - 4 * high.astype(np.int16)",
+        ["tests/export/test_quant.py"]),
+    "8-bit offsets: Q5_1 levels left at zero point 128 (zs rounded)": (
+        "export/quant.py", "q.min(initial=255) >= 128:", "q.min(initial=255) >= 256:",
+        ["tests/runtime/test_sek_kernel.py"]),
     "tree walk: goes down the first child, not the one that is the target's token (a wrong branch)": (
         "runtime/trees.py", "        path.append(nxt)\n", "        path.append(kids[row][0])\n",
         ["tests/runtime/test_trees.py"]),
