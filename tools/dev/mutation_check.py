@@ -166,7 +166,8 @@ PLANTS = {
         "n[p] = pos;\n        start[p] = window_start(a->window, pos);\n        nmax",
         ["tests/runtime/test_sek_kernel.py"]),
     "row-addressed attention: a row attends one position short": (
-        "runtime/csrc/sek_attn.c", "n[p] = pos + 1;\n        start[p] = window_start(a->window, pos);\n        direct[p]",
+        "runtime/csrc/sek_attn.c",
+        "n[p] = pos + 1;\n        start[p] = window_start(a->window, pos);\n        direct[p]",
         "n[p] = pos;\n        start[p] = window_start(a->window, pos);\n        direct[p]",
         ["tests/runtime/test_sek_row_attention.py"]),
     "sliding window: one position wider than asked": (
