@@ -79,6 +79,7 @@ class PortableAttention:
         self.half = g.const([self.D // 2, self.D // 2])
         self.qkv_split = g.const([self.Hq * self.D, self.Hkv * self.D, self.Hkv * self.D])
         self.scale = g.const(cfg.scores_scale(), np.float32)
+        self.softcap = g.const(np.float32(cfg.attn_softcap), np.float32) if cfg.attn_softcap else None
         self.rotates = cfg.rotates
         self.window, self._windowed = cfg.window, {}
         self._t_minus_s = g.op("Sub", g.op("Unsqueeze", ar_T, g.const([1])), g.op("Unsqueeze", ar_S, g.const([0])))
@@ -120,10 +121,12 @@ class PortableAttention:
 
         q = g.op("Reshape", q, g.const([0, 0, Hkv, G, D]))
         q = g.op("Mul", g.op("Transpose", q, perm=[0, 2, 3, 1, 4]), self.scale)  # [B, Hkv, G, T, D]
+        cap = (lambda s: g.op("Mul", g.op("Tanh", g.op("Div", s, self.softcap)), self.softcap)) if self.softcap else (
+            lambda s: s)  # gemma2: scores c tanh(s / c)
         k_past = g.op("Unsqueeze", f"past_key_values.{i}.key", g.const([2]))  # [B, Hkv, 1, S_max, D]
         v_past = g.op("Unsqueeze", f"past_key_values.{i}.value", g.const([2]))
-        s_past = g.op("MatMul", q, g.op("Transpose", k_past, perm=[0, 1, 2, 4, 3]))  # [B, Hkv, G, T, S_max]
-        s_new = g.op("MatMul", q, g.op("Unsqueeze", g.op("Transpose", k, perm=[0, 2, 3, 1]), g.const([2])))
+        s_past = cap(g.op("MatMul", q, g.op("Transpose", k_past, perm=[0, 1, 2, 4, 3])))  # [B, Hkv, G, T, S_max]
+        s_new = cap(g.op("MatMul", q, g.op("Unsqueeze", g.op("Transpose", k, perm=[0, 2, 3, 1]), g.const([2]))))
         mask_past, mask_new = self._masks(self.window(i))
         s_past = g.op("Where", mask_past, s_past, self.neg_inf)
         s_new = g.op("Where", mask_new, s_new, self.neg_inf)  # [B, Hkv, G, T, T]
@@ -141,6 +144,7 @@ class _TableAttention:
     def _tables(self, w, cfg, inv_freq: np.ndarray, max_positions: int) -> None:
         d = cfg.dims
         self.scores_scale = cfg.scores_scale()
+        self.softcap = {"softcap": float(cfg.attn_softcap)} if cfg.attn_softcap else {}  # both ops' attribute
         self.cos, self.sin = rope_tables(w, inv_freq, max_positions)
         self.rotates, self.is_local = cfg.rotates, cfg.is_local
         layers = range(d.n_layers)
@@ -176,7 +180,8 @@ class InplaceGqaAttention(_TableAttention):
              *self.tables(i)],
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"GroupQueryAttention_{g._n}",
             domain="com.microsoft", num_heads=self.Hq, kv_num_heads=self.Hkv, do_rotary=1, rotary_interleaved=0,
-            scale=self.scores_scale, **({"local_window_size": self.window(i)} if self.window(i) else {})))
+            scale=self.scores_scale, **self.softcap,
+            **({"local_window_size": self.window(i)} if self.window(i) else {})))
         return out  # [B, T, Hq D]
 
 
@@ -196,7 +201,7 @@ class SekInplaceAttention(InplaceGqaAttention):
             self.op, [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *self.where, *self.tables(i),
                       *self.after],
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"{self.op}_{g._n}",
-            domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=self.scores_scale,
+            domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=self.scores_scale, **self.softcap,
             **({"window": self.window(i)} if self.window(i) else {})))
         return out  # [B, T, Hq D]
 

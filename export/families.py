@@ -30,9 +30,12 @@ class Family:
     # gemma3: the embedding rows times sqrt(hidden); an RMSNorm weight w applied as (1 + w) (llama.cpp's converter
     # stores 1 + w); a norm after attention and after the MLP besides the ones before; GeGLU (tanh GELU)
     gemma: bool = False
-    # a GGUF's local (sliding-window) layers by llama.cpp's rule where the file does not list them: layer il is
-    # local unless il % n == n - 1 (gemma3: 6); their RoPE base {arch}.rope.freq_base_swa, else 10000
+    # the local (sliding-window) layers where the file does not list them, by llama.cpp's and transformers' rule:
+    # layer il is local unless il % n == n - 1 (gemma3: 6, gemma2: 2)
     gguf_local_pattern: int = 0
+    # the local layers' own RoPE base ({arch}.rope.freq_base_swa, rope_local_base_freq; else 10000): gemma3. Without
+    # one (gemma2) they rotate as the global layers do
+    local_rope_base: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -58,7 +61,12 @@ FAMILIES: dict[str, Family] = {
         # Gemma 3 text models: local layers (a sliding window, their own RoPE base) between global ones
         Family("gemma3", qkv_bias=False, gguf_permute_qk=False,
                hf_architectures=("Gemma3ForCausalLM",), gguf_architectures=("gemma3",),
-               default_tie_embeddings=True, qk_norm=True, gemma=True, gguf_local_pattern=6),
+               default_tie_embeddings=True, qk_norm=True, gemma=True, gguf_local_pattern=6, local_rope_base=True),
+        # Gemma 2: Gemma 3's layer without q/k norm, every other layer local (one RoPE base), the attention scores
+        # and the logits soft-capped (ModelConfig.attn_softcap, final_softcap)
+        Family("gemma2", qkv_bias=False, gguf_permute_qk=False,
+               hf_architectures=("Gemma2ForCausalLM",), gguf_architectures=("gemma2",),
+               default_tie_embeddings=True, gemma=True, gguf_local_pattern=2),
         # SmolLM3: llama layers, some without RoPE (ModelConfig.rope_layers)
         Family("smollm3", qkv_bias=False, gguf_permute_qk=True,
                hf_architectures=("SmolLM3ForCausalLM",), gguf_architectures=("smollm3",),
@@ -111,6 +119,8 @@ class ModelConfig:
     # per layer: whether ``sliding_window`` applies to it (None: the local layers where there are some, else every
     # layer; Qwen2's ``max_window_layers``, a config's ``layer_types``)
     window_layers: tuple[bool, ...] | None = None
+    attn_softcap: float | None = None  # scores s -> c tanh(s / c) before the softmax (gemma2)
+    final_softcap: float | None = None  # logits z -> c tanh(z / c) (gemma2)
 
     def scores_scale(self) -> float:
         return float(1.0 / np.sqrt(self.dims.head_dim)) if self.attention_scale is None else float(self.attention_scale)

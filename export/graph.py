@@ -556,6 +556,9 @@ def build_model_graph(
         logits = linear(flat, "lm_head", ["lm_head"], spec=head_spec, weights=tied)  # [B*L, V]
     if cfg.logit_scale != 1.0:  # granite: the logits divided by its logits_scaling
         logits = g.op("Div", logits, g.const(np.float32(cfg.logit_scale), np.float32))
+    if cfg.final_softcap:  # gemma2: c tanh(z / c), as transformers computes it (divide, tanh, multiply)
+        cap = g.const(np.float32(cfg.final_softcap), np.float32)
+        logits = g.op("Mul", g.op("Tanh", g.op("Div", logits, cap)), cap)
     out_shape = g.op("Concat", g.op("Shape", "logits_at"), g.const([n_logits]), axis=0)
     g.nodes.append(helper.make_node("Reshape", [logits, out_shape], ["logits"]))
     if argmax:  # device-side greedy: [B, L] ids, so a greedy round copies L ids instead of L x V logits.

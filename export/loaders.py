@@ -253,15 +253,16 @@ def _hf_layer_quirks(cfg: dict[str, Any], family: Family, n_layers: int) -> dict
                 raise BundleError(f"layer_types has {len(types)} entries for {n_layers} layers")
             out["window_layers"] = tuple(t == "sliding_attention" for t in types)
     if family.gemma:
-        if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
-            raise UnsupportedModelError("soft-capped attention or logits (Gemma 2) are not supported")
+        for key, field_name in SOFTCAP_KEYS:
+            if cfg.get(key):
+                out[field_name] = float(cfg[key])
         if cfg.get("use_bidirectional_attention"):
             raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported")
         out["embedding_scale"] = float(np.float32(cfg["hidden_size"] ** 0.5))  # as transformers casts it
         out["attention_scale"] = float(cfg.get("query_pre_attn_scalar", cfg.get("head_dim", 256))) ** -0.5
         types = cfg.get("layer_types")
-        if not types:  # older configs: every n-th layer global (sliding_window_pattern, 6 by default)
-            n = int(cfg.get("sliding_window_pattern") or 6)
+        if not types:  # older configs: every n-th layer global (sliding_window_pattern, else the family's rule)
+            n = int(cfg.get("sliding_window_pattern") or family.gguf_local_pattern)
             types = ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(n_layers)]
         if len(types) != n_layers:
             raise BundleError(f"layer_types has {len(types)} entries for {n_layers} layers")
@@ -271,8 +272,14 @@ def _hf_layer_quirks(cfg: dict[str, Any], family: Family, n_layers: int) -> dict
             rp = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
             if rp.get("rope_type", "default") != "default":
                 raise UnsupportedModelError(f"local layers' rope scaling {rp.get('rope_type')!r} is not supported")
-            out["local_rope_theta"] = float(rp.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+            out["local_rope_theta"] = (float(rp.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+                                       if family.local_rope_base else
+                                       float(cfg.get("rope_theta") or _hf_global_rope(cfg).get("rope_theta", 10000.0)))
     return out
+
+
+# Gemma 2's soft caps: the HF config's key (the GGUF's {arch}.KEY) -> ModelConfig's field
+SOFTCAP_KEYS = (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap"))
 
 
 def _hf_global_rope(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -411,8 +418,9 @@ def _gguf_layer_quirks(path: Path, reader: Any, arch: str, family: Family, n_lay
     if family.gguf_nope_every:
         out["rope_layers"] = tuple((i + 1) % family.gguf_nope_every != 0 for i in range(n_layers))
     if family.gemma:
-        if gguf_field(reader, f"{arch}.final_logit_softcapping"):
-            raise UnsupportedModelError(f"{path}: soft-capped logits are not supported")
+        for key, field_name in SOFTCAP_KEYS:
+            if gguf_field(reader, f"{arch}.{key}"):
+                out[field_name] = float(gguf_field(reader, f"{arch}.{key}"))
         out["embedding_scale"] = float(np.float32(_gguf_int(path, reader, f"{arch}.embedding_length") ** 0.5))
         window = gguf_field(reader, f"{arch}.attention.sliding_window")
         if window:
@@ -421,7 +429,9 @@ def _gguf_layer_quirks(path: Path, reader: Any, arch: str, family: Family, n_lay
             local = (tuple(bool(x) for x in listed) if isinstance(listed, list)
                      else tuple(n == 0 or i % n < n - 1 for i in range(n_layers)))
             out["local_layers"] = local
-            out["local_rope_theta"] = float(gguf_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+            out["local_rope_theta"] = float(gguf_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)
+                                            if family.local_rope_base else
+                                            gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))
             out["sliding_window"] = int(window)
     return out
 

@@ -53,6 +53,9 @@ FAMILY_EXTRAS = {
                 "logits_scaling": 2.5},
     # 6 layers of gemma3: five local ones, then a global one (llama.cpp's rule); a window no step reaches
     "gemma3": {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 128, "pad_token_id": 0},
+    # 4 layers of gemma2: local, global, local, global; caps far below the real ones (50, 30), so that they bite
+    "gemma2": {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 128, "pad_token_id": 0,
+               "attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.0},
     "smollm3": {"pad_token_id": 0},  # every 4th layer without RoPE: the config's default, and llama.cpp's rule
     "mistral": {},
 }
@@ -64,7 +67,7 @@ def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: in
     import transformers
 
     names = {"llama": "Llama", "llama3": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "granite": "Granite",
-             "smollm3": "SmolLM3", "gemma3": "Gemma3", "mistral": "Mistral"}[family]
+             "smollm3": "SmolLM3", "gemma3": "Gemma3", "gemma2": "Gemma2", "mistral": "Mistral"}[family]
     config_cls = getattr(transformers, f"{names}TextConfig" if family == "gemma3" else f"{names}Config")
     model_cls = getattr(transformers, f"{names}ForCausalLM")
     extras = {**FAMILY_EXTRAS[family], **config}  # config: the family's own keys overridden (a sliding window)
@@ -82,7 +85,7 @@ def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: in
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     make_tokenizer(path)
-    if family == "gemma3":  # else transformers takes Gemma's own tokenizer class, which adds its special tokens
+    if family in ("gemma2", "gemma3"):  # else transformers takes Gemma's own tokenizer class, which adds its own tokens
         cfg_path = path / "tokenizer_config.json"
         tok_cfg = {**json.loads(cfg_path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}
         cfg_path.write_text(json.dumps(tok_cfg))

@@ -20,13 +20,13 @@ _VENDOR = "/vendor/llama.cpp/"
 
 # The converter, run on a tiny model whose tokenizer is a byte-level BPE trained for the tests: llama.cpp
 # recognizes a tokenizer by the hash of its output on a fixed text and refuses one it does not know, and reads
-# SentencePiece (not installed here) before it looks for a tokenizer.model. Both are bypassed; the weights, their
-# names, permutations and every hyperparameter key are the converter's own.
+# SentencePiece (not installed here) before it looks for a tokenizer.model (Gemma 2's only SentencePiece). These are
+# bypassed; the weights, their names, permutations and every hyperparameter key are the converter's own.
 _DRIVER = """
 import runpy, sys
 src = sys.argv.pop(1)
 sys.path[:0] = [src, src + "/gguf-py"]
-from conversion import base
+from conversion import base, gemma
 
 def no_sentencepiece(self, *a, **k):
     if not (self.dir_model / "tokenizer.model").is_file():
@@ -43,6 +43,8 @@ def pre(self, tokenizer):
 
 base.TextModel._create_vocab_sentencepiece = no_sentencepiece
 base.TextModel.get_vocab_base_pre = pre
+# Gemma 2's vocabulary is read as SentencePiece only: the tests' BPE goes as Gemma 3's does without a tokenizer.model
+gemma.Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv[0] = src + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

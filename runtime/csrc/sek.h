@@ -55,6 +55,7 @@ typedef struct {
     int64_t hs, rs; /* query heads and rows per item (sek_attn_plan) */
     int kv_type;    /* SEK_KV_* */
     int64_t window; /* a sliding window: the query at position p attends to p - window + 1 .. p (0: none) */
+    float softcap;  /* scores s -> softcap tanh(s / softcap) before the softmax (0: none; Gemma 2) */
 } sek_attn_args;
 /* A row-addressed step (sek_attn.c, SekRowAttention): row r writes cache row row_pos[r] of the sequence in KV slot
  * row_slot[r] (-1: padding, which reads and writes nothing; its output is zeros). A row with no parent
@@ -78,6 +79,7 @@ typedef struct {
     const int64_t *chunk; /* [chunks + 1]: the first row of each chunk of rows an item takes (sek_row_attn_plan) */
     int kv_type;          /* SEK_KV_* */
     int64_t window;       /* a sliding window, as sek_attn_args' (0: none) */
+    float softcap;        /* soft-capped scores, as sek_attn_args' (0: none) */
 } sek_row_attn_args;
 /* out[r][i] = silu(y[r][i]) * y[r][f + i] for m rows of 2f values (sek_act.c) */
 void sek_swiglu(const float *y, int64_t m, int64_t f, float *out);

@@ -590,8 +590,8 @@ static inline __attribute__((always_inline)) void softmax_rows(float (*s)[SEK_CH
  * Zen 4 at depth 8,192, converting 16 rows at a time takes a fifth off the step's attention). The next chunk's rows,
  * up to row `end` (the rows the item reads), are prefetched meanwhile. */
 static void attend_chunk(const float *q, const void *kc, const void *vc, int type, int64_t c0, int64_t end,
-                         const int64_t *cn, const int64_t *lo, int64_t d, float scale, int64_t nq, float *m, float *l,
-                         float *acc, float *buf) {
+                         const int64_t *cn, const int64_t *lo, int64_t d, float scale, float softcap, int64_t nq,
+                         float *m, float *l, float *acc, float *buf) {
     float s[SEK_Q_MAX][SEK_CHUNK], pr[SEK_Q_MAX][SEK_CHUNK], alpha[SEK_Q_MAX];
     int64_t cmax = 0;
     for (int64_t p = 0; p < nq; p++) cmax = cn[p] > cmax ? cn[p] : cmax;
@@ -607,6 +607,8 @@ static void attend_chunk(const float *q, const void *kc, const void *vc, int typ
                 for (int c = 0; c < 4; c++) s[p][j + c] = o[c] * scale;
             }
             for (; j < j1; j++) s[p][j] = dot(q + p * d, k + j * d, d) * scale;
+            if (softcap > 0.f) /* c tanh(s / c), libm's tanhf: the same function for every row */
+                for (j = j0; j < j1; j++) s[p][j] = softcap * tanhf(s[p][j] / softcap);
         }
     }
     for (int64_t p = 0; p < nq;) { /* queries with the same rows of the chunk, four or two at a time where they can */
@@ -656,7 +658,7 @@ static int64_t first_chunk(const int64_t *start, int64_t nq) {
  * query p over cache rows start[p] .. n[p]-1 (nmax the largest n; start 0 but for a sliding window): the online
  * softmax chunk after chunk -> each query's sum of exps l[p] and its unnormalized value sum acc [nq][d]. */
 static void attend(const float *q, const void *kc, const void *vc, int type, const int64_t *n, const int64_t *start,
-                   int64_t nmax, int64_t d, float scale, int64_t nq, float *m, float *l, float *acc) {
+                   int64_t nmax, int64_t d, float scale, float softcap, int64_t nq, float *m, float *l, float *acc) {
     int64_t cn[SEK_Q_MAX], lo[SEK_Q_MAX];
     float buf[type != SEK_KV_F32 ? SEK_SUB * d : 1];
     for (int64_t p = 0; p < nq; p++) {
@@ -666,7 +668,7 @@ static void attend(const float *q, const void *kc, const void *vc, int type, con
     memset(acc, 0, (size_t)(nq * d) * sizeof(float));
     for (int64_t c0 = first_chunk(start, nq); c0 < nmax; c0 += SEK_CHUNK) {
         chunk_rows(n, start, c0, nq, cn, lo);
-        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, nq, m, l, acc, buf);
+        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, softcap, nq, m, l, acc, buf);
     }
 }
 
@@ -678,8 +680,8 @@ static void attend(const float *q, const void *kc, const void *vc, int type, con
  * that holds its rows in order: those of the same tokens decoded as one chain. */
 static void attend_tail(const float *q, const void *kc, const void *vc, int type, const int64_t *n,
                         const int64_t *start, const int64_t *direct, const int64_t *tail, int64_t tail_stride,
-                        int64_t nmax, int64_t d, float scale, int64_t nq, int64_t hs, float *m, float *l, float *acc,
-                        float *kg, float *vg) {
+                        int64_t nmax, int64_t d, float scale, float softcap, int64_t nq, int64_t hs, float *m,
+                        float *l, float *acc, float *kg, float *vg) {
     int64_t cn[SEK_Q_MAX] = {0}, lo[SEK_Q_MAX] = {0}, len[SEK_Q_MAX]; /* cn, lo: set before use (GCC cannot tell) */
     float buf[type != SEK_KV_F32 ? SEK_SUB * d : 1];
     for (int64_t p = 0; p < nq; p++) {
@@ -694,7 +696,7 @@ static void attend_tail(const float *q, const void *kc, const void *vc, int type
             len[p] = cn[p]; /* the rows of a gathered chunk, with lo[p] before the window */
             if (cn[p] > 0 && c0 + cn[p] > direct[p]) cn[p] = 0, gathered = 1;
         }
-        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, nq, m, l, acc, buf);
+        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, softcap, nq, m, l, acc, buf);
         for (int64_t p = 0; gathered && p < nq; p += hs) {
             const int64_t rows = len[p];
             if (rows <= 0 || c0 + rows <= direct[p]) continue;
@@ -703,8 +705,8 @@ static void attend_tail(const float *q, const void *kc, const void *vc, int type
                 memcpy(kg + j * d, kv_rows(kc, type, row, 1, d, buf), (size_t)d * sizeof(float));
                 memcpy(vg + j * d, kv_rows(vc, type, row, 1, d, buf), (size_t)d * sizeof(float));
             }
-            attend_chunk(q + p * d, kg, vg, SEK_KV_F32, 0, 0, len + p, lo + p, d, scale, hs, m + p, l + p, acc + p * d,
-                         buf);
+            attend_chunk(q + p * d, kg, vg, SEK_KV_F32, 0, 0, len + p, lo + p, d, scale, softcap, hs, m + p, l + p,
+                         acc + p * d, buf);
         }
     }
 }
@@ -758,7 +760,7 @@ void sek_attn_row(const sek_attn_args *a, int64_t item) {
     }
     const size_t at = (size_t)(g * a->s_max) * sek_kv_row_bytes(a->kv_type, d);
     attend(q, (const char *)a->k_cache + at, (const char *)a->v_cache + at, a->kv_type, n, start, nmax, d, a->scale,
-           nq, m, l, acc);
+           a->softcap, nq, m, l, acc);
     for (int64_t p = 0; p < nq; p++) {
         float *o = a->out + (t0 + p / hs) * a->hq * d + (h0 + p % hs) * d;
         const float inv = 1.f / l[p];
@@ -857,10 +859,10 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
     const void *kc = (const char *)a->k_cache + at, *vc = (const char *)a->v_cache + at;
     if (tree) {
         float kg[SEK_CHUNK * 128], vg[SEK_CHUNK * 128]; /* d <= 128 for tree rows (checked by the caller) */
-        attend_tail(q, kc, vc, a->kv_type, n, start, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, nq, hs, m, l,
-                    acc, kg, vg);
+        attend_tail(q, kc, vc, a->kv_type, n, start, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, a->softcap, nq,
+                    hs, m, l, acc, kg, vg);
     } else {
-        attend(q, kc, vc, a->kv_type, n, start, nmax, d, a->scale, nq, m, l, acc);
+        attend(q, kc, vc, a->kv_type, n, start, nmax, d, a->scale, a->softcap, nq, m, l, acc);
     }
     for (int64_t p = 0; p < nq; p++) {
         float *o = a->out + (r0 + p / hs) * a->hq * d + (h0 + p % hs) * d;

@@ -33,6 +33,7 @@
  *
  * Environment: SPECEDGE_SEK_ISA=scalar|avx2|avxvnni|vnni512|neon forces one code path (tests compare them bitwise).
  */
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -436,7 +437,9 @@ static const SekCustomOp sek_matmul_op = {
 /* ---------------------------------------------------------------- SekAttention
  *   out [1, T, hq d], present_key, present_value [1, hkv, S, d] =
  *       SekAttention(qkv [1, T, (hq + 2 hkv) d], past_key, past_value [1, hkv, S, d], past_len int64 [1],
- *                    cos, sin [positions, d/2])        attributes: num_heads, kv_num_heads, scale, window (optional)
+ *                    cos, sin [positions, d/2])
+ *       attributes: num_heads, kv_num_heads, scale, window (optional), softcap (optional: the scores s as
+ *       softcap tanh(s / softcap) before the softmax, as GroupQueryAttention's softcap; Gemma 2)
  * window W > 0: a sliding window, the query at position p attends to positions p - W + 1 .. p only (a local layer's
  * attention; absent or 0, to 0 .. p). present is the cache itself when the caller binds it to the past's buffer (the runtime does); otherwise the past
  * is copied into it first. The caches are float32, float16 or int8; int8 caches are [1, hkv, S, d + 4], each row d
@@ -446,6 +449,7 @@ typedef struct {
     int64_t hq, hkv;
     float scale;
     int64_t window; /* the optional attribute `window` (0: none) */
+    float softcap;  /* the optional attribute `softcap` (0: none) */
 } SekAttnKernel;
 
 static const SekCustomOp sek_row_attention_op, sek_row_attention_f16_op, sek_row_attention_i8_op;
@@ -473,6 +477,16 @@ static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelIn
     if ((st = KernelInfoGetAttribute_int64(api)(info, "window", &k->window))) { /* optional: absent is none */
         ReleaseStatus(api)(st);
         k->window = 0;
+    }
+    if ((st = KernelInfoGetAttribute_float(api)(info, "softcap", &k->softcap))) { /* optional: absent is none */
+        ReleaseStatus(api)(st);
+        k->softcap = 0.f;
+    }
+    if (!(k->softcap >= 0.f) || isinf(k->softcap)) {
+        OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "%s: softcap %g; a soft cap on the scores is a finite number "
+                            "> 0, or 0 (absent) for none", name, (double)k->softcap);
+        free(k);
+        return e;
     }
     if (k->window < 0) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "%s: window %lld; a sliding window is a number of positions "
@@ -555,7 +569,8 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     void *o[3];
     TRY(attn_outputs(api, ctx, "SekAttention", T, k->hq * d, in, o));
     sek_attn_args a = {(const float *)in[0].data, o[1], o[2], (const float *)in[4].data, (const float *)in[5].data,
-                       (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1, kv_type, k->window};
+                       (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1, kv_type, k->window,
+                       k->softcap};
     if (T == 0) return NULL;
     const int64_t items = sek_attn_plan(T, k->hq, k->hkv, d, online_cpus(), &a.hs, &a.rs);
     sek_attn_store(&a);
@@ -585,7 +600,7 @@ static const SekCustomOp sek_attention_op = {SEK_ATTENTION_OP}, sek_attention_f1
  *   out [1, R, hq d], present_key, present_value [N, hkv, S, d] =
  *       SekRowAttention(qkv [1, R, (hq + 2 hkv) d], past_key, past_value [N, hkv, S, d], row_slot int64 [R],
  *                       row_pos int64 [R], cos, sin [positions, d/2])
- *       attributes: num_heads, kv_num_heads, scale, window (optional: SekAttention's sliding window)
+ *       attributes: num_heads, kv_num_heads, scale, window, softcap (optional: SekAttention's)
  * A step of R rows from up to N sequences, each in its own KV slot: row r is the token at position row_pos[r] of the
  * sequence in slot row_slot[r]. Every real row's k and v are written into its slot at its position, then each row's
  * query attends over its slot's rows 0 .. row_pos[r] (so a slot's rows at consecutive positions form a causal chain,
@@ -712,7 +727,7 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
     if (!chunk) return CreateStatus(api)(ORT_FAIL, "SekRowAttention: out of memory");
     sek_row_attn_args a = {(const float *)in[0].data, o[1], o[2], slot, pos, parent, (const float *)in[5].data,
                            (const float *)in[6].data, (float *)o[0], R, N, k->hq, k->hkv, d, S, k->scale, 1, chunk,
-                           kv_type, k->window};
+                           kv_type, k->window, k->softcap};
     const int64_t items = sek_row_attn_plan(slot, R, k->hq, k->hkv, d, online_cpus(), &a.hs, chunk);
     sek_row_attn_store(&a);
     OrtStatus *st = KernelContext_ParallelFor(api)(ctx, row_attn_item, (size_t)items, 0, &a);

@@ -15,7 +15,7 @@ from ..llama_cpp import convert_hf_to_gguf, requantize_gguf
 
 torch = pytest.importorskip("torch")  # the reference side: not in the fast tier's venv
 
-FAMILIES = ("qwen3", "granite", "smollm3", "llama3", "gemma3")
+FAMILIES = ("qwen3", "granite", "smollm3", "llama3", "gemma3", "gemma2")
 S_MAX = 96
 N_POS = 64
 
@@ -27,13 +27,14 @@ def family_models(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("families")
     out = {}
     for i, fam in enumerate(FAMILIES):
-        # 4 layers: smollm3's 4th attends without RoPE; 6: gemma3's 6th is its global one
+        # 4 layers: smollm3's 4th attends without RoPE, gemma2's 2nd and 4th are global; 6: gemma3's 6th is
         hf = make_hf_model(root / fam, fam, layers=6 if fam == "gemma3" else 4, seed=10 + i,
-                           tie=fam in ("llama3", "granite", "gemma3"))
+                           tie=fam in ("llama3", "granite", "gemma3", "gemma2"))
         gg = convert_hf_to_gguf(hf, root / f"{fam}.gguf")
         from transformers import AutoModelForCausalLM
 
-        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        # eager attention: the soft-capped scores (gemma2) are the eager path's
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
         ids = torch.randint(3, 320, (1, N_POS), generator=torch.Generator().manual_seed(i))
         with torch.no_grad():
             logits = ref(ids).logits[0].numpy()
@@ -95,6 +96,9 @@ def test_each_family_s_quirks_are_read_from_both_sources(family_models):
         gm = c["gemma3"]
         assert gm.local_layers == (True,) * 5 + (False,) and gm.sliding_window == 128
         assert (gm.local_rope_theta, gm.rope_theta) == (10000.0, 1e6) and gm.embedding_scale == pytest.approx(8.0)
+        g2 = c["gemma2"]
+        assert g2.local_layers == (True, False, True, False) and g2.sliding_window == 128 and not g2.family.qk_norm
+        assert (g2.attn_softcap, g2.final_softcap) == (1.5, 2.0) and g2.local_rope_theta == g2.rope_theta
         assert all(x.plain_layers() for x in (c["llama3"],)) and c["llama3"].tie_embeddings
     assert load_source(family_models["llama3"]["gguf"]).rope_freq_factors is not None  # llama3 RoPE, as ggml has it
     assert load_source(family_models["llama3"]["hf"]).config.rope_scaling["rope_type"] == "llama3"

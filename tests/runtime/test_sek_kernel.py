@@ -574,17 +574,20 @@ def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path)
         library_path()
 
 
-def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.FLOAT, window: int = 0) -> bytes:
+def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.FLOAT, window: int = 0,
+                     softcap: float = 0.0) -> bytes:
     """One attention node; its caches (pk, pv and the presents) of element type kv (float, float16, or int8: rows of
-    d values and a 4-byte scale); a sliding window of `window` positions (0: none)."""
+    d values and a 4-byte scale); a sliding window of `window` positions (0: none); soft-capped scores (0: none)."""
     F = TensorProto.FLOAT
     D = d + 4 if kv == TensorProto.INT8 else d
     if op == "SekAttention":
         ins, dom, attrs = ["qkv", "pk", "pv", "past_len", "cos", "sin"], "ai.specedge", {}
         attrs.update({"window": window} if window else {})
+        attrs.update({"softcap": softcap} if softcap else {})
     else:  # ONNX Runtime's own, the reference for the same contract
         ins, dom = ["qkv", "", "", "pk", "pv", "seqlens_k", "total", "cos", "sin"], "com.microsoft"
-        attrs = {"do_rotary": 1, "rotary_interleaved": 0, **({"local_window_size": window} if window else {})}
+        attrs = {"do_rotary": 1, "rotary_interleaved": 0, **({"local_window_size": window} if window else {}),
+                 **({"softcap": softcap} if softcap else {})}
     node = helper.make_node(op, ins, ["out", "presk", "presv"], domain=dom, num_heads=hq, kv_num_heads=hkv,
                             scale=float(1 / np.sqrt(d)), **attrs)
     vi = helper.make_tensor_value_info
@@ -655,9 +658,11 @@ def test_specedge_attention_groups_queries_without_changing_a_row():
         assert np.array_equal(o[0], out[0, start:start + width]), (start, width)
 
 
-def _windowed_reference(qkv, pk, pv, cos, sin, hq: int, hkv: int, d: int, past: int, window: int) -> np.ndarray:
+def _windowed_reference(qkv, pk, pv, cos, sin, hq: int, hkv: int, d: int, past: int, window: int,
+                        softcap: float = 0.0) -> np.ndarray:
     """Attention in numpy (float64) over the written caches pk, pv [1, hkv, S, d]: row t (position p = past + t),
-    its query rotated by rotate-half RoPE at p, attends to the positions p - window + 1 .. p (0 .. p without one)."""
+    its query rotated by rotate-half RoPE at p, attends to the positions p - window + 1 .. p (0 .. p without one);
+    with a softcap c, each score s as c tanh(s / c)."""
     T, g = qkv.shape[1], hq // hkv
     out = np.zeros((T, hq * d))
     for t in range(T):
@@ -669,6 +674,7 @@ def _windowed_reference(qkv, pk, pv, cos, sin, hq: int, hkv: int, d: int, past: 
             q = np.concatenate([q[:d // 2] * c - q[d // 2:] * s_, q[d // 2:] * c + q[:d // 2] * s_])
             k, v = pk[0, h // g, lo:p + 1].astype(np.float64), pv[0, h // g, lo:p + 1].astype(np.float64)
             sc = k @ q / np.sqrt(d)
+            sc = softcap * np.tanh(sc / softcap) if softcap else sc
             w = np.exp(sc - sc.max())
             out[t, h * d:(h + 1) * d] = w @ v / w.sum()
     return out
@@ -711,6 +717,32 @@ def test_specedge_attention_with_a_sliding_window_matches_and_keeps_every_row(wi
 def test_a_negative_window_is_refused():
     with pytest.raises(Exception, match="window"):
         _session(_attention_model("SekAttention", 2, 1, 16, window=-3))
+    with pytest.raises(Exception, match="softcap"):
+        _session(_attention_model("SekAttention", 2, 1, 16, softcap=-1.0))
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_soft_capped_scores_match_and_keep_every_row(window):
+    """Gemma 2's soft-capped scores (c tanh(s / c), c = 1.5 here: far from no cap): SekAttention matches the
+    float64 reference and GroupQueryAttention's softcap, with and without a window, and every row keeps its bits at
+    width 1."""
+    hq, hkv, d, S, past, T = 6, 2, 32, 256, 150, 5
+    cache, cos, sin, qkv = _attention_case(np.random.default_rng(7), hq, hkv, d, S, past, T, scale=3.0)
+    sek = _session(_attention_model("SekAttention", hq, hkv, d, window=window, softcap=1.5))
+    out, pk, pv = sek.run(None, {"qkv": qkv, "pk": cache[0].copy(), "pv": cache[1].copy(), "cos": cos, "sin": sin,
+                                 "past_len": np.array([past], np.int64)})
+    ref = _windowed_reference(qkv, pk, pv, cos, sin, hq, hkv, d, past, window, softcap=1.5)
+    assert np.abs(out[0] - ref).max() < 1e-5 * np.abs(ref).max()
+    uncapped = _windowed_reference(qkv, pk, pv, cos, sin, hq, hkv, d, past, window)
+    assert np.abs(uncapped - ref).max() > 1e-2 * np.abs(ref).max()  # the cap matters at this scale
+    g = _session(_attention_model("GroupQueryAttention", hq, hkv, d, window=window, softcap=1.5)).run(
+        None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
+               "seqlens_k": np.array([past + T - 1], np.int32), "total": np.array(past + T, np.int32)})[0]
+    assert np.abs(out - g).max() < 1e-5 * np.abs(g).max()
+    for t in range(T):
+        o = sek.run(None, {"qkv": qkv[:, t:t + 1], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
+                           "past_len": np.array([past + t], np.int64)})[0]
+        assert np.array_equal(o[0, 0], out[0, t]), t
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build needs an x86 CPU")

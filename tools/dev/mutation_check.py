@@ -178,6 +178,15 @@ PLANTS = {
         "runtime/csrc/sek_attn.c", "for (int64_t j = 0; j < lo[i]; j++) pr[i][j] = 0.f;",
         "for (int64_t j = 0; j < lo[i] && 0; j++) pr[i][j] = 0.f;",
         ["tests/runtime/test_sek_kernel.py"]),
+    "gemma2: the logits not soft-capped": (
+        "export/graph.py", "    if cfg.final_softcap:  # gemma2", "    if cfg.final_softcap and 0:  # gemma2",
+        ["tests/export/test_families.py"]),
+    "gemma2: the portable graph's scores not soft-capped": (
+        "export/attention.py", "self.softcap)), self.softcap)) if self.softcap else (",
+        "self.softcap)), self.softcap)) if None else (", ["tests/export/test_families.py"]),
+    "specedge attention: the scores not soft-capped": (
+        "runtime/csrc/sek_attn.c", "if (softcap > 0.f) /* c tanh", "if (softcap > 1e30f) /* c tanh",
+        ["tests/runtime/test_sek_kernel.py"]),
     "GGUF Q3_K: the high bit read the wrong way round": (
         "export/quant.py", "q = low.reshape(n, kb, 8, 32).astype(np.int16) - 4 * (1 - high.astype(np.int16))",
         "q = low.reshape(n, kb, 8, 32).astype(np.int16) - 4 * high.astype(np.int16)",
