@@ -31,11 +31,15 @@ from specedge.runtime.manifest import (
 )
 
 
-def rope_tables(w, inv_freq: np.ndarray, max_positions: int, prefix: str = "rope") -> tuple[str, str]:
-    """The cos and sin tables [positions, D/2] the in-place attentions rotate by (rotate-half)."""
-    freqs = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))  # [S_max, D/2]
-    return (w.add(f"{prefix}.cos_cache", np.cos(freqs).astype(np.float32)),
-            w.add(f"{prefix}.sin_cache", np.sin(freqs).astype(np.float32)))
+def rope_tables(w, inv_freq: np.ndarray, max_positions: int, prefix: str = "rope",
+                mscale: float = 1.0) -> tuple[str, str]:
+    """The cos and sin tables [positions, R/2] the in-place attentions rotate by (rotate-half over a head's first R
+    dims: all of them but for a partial rotary), times LongRoPE's attention factor where it has one."""
+    freqs = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))  # [S_max, R/2]
+    cos, sin = np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+    if mscale != 1.0:
+        cos, sin = cos * np.float32(mscale), sin * np.float32(mscale)
+    return w.add(f"{prefix}.cos_cache", cos), w.add(f"{prefix}.sin_cache", sin)
 
 
 def identity_tables(w, half: int, max_positions: int) -> tuple[str, str]:
@@ -66,17 +70,24 @@ class PortableAttention:
         positions = g.op("Add", past_col, g.op("Unsqueeze", ar_T, g.const([0])))  # [B, T]
         pos_f = g.op("Unsqueeze", g.op("Cast", positions, to=TensorProto.FLOAT), g.const([2]))  # [B, T, 1]
 
+        mscale = cfg.rope_mscale()
+
         def cos_sin(name: str, inv: np.ndarray) -> tuple[str, str]:
-            freqs = g.op("Mul", pos_f, w.add(name, inv))  # [B, T, D/2]
-            emb = g.op("Concat", freqs, freqs, axis=-1)  # [B, T, D]
-            return (g.op("Unsqueeze", g.op("Cos", emb), g.const([2])),  # [B, T, 1, D]
-                    g.op("Unsqueeze", g.op("Sin", emb), g.const([2])))
+            freqs = g.op("Mul", pos_f, w.add(name, inv))  # [B, T, R/2]
+            emb = g.op("Concat", freqs, freqs, axis=-1)  # [B, T, R]
+            cos, sin = g.op("Cos", emb), g.op("Sin", emb)
+            if mscale != 1.0:  # LongRoPE's attention factor on both
+                m = g.const(np.float32(mscale), np.float32)
+                cos, sin = g.op("Mul", cos, m), g.op("Mul", sin, m)
+            return g.op("Unsqueeze", cos, g.const([2])), g.op("Unsqueeze", sin, g.const([2]))  # [B, T, 1, R]
 
         self.cos, self.sin = cos_sin("rope.inv_freq", inv_freq)
         self.local = (cos_sin("rope.local_inv_freq", cfg.local_inv_freq())
                       if any(cfg.is_local(i) for i in range(d.n_layers)) else None)
         self.is_local = cfg.is_local
-        self.half = g.const([self.D // 2, self.D // 2])
+        self.R = cfg.rot_dim()
+        self.half = g.const([self.R // 2, self.R // 2])
+        self.rot_pass = g.const([self.R, self.D - self.R]) if self.R < self.D else None
         self.qkv_split = g.const([self.Hq * self.D, self.Hkv * self.D, self.Hkv * self.D])
         self.scale = g.const(cfg.scores_scale(), np.float32)
         self.softcap = g.const(np.float32(cfg.attn_softcap), np.float32) if cfg.attn_softcap else None
@@ -102,9 +113,12 @@ class PortableAttention:
 
     def _rope(self, x: str, cos: str, sin: str) -> str:  # x [B, T, heads, D], rotate-half convention
         g = self.g
+        if self.rot_pass is not None:  # a partial rotary: the first R dims rotate, the rest pass through
+            x, rest = g.op("Split", x, self.rot_pass, axis=-1, n_out=2)
         x1, x2 = g.op("Split", x, self.half, axis=-1, n_out=2)
         rot = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
-        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
+        out = g.op("Add", g.op("Mul", x, cos), g.op("Mul", rot, sin))
+        return out if self.rot_pass is None else g.op("Concat", out, rest, axis=-1)
 
     def __call__(self, i: int, qkv: str) -> str:
         g, D, Hq, Hkv, G = self.g, self.D, self.Hq, self.Hkv, self.G
@@ -145,10 +159,10 @@ class _TableAttention:
         d = cfg.dims
         self.scores_scale = cfg.scores_scale()
         self.softcap = {"softcap": float(cfg.attn_softcap)} if cfg.attn_softcap else {}  # both ops' attribute
-        self.cos, self.sin = rope_tables(w, inv_freq, max_positions)
+        self.cos, self.sin = rope_tables(w, inv_freq, max_positions, mscale=cfg.rope_mscale())
         self.rotates, self.is_local = cfg.rotates, cfg.is_local
         layers = range(d.n_layers)
-        self.identity = (identity_tables(w, d.head_dim // 2, max_positions)
+        self.identity = (identity_tables(w, cfg.rot_dim() // 2, max_positions)
                          if not all(cfg.rotates(i) for i in layers) else None)
         self.local = (rope_tables(w, cfg.local_inv_freq(), max_positions, "rope.local")
                       if any(cfg.is_local(i) for i in layers) else None)

@@ -67,6 +67,10 @@ FAMILIES: dict[str, Family] = {
         Family("gemma2", qkv_bias=False, gguf_permute_qk=False,
                hf_architectures=("Gemma2ForCausalLM",), gguf_architectures=("gemma2",),
                default_tie_embeddings=True, gemma=True, gguf_local_pattern=2),
+        # Phi-3 / Phi-4-mini: fused q|k|v and gate|up projections (split at load), LongRoPE scaling, partial rotary
+        Family("phi3", qkv_bias=False, gguf_permute_qk=False,
+               hf_architectures=("Phi3ForCausalLM",), gguf_architectures=("phi3",),
+               default_tie_embeddings=False),
         # SmolLM3: llama layers, some without RoPE (ModelConfig.rope_layers)
         Family("smollm3", qkv_bias=False, gguf_permute_qk=True,
                hf_architectures=("SmolLM3ForCausalLM",), gguf_architectures=("smollm3",),
@@ -119,6 +123,7 @@ class ModelConfig:
     # per layer: whether ``sliding_window`` applies to it (None: the local layers where there are some, else every
     # layer; Qwen2's ``max_window_layers``, a config's ``layer_types``)
     window_layers: tuple[bool, ...] | None = None
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim of each head's dims (None: all; phi3's partial)
     attn_softcap: float | None = None  # scores s -> c tanh(s / c) before the softmax (gemma2)
     final_softcap: float | None = None  # logits z -> c tanh(z / c) (gemma2)
 
@@ -150,9 +155,27 @@ class ModelConfig:
                 and self.local_layers is None and self.attention_scale is None
                 and (self.embedding_scale, self.residual_scale, self.logit_scale) == (1.0, 1.0, 1.0))
 
-    def inv_freq(self, rope_freq_factors: np.ndarray | None = None) -> np.ndarray:
-        """RoPE inverse frequencies [D/2] (float32), with the configured scaling applied."""
-        d = self.dims.head_dim
+    def rot_dim(self) -> int:
+        """The dims of a head that RoPE rotates (rotate-half over the first rot_dim; the rest pass through)."""
+        return self.rotary_dim or self.dims.head_dim
+
+    def rope_mscale(self) -> float:
+        """The factor on the rotary tables' cos and sin (LongRoPE's attention factor; 1 otherwise)."""
+        sc = self.rope_scaling or {}
+        if sc.get("rope_type", sc.get("type")) != "longrope":
+            return 1.0
+        if sc.get("attention_factor") is not None:
+            return float(sc["attention_factor"])
+        orig = int(sc["original_max_position_embeddings"])
+        factor = self.max_positions / orig
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+    def inv_freq(self, rope_freq_factors: np.ndarray | None = None, max_positions: int | None = None) -> np.ndarray:
+        """RoPE inverse frequencies [rot_dim/2] (float32), with the configured scaling applied. LongRoPE takes its
+        long factors for a graph of more positions than the model was trained at (``max_positions`` >
+        original_max_position_embeddings), its short ones otherwise: as llama.cpp chooses by its context size, and
+        as transformers does for a sequence of that length."""
+        d = self.rot_dim()
         inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         if rope_freq_factors is not None:  # GGUF stores llama3 scaling as per-frequency divisors
             return (inv / rope_freq_factors.astype(np.float64)).astype(np.float32)
@@ -164,7 +187,16 @@ class ModelConfig:
             return (inv / float(sc["factor"])).astype(np.float32)
         if kind == "llama3":
             return _llama3_inv_freq(inv, sc).astype(np.float32)
-        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3 are)")
+        if kind == "longrope":
+            long = max_positions is not None and max_positions > int(sc["original_max_position_embeddings"])
+            ext = np.asarray(sc["long_factor" if long else "short_factor"], np.float64)
+            if ext.shape != inv.shape:
+                raise UnsupportedModelError(f"longrope's factors hold {ext.size} values; the rotary dims want "
+                                            f"{inv.size}")
+            # transformers: 1 / (ext * base ** (2i / d)), in float32 (its ext_factors and powers are float32)
+            shape = (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d))
+            return (np.float32(1.0) / (ext.astype(np.float32) * np.float32(self.rope_theta) ** shape)).astype(np.float32)
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3, longrope are)")
 
 
 def _llama3_inv_freq(inv: np.ndarray, sc: dict[str, Any]) -> np.ndarray:

@@ -452,7 +452,7 @@ def build_model_graph(
     say = progress or (lambda s: None)
     linear = _Linears(g, w, src, fmt)
 
-    inv_freq = cfg.inv_freq(src.rope_freq_factors)  # [D/2]
+    inv_freq = cfg.inv_freq(src.rope_freq_factors, max_positions)  # [R/2]: the rotary dims
     if kv_mode == "portable":
         attention = PortableAttention(g, w, cfg, inv_freq)
     elif kv_mode == "ort-inplace":  # the specedge form brings its own attention: rows invariant at width 1 too

@@ -48,7 +48,7 @@ enum { SEK_KV_F32 = 0, SEK_KV_F16 = 1, SEK_KV_I8 = 2 };
 typedef struct {
     const float *qkv;         /* [T][(hq + 2 hkv) d] */
     void *k_cache, *v_cache;  /* [hkv][s_max] rows of d elements of kv_type (sek_kv_row_bytes) */
-    const float *cos, *sin;   /* [positions][d/2] */
+    const float *cos, *sin;   /* [positions][rot/2] */
     float *out;               /* [T][hq d] */
     int64_t t, hq, hkv, d, s_max, past_len;
     float scale;
@@ -56,6 +56,7 @@ typedef struct {
     int kv_type;    /* SEK_KV_* */
     int64_t window; /* a sliding window: the query at position p attends to p - window + 1 .. p (0: none) */
     float softcap;  /* scores s -> softcap tanh(s / softcap) before the softmax (0: none; Gemma 2) */
+    int64_t rot;    /* the dims RoPE rotates, 2 x the tables' width: d, or fewer for a partial rotary (Phi-4) */
 } sek_attn_args;
 /* A row-addressed step (sek_attn.c, SekRowAttention): row r writes cache row row_pos[r] of the sequence in KV slot
  * row_slot[r] (-1: padding, which reads and writes nothing; its output is zeros). A row with no parent
@@ -71,7 +72,7 @@ typedef struct {
     void *k_cache, *v_cache;           /* [n_slots][hkv][s_max] rows of kv_type (sek_kv_row_bytes) */
     const int64_t *row_slot, *row_pos; /* [R] */
     const int64_t *row_parent;         /* [R], or NULL: no tree rows */
-    const float *cos, *sin;            /* [positions][d/2] */
+    const float *cos, *sin;            /* [positions][rot/2] */
     float *out;                        /* [R][hq d] */
     int64_t r, n_slots, hq, hkv, d, s_max;
     float scale;
@@ -80,6 +81,7 @@ typedef struct {
     int kv_type;          /* SEK_KV_* */
     int64_t window;       /* a sliding window, as sek_attn_args' (0: none) */
     float softcap;        /* soft-capped scores, as sek_attn_args' (0: none) */
+    int64_t rot;          /* the dims RoPE rotates, as sek_attn_args' */
 } sek_row_attn_args;
 /* out[r][i] = silu(y[r][i]) * y[r][f + i] for m rows of 2f values (sek_act.c) */
 void sek_swiglu(const float *y, int64_t m, int64_t f, float *out);

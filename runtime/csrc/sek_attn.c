@@ -40,9 +40,10 @@
 #define SEK_CHUNK 64
 #define SEK_Q_MAX 32 /* queries (row, head) per attention item, at most; and at most SEK_Q_MAX * 128 floats of them */
 
-/* x [d] rotated in place by position pos (rotate-half: pairs i, i + d/2). */
-static void rope(float *x, const float *cs, const float *sn, int64_t d) {
-    const int64_t h = d / 2;
+/* x's first r values rotated in place by the tables' row for its position (rotate-half: pairs i, i + r/2); the
+ * rest of the head (a partial rotary, r < d) pass through. */
+static void rope(float *x, const float *cs, const float *sn, int64_t r) {
+    const int64_t h = r / 2;
     for (int64_t i = 0; i < h; i++) {
         const float a = x[i], b = x[i + h], c = cs[i], s = sn[i];
         x[i] = a * c - b * s;
@@ -399,10 +400,10 @@ static void prefetch_rows(const void *cache, int type, int64_t row, int64_t n, i
 
 /* A new row's k (rotated by its position) and v into cache row `at` of kv head h. */
 static void kv_store(void *kc, void *vc, int type, int64_t at, const float *k, const float *v, const float *cs,
-                     const float *sn, int64_t d) {
+                     const float *sn, int64_t d, int64_t rot) {
     float r[512]; /* d <= 512 (checked by the callers) */
     memcpy(r, k, (size_t)d * sizeof(float));
-    rope(r, cs, sn, d);
+    rope(r, cs, sn, rot);
     kv_put(kc, type, at, d, r);
     kv_put(vc, type, at, d, v);
 }
@@ -415,7 +416,8 @@ void sek_attn_store(const sek_attn_args *a) {
         const float *row = a->qkv + t * w;
         for (int64_t h = 0; h < a->hkv; h++)
             kv_store(a->k_cache, a->v_cache, a->kv_type, h * a->s_max + pos, row + (a->hq + h) * a->d,
-                     row + (a->hq + a->hkv + h) * a->d, a->cos + pos * (a->d / 2), a->sin + pos * (a->d / 2), a->d);
+                     row + (a->hq + a->hkv + h) * a->d, a->cos + pos * (a->rot / 2), a->sin + pos * (a->rot / 2), a->d,
+                     a->rot);
     }
 }
 
@@ -753,7 +755,7 @@ void sek_attn_row(const sek_attn_args *a, int64_t item) {
     for (int64_t p = 0; p < nq; p++) { /* query p: row t0 + p / hs, head h0 + p % hs */
         const int64_t t = t0 + p / hs, h = h0 + p % hs, pos = a->past_len + t;
         memcpy(q + p * d, a->qkv + t * (a->hq + 2 * a->hkv) * d + h * d, (size_t)d * sizeof(float));
-        rope(q + p * d, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
+        rope(q + p * d, a->cos + pos * (a->rot / 2), a->sin + pos * (a->rot / 2), a->rot);
         n[p] = pos + 1;
         start[p] = window_start(a->window, pos);
         nmax = n[p] > nmax ? n[p] : nmax;
@@ -794,8 +796,8 @@ void sek_row_attn_store(const sek_row_attn_args *a) {
         const float *row = a->qkv + r * w;
         for (int64_t h = 0; h < a->hkv; h++)
             kv_store(a->k_cache, a->v_cache, a->kv_type, (slot * a->hkv + h) * a->s_max + at_row,
-                     row + (a->hq + h) * a->d, row + (a->hq + a->hkv + h) * a->d, a->cos + pos * (a->d / 2),
-                     a->sin + pos * (a->d / 2), a->d);
+                     row + (a->hq + h) * a->d, row + (a->hq + a->hkv + h) * a->d, a->cos + pos * (a->rot / 2),
+                     a->sin + pos * (a->rot / 2), a->d, a->rot);
     }
 }
 
@@ -847,7 +849,7 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
         int64_t root;
         const int64_t pos = row_position(a, r, tail + p * SEK_TREE_DEPTH, &root);
         memcpy(q + p * d, a->qkv + r * (a->hq + 2 * a->hkv) * d + (h0 + p % hs) * d, (size_t)d * sizeof(float));
-        rope(q + p * d, a->cos + pos * (d / 2), a->sin + pos * (d / 2), d);
+        rope(q + p * d, a->cos + pos * (a->rot / 2), a->sin + pos * (a->rot / 2), a->rot);
         n[p] = pos + 1;
         start[p] = window_start(a->window, pos);
         direct[p] = a->row_pos[root] + 1; /* rows 0 .. row_pos[root], then the tail */

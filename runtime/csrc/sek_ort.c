@@ -554,12 +554,12 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     if (in[0].nd != 3 || in[0].dims[0] != 1 || in[1].nd != 4 || in[1].dims[0] != 1 || in[2].nd != 4 || in[4].nd != 2 ||
         in[3].count != 1)
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: expects qkv [1, T, W] (got rank %lld), caches "
-                    "[1, kv_heads, S, d] (rank %lld), past_len [1], cos/sin [positions, d/2]", (long long)in[0].nd,
-                    (long long)in[1].nd);
+                    "[1, kv_heads, S, d] (rank %lld), past_len [1], cos/sin [positions, r/2], r <= d",
+                    (long long)in[0].nd, (long long)in[1].nd);
     const int64_t T = in[0].dims[1], S = in[1].dims[2], positions = in[4].dims[0];
     if (in[1].dims[1] != k->hkv || in[0].dims[2] != (k->hq + 2 * k->hkv) * d || d <= 0 || d % 2 || d > 512 ||
-        memcmp(in[2].dims, in[1].dims, 4 * sizeof(int64_t)) || in[4].dims[1] != d / 2 || in[5].nd != 2 ||
-        memcmp(in[5].dims, in[4].dims, 2 * sizeof(int64_t)))
+        memcmp(in[2].dims, in[1].dims, 4 * sizeof(int64_t)) || in[4].dims[1] < 1 || in[4].dims[1] > d / 2 ||
+        in[5].nd != 2 || memcmp(in[5].dims, in[4].dims, 2 * sizeof(int64_t)))
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: qkv width %lld or head dim %lld disagree with the "
                     "heads, the caches or the rotary tables", (long long)in[0].dims[2], (long long)d);
     const int64_t past_len = *(const int64_t *)in[3].data;
@@ -570,7 +570,7 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     TRY(attn_outputs(api, ctx, "SekAttention", T, k->hq * d, in, o));
     sek_attn_args a = {(const float *)in[0].data, o[1], o[2], (const float *)in[4].data, (const float *)in[5].data,
                        (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1, kv_type, k->window,
-                       k->softcap};
+                       k->softcap, 2 * in[4].dims[1]};
     if (T == 0) return NULL;
     const int64_t items = sek_attn_plan(T, k->hq, k->hkv, d, online_cpus(), &a.hs, &a.rs);
     sek_attn_store(&a);
@@ -707,11 +707,11 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
     const int64_t R = in[0].dims[1], N = in[1].dims[0], S = in[1].dims[2];
     const int64_t positions = in[5].dims[0];
     if (in[1].dims[1] != k->hkv || d <= 0 || d % 2 || d > 512 || in[0].dims[2] != (k->hq + 2 * k->hkv) * d ||
-        memcmp(in[2].dims, in[1].dims, 4 * sizeof(int64_t)) || in[5].dims[1] != d / 2 ||
+        memcmp(in[2].dims, in[1].dims, 4 * sizeof(int64_t)) || in[5].dims[1] < 1 || in[5].dims[1] > d / 2 ||
         memcmp(in[6].dims, in[5].dims, 2 * sizeof(int64_t)))
         return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: qkv width %lld, caches [%lld, %lld, %lld, %lld], "
                     "rotary tables [%lld, %lld]: with num_heads %lld and kv_num_heads %lld the caches are [N, %lld, S, "
-                    "d] alike, d even and at most 512, the width (%lld + 2 x %lld) d, the tables [positions, d/2]",
+                    "d] alike, d even and at most 512, the width (%lld + 2 x %lld) d, the tables [positions, r/2], r <= d",
                     (long long)in[0].dims[2], (long long)N, (long long)in[1].dims[1], (long long)S, (long long)d,
                     (long long)positions, (long long)in[5].dims[1], (long long)k->hq, (long long)k->hkv,
                     (long long)k->hkv, (long long)k->hq, (long long)k->hkv);
@@ -727,7 +727,7 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
     if (!chunk) return CreateStatus(api)(ORT_FAIL, "SekRowAttention: out of memory");
     sek_row_attn_args a = {(const float *)in[0].data, o[1], o[2], slot, pos, parent, (const float *)in[5].data,
                            (const float *)in[6].data, (float *)o[0], R, N, k->hq, k->hkv, d, S, k->scale, 1, chunk,
-                           kv_type, k->window, k->softcap};
+                           kv_type, k->window, k->softcap, 2 * in[5].dims[1]};
     const int64_t items = sek_row_attn_plan(slot, R, k->hq, k->hkv, d, online_cpus(), &a.hs, chunk);
     sek_row_attn_store(&a);
     OrtStatus *st = KernelContext_ParallelFor(api)(ctx, row_attn_item, (size_t)items, 0, &a);

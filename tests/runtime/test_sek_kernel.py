@@ -575,9 +575,10 @@ def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path)
 
 
 def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.FLOAT, window: int = 0,
-                     softcap: float = 0.0) -> bytes:
+                     softcap: float = 0.0, rot: int = 0) -> bytes:
     """One attention node; its caches (pk, pv and the presents) of element type kv (float, float16, or int8: rows of
-    d values and a 4-byte scale); a sliding window of `window` positions (0: none); soft-capped scores (0: none)."""
+    d values and a 4-byte scale); a sliding window of `window` positions (0: none); soft-capped scores (0: none);
+    rotary tables for the first `rot` dims of a head (0: all)."""
     F = TensorProto.FLOAT
     D = d + 4 if kv == TensorProto.INT8 else d
     if op == "SekAttention":
@@ -592,7 +593,8 @@ def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.F
                             scale=float(1 / np.sqrt(d)), **attrs)
     vi = helper.make_tensor_value_info
     inputs = [vi("qkv", F, [1, "T", (hq + 2 * hkv) * d]), vi("pk", kv, [1, hkv, "S", D]),
-              vi("pv", kv, [1, hkv, "S", D]), vi("cos", F, ["P", d // 2]), vi("sin", F, ["P", d // 2])]
+              vi("pv", kv, [1, hkv, "S", D]), vi("cos", F, ["P", (rot or d) // 2]),
+              vi("sin", F, ["P", (rot or d) // 2])]
     inputs += ([vi("past_len", TensorProto.INT64, [1])] if op == "SekAttention" else
                [vi("seqlens_k", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])])
     g = helper.make_graph([node], "g", inputs, [vi("out", F, None), vi("presk", kv, None), vi("presv", kv, None)])
@@ -719,6 +721,32 @@ def test_a_negative_window_is_refused():
         _session(_attention_model("SekAttention", 2, 1, 16, window=-3))
     with pytest.raises(Exception, match="softcap"):
         _session(_attention_model("SekAttention", 2, 1, 16, softcap=-1.0))
+
+
+@pytest.mark.parametrize("rot", [8, 16])
+def test_a_partial_rotary_turns_the_first_dims_and_matches(rot):
+    """Rotary tables for a head's first `rot` of its 32 dims (Phi-4-mini's partial rotary): the written keys keep
+    their other dims as they came, and SekAttention matches GroupQueryAttention (whose tables must be a multiple of 8
+    wide) and keeps every row's bits at width 1."""
+    hq, hkv, d, S, past, T = 6, 2, 32, 256, 150, 4
+    cache, _, _, qkv = _attention_case(np.random.default_rng(rot), hq, hkv, d, S, past, T)
+    ang = np.arange(S)[:, None] / (10000 ** (np.arange(rot // 2) / (rot // 2)))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    sek = _session(_attention_model("SekAttention", hq, hkv, d, rot=rot))
+    out, pk, pv = sek.run(None, {"qkv": qkv, "pk": cache[0].copy(), "pv": cache[1].copy(), "cos": cos, "sin": sin,
+                                 "past_len": np.array([past], np.int64)})
+    k_new = qkv[0, :, hq * d:(hq + hkv) * d].reshape(T, hkv, d).transpose(1, 0, 2)
+    assert np.array_equal(pk[0, :, past:past + T, rot:], k_new[:, :, rot:])
+    assert not np.allclose(pk[0, :, past + 1:past + T, :rot], k_new[:, 1:, :rot])
+    if rot % 16 == 0:
+        g = _session(_attention_model("GroupQueryAttention", hq, hkv, d, rot=rot)).run(
+            None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
+                   "seqlens_k": np.array([past + T - 1], np.int32), "total": np.array(past + T, np.int32)})[0]
+        assert np.abs(out - g).max() < 1e-5 * np.abs(g).max()
+    for t in range(T):
+        o = sek.run(None, {"qkv": qkv[:, t:t + 1], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
+                           "past_len": np.array([past + t], np.int64)})[0]
+        assert np.array_equal(o[0, 0], out[0, t]), t
 
 
 @pytest.mark.parametrize("window", [0, 40])

@@ -110,7 +110,7 @@ int main(void) {
                 layers[l] = (sek_attn_args){.qkv = qkv, .k_cache = kc + per * l, .v_cache = vc + per * l, .cos = cs,
                                             .sin = sn, .out = out, .t = t, .hq = hq, .hkv = hkv, .d = d,
                                             .s_max = s_max, .past_len = depth, .scale = 0.088f, .hs = hs, .rs = rs,
-                                            .kv_type = type};
+                                            .kv_type = type, .rot = d};
             double best = 1e30;
             for (int rep = 0; rep < 6; rep++) {
                 pthread_t th[64];
