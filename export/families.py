@@ -36,6 +36,8 @@ class Family:
     # the local layers' own RoPE base ({arch}.rope.freq_base_swa, rope_local_base_freq; else 10000): gemma3. Without
     # one (gemma2) they rotate as the global layers do
     local_rope_base: bool = False
+    # a GGUF's {arch}.attention.sliding_window (> 0) applies to every layer, as llama.cpp reads it (phi3)
+    gguf_window_all: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -70,7 +72,7 @@ FAMILIES: dict[str, Family] = {
         # Phi-3 / Phi-4-mini: fused q|k|v and gate|up projections (split at load), LongRoPE scaling, partial rotary
         Family("phi3", qkv_bias=False, gguf_permute_qk=False,
                hf_architectures=("Phi3ForCausalLM",), gguf_architectures=("phi3",),
-               default_tie_embeddings=False),
+               default_tie_embeddings=False, gguf_window_all=True),
         # SmolLM3: llama layers, some without RoPE (ModelConfig.rope_layers)
         Family("smollm3", qkv_bias=False, gguf_permute_qk=True,
                hf_architectures=("SmolLM3ForCausalLM",), gguf_architectures=("smollm3",),
@@ -195,7 +197,8 @@ class ModelConfig:
                                             f"{inv.size}")
             # transformers: 1 / (ext * base ** (2i / d)), in float32 (its ext_factors and powers are float32)
             shape = (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d))
-            return (np.float32(1.0) / (ext.astype(np.float32) * np.float32(self.rope_theta) ** shape)).astype(np.float32)
+            inv32 = np.float32(1.0) / (ext.astype(np.float32) * np.float32(self.rope_theta) ** shape)
+            return inv32.astype(np.float32)
         raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3, longrope are)")
 
 

@@ -9,6 +9,7 @@ files), so export never holds two copies of the model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import mmap
@@ -56,6 +57,53 @@ class WeightSource:
         return {"kind": self.kind, "path": str(self.path), **(self.meta or {})}
 
 
+# A fused projection's parts, by rows: q|k|v and gate|up, in that order (Phi-3's qkv_proj and gate_up_proj, llama.cpp's
+# attn_qkv and an ffn_up of 2F rows)
+def _fused_parts(d: ModelDims) -> dict[str, list[tuple[str, int, int]]]:
+    q, kv = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
+    return {"qkv": [("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)],
+            "gate_up": [("gate", 0, d.ffn), ("up", d.ffn, 2 * d.ffn)]}
+
+
+def split_fused(src: WeightSource) -> WeightSource:
+    """The source with each fused projection's parts under their own names (``l{i}.q`` ... ``l{i}.up``): rows of
+    the fused tensor, a GGUF's blocks as they are (a block never spans rows). The builder fuses q|k|v and gate|up
+    again itself, so nothing else knows a file held them fused."""
+    parts: dict[str, tuple[str, int, int]] = {}
+    fused = _fused_parts(src.config.dims)
+    for i in range(src.config.dims.n_layers):
+        for whole, pieces in fused.items():
+            name = f"l{i}.{whole}"
+            if name in src._names:
+                rows = src.shapes.get(name, (pieces[-1][2],))[0]
+                if rows != pieces[-1][2]:
+                    raise BundleError(f"{src.path}: fused tensor {name!r} has {rows} rows; the configuration's "
+                                      f"dimensions ({src.config.dims}) say {pieces[-1][2]}")
+                parts.update({f"l{i}.{p}": (name, a, b) for p, a, b in pieces})
+    if not parts:
+        return src
+    get0, raw0 = src._get, src._raw
+
+    def get(name: str) -> np.ndarray:
+        if name not in parts:
+            return get0(name)
+        whole, a, b = parts[name]
+        return get0(whole)[a:b]
+
+    def raw(name: str) -> tuple[str, np.ndarray] | None:
+        if name not in parts:
+            return raw0(name)
+        whole, a, b = parts[name]
+        r = raw0(whole)
+        return None if r is None else (r[0], r[1][a:b])
+
+    wholes = {w for w, _, _ in parts.values()}
+    shapes = {n: s for n, s in src.shapes.items() if n not in wholes}
+    shapes.update({n: (b - a, src.shapes[w][1]) for n, (w, a, b) in parts.items() if w in src.shapes})
+    return dataclasses.replace(src, _get=get, _names=frozenset((src._names - wholes) | set(parts)),
+                               _raw=raw if raw0 is not None else None, shapes=shapes)
+
+
 def load_source(path: str | Path) -> WeightSource:
     p = Path(path).expanduser()
     if not p.exists():
@@ -63,7 +111,7 @@ def load_source(path: str | Path) -> WeightSource:
     if not p.is_dir() and not (p.is_file() and p.suffix == ".gguf"):
         raise UnsupportedModelError(f"{p}: expected a Hugging Face model directory or a .gguf file")
     try:
-        src = load_hf_dir(p) if p.is_dir() else load_gguf(p)
+        src = split_fused(load_hf_dir(p) if p.is_dir() else load_gguf(p))
     except SpecEdgeError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, IndexError, UnicodeDecodeError,
@@ -125,6 +173,7 @@ _HF_LAYER = {
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "post_attention_layernorm.weight": "mlp_norm", "mlp.gate_proj.weight": "gate",
     "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+    "self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up",  # fused (phi3): split_fused
 }
 
 
@@ -209,6 +258,8 @@ def load_hf_dir(d: Path) -> WeightSource:
         rope_theta=float(cfg.get("rope_theta") or _hf_global_rope(cfg).get("rope_theta", 10000.0)),
         rope_scaling=_hf_rope_scaling(cfg), tie_embeddings=tie,
         max_positions=int(cfg.get("max_position_embeddings", 2048)),
+        rotary_dim=_rotary_dim(float(cfg.get("partial_rotary_factor") or _hf_global_rope(cfg).get(
+            "partial_rotary_factor", 1.0)), dims.head_dim),
         sliding_window=(cfg.get("sliding_window") if cfg.get("use_sliding_window", True)
                         and (not family.gemma or local_types) else None),
         **_hf_layer_quirks(cfg, family, dims.n_layers),
@@ -289,8 +340,24 @@ def _hf_global_rope(cfg: dict[str, Any]) -> dict[str, Any]:
     return rp.get("full_attention", rp) if isinstance(rp.get("full_attention"), dict) else rp
 
 
+def _rotary_dim(factor: float, head_dim: int) -> int | None:
+    """The dims RoPE rotates for a partial_rotary_factor (None: all of them)."""
+    r = int(head_dim * factor)
+    if r >= head_dim:
+        return None
+    if r < 2 or r % 2:
+        raise UnsupportedModelError(f"a partial rotary of {factor} x head_dim {head_dim} = {r} dims; an even number "
+                                    "of at least 2 is needed")
+    return r
+
+
 def _hf_rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
     sc = cfg.get("rope_scaling") or _hf_global_rope(cfg)
+    if sc and sc.get("rope_type", sc.get("type")) in ("longrope", "su"):  # phi3: its factors and trained context
+        return {"rope_type": "longrope", "short_factor": list(sc["short_factor"]),
+                "long_factor": list(sc["long_factor"]), "attention_factor": sc.get("attention_factor"),
+                "original_max_position_embeddings": int(sc.get("original_max_position_embeddings")
+                                                        or cfg["original_max_position_embeddings"])}
     if not sc:
         return None
     kind = sc.get("rope_type", sc.get("type", "default"))
@@ -305,6 +372,7 @@ _GGUF_LAYER = {
     "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
     "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_mlp_norm",
+    "attn_qkv.weight": "qkv",  # fused (phi3): split_fused
 }
 
 
@@ -350,6 +418,8 @@ def load_gguf(path: Path) -> WeightSource:
     family = family_for_gguf(arch)
     tensors = {t.name: t for t in reader.tensors}
     index = {c: tensors[n] for n in tensors if (c := _canonical_gguf(n)) is not None}
+    for name in [n for n in index if n.endswith(".up") and n[:-2] + "gate" not in index]:
+        index[name[:-2] + "gate_up"] = index.pop(name)  # an ffn_up without an ffn_gate holds gate|up (phi3)
     if "embed" not in index:
         raise BundleError(f"{path}: GGUF has no token_embd.weight")
     need = lambda key: _gguf_int(path, reader, f"{arch}.{key}")  # noqa: E731
@@ -366,7 +436,14 @@ def load_gguf(path: Path) -> WeightSource:
     )
     scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
     rope_scaling = None
-    if scaling_type and scaling_type not in ("none",):
+    if "rope_factors_long.weight" in tensors:  # phi3's LongRoPE: both factor sets, the trained context
+        rope_scaling = {"rope_type": "longrope",
+                        "short_factor": np.asarray(tensors["rope_factors_short.weight"].data, np.float64).tolist(),
+                        "long_factor": np.asarray(tensors["rope_factors_long.weight"].data, np.float64).tolist(),
+                        "attention_factor": gguf_field(reader, f"{arch}.rope.scaling.attn_factor"),
+                        "original_max_position_embeddings": _gguf_int(
+                            path, reader, f"{arch}.rope.scaling.original_context_length")}
+    elif scaling_type and scaling_type not in ("none",):
         if scaling_type != "linear":
             raise UnsupportedModelError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported")
         rope_scaling = {"rope_type": "linear", "factor": float(gguf_field(reader, f"{arch}.rope.scaling.factor"))}
@@ -376,6 +453,7 @@ def load_gguf(path: Path) -> WeightSource:
         rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling, tie_embeddings="lm_head" not in index,
         max_positions=int(gguf_field(reader, f"{arch}.context_length", 2048)),
+        rotary_dim=_gguf_rotary_dim(path, reader, arch, dims.head_dim),
         **_gguf_layer_quirks(path, reader, arch, family, dims.n_layers),
     )
     factors = None
@@ -406,6 +484,12 @@ def load_gguf(path: Path) -> WeightSource:
                         shapes={n: tuple(int(x) for x in reversed(t.shape)) for n, t in index.items()})
 
 
+def _gguf_rotary_dim(path: Path, reader: Any, arch: str, head_dim: int) -> int | None:
+    """{arch}.rope.dimension_count, where it is less than the head's dims (a partial rotary)."""
+    r = _gguf_int(path, reader, f"{arch}.rope.dimension_count", head_dim)
+    return _rotary_dim(r / head_dim, head_dim)
+
+
 def _gguf_layer_quirks(path: Path, reader: Any, arch: str, family: Family, n_layers: int) -> dict[str, Any]:
     """ModelConfig's multipliers and RoPE layers from GGUF metadata, under the keys llama.cpp's converter writes
     (``{arch}.embedding_scale``, ``.residual_scale``, ``.attention.scale``, ``.logit_scale``)."""
@@ -417,6 +501,8 @@ def _gguf_layer_quirks(path: Path, reader: Any, arch: str, family: Family, n_lay
             out[field_name] = float(v)  # check_source: finite and > 0
     if family.gguf_nope_every:
         out["rope_layers"] = tuple((i + 1) % family.gguf_nope_every != 0 for i in range(n_layers))
+    if family.gguf_window_all and gguf_field(reader, f"{arch}.attention.sliding_window"):  # phi3: every layer
+        out["sliding_window"] = int(gguf_field(reader, f"{arch}.attention.sliding_window"))
     if family.gemma:
         for key, field_name in SOFTCAP_KEYS:
             if gguf_field(reader, f"{arch}.{key}"):

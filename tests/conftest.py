@@ -57,6 +57,11 @@ FAMILY_EXTRAS = {
     "gemma2": {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 128, "pad_token_id": 0,
                "attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.0},
     "smollm3": {"pad_token_id": 0},  # every 4th layer without RoPE: the config's default, and llama.cpp's rule
+    # phi3 (Phi-4-mini's shape of layer): fused q|k|v and gate|up, RoPE on half of each head's 32 dims, LongRoPE
+    # trained at 32 positions, so that every graph here (S_max 96 and up) takes its long factors
+    # (the factors, one per rotated pair: make_hf_model)
+    "phi3": {"num_attention_heads": 2, "num_key_value_heads": 1, "partial_rotary_factor": 0.5, "pad_token_id": 0,
+             "original_max_position_embeddings": 32},
     "mistral": {},
 }
 
@@ -67,16 +72,23 @@ def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: in
     import transformers
 
     names = {"llama": "Llama", "llama3": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "granite": "Granite",
-             "smollm3": "SmolLM3", "gemma3": "Gemma3", "gemma2": "Gemma2", "mistral": "Mistral"}[family]
+             "smollm3": "SmolLM3", "gemma3": "Gemma3", "gemma2": "Gemma2", "mistral": "Mistral", "phi3": "Phi3"}[family]
     config_cls = getattr(transformers, f"{names}TextConfig" if family == "gemma3" else f"{names}Config")
     model_cls = getattr(transformers, f"{names}ForCausalLM")
     extras = {**FAMILY_EXTRAS[family], **config}  # config: the family's own keys overridden (a sliding window)
     torch.manual_seed(seed)
-    cfg = config_cls(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                     tie_word_embeddings=tie, initializer_range=init, bos_token_id=1, eos_token_id=2,
-                     # gemma3: its own two bases, 10^6 for the global layers and 10^4 for the local ones
-                     **({} if family == "gemma3" else {"rope_theta": 10000.0}), **extras)
+    base = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                tie_word_embeddings=tie, initializer_range=init, bos_token_id=1, eos_token_id=2,
+                # gemma3: its own two bases, 10^6 for the global layers and 10^4 for the local ones
+                **({} if family in ("gemma3", "phi3") else {"rope_theta": 10000.0}))
+    kw = {**base, **extras}
+    if family == "phi3":  # LongRoPE's short and long factors, one per rotated pair of a head's dims
+        pairs = int(hidden // kw["num_attention_heads"] * kw["partial_rotary_factor"]) // 2
+        kw["rope_scaling"] = {"rope_type": "longrope", "rope_theta": 10000.0,
+                              "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+                              "long_factor": [1.5 + 0.4 * i for i in range(pairs)]}
+    cfg = config_cls(**kw)
     model = model_cls(cfg).eval()
     with torch.no_grad():  # norm weights away from 1 (their init): a norm applied to the wrong values shows
         for name, p in model.named_parameters():
@@ -89,6 +101,9 @@ def make_hf_model(path: Path, family: str = "llama", layers: int = 2, hidden: in
         cfg_path = path / "tokenizer_config.json"
         tok_cfg = {**json.loads(cfg_path.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}
         cfg_path.write_text(json.dumps(tok_cfg))
+    if family == "phi3":  # llama.cpp's converter reads a Phi-3/4 vocabulary as GPT-2's BPE when the config says so
+        cfg_path = path / "tokenizer_config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
     return path
 
 

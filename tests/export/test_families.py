@@ -15,7 +15,7 @@ from ..llama_cpp import convert_hf_to_gguf, requantize_gguf
 
 torch = pytest.importorskip("torch")  # the reference side: not in the fast tier's venv
 
-FAMILIES = ("qwen3", "granite", "smollm3", "llama3", "gemma3", "gemma2")
+FAMILIES = ("qwen3", "granite", "smollm3", "llama3", "gemma3", "gemma2", "phi3")
 S_MAX = 96
 N_POS = 64
 
@@ -99,6 +99,10 @@ def test_each_family_s_quirks_are_read_from_both_sources(family_models):
         g2 = c["gemma2"]
         assert g2.local_layers == (True, False, True, False) and g2.sliding_window == 128 and not g2.family.qk_norm
         assert (g2.attn_softcap, g2.final_softcap) == (1.5, 2.0) and g2.local_rope_theta == g2.rope_theta
+        p3 = c["phi3"]
+        assert p3.rotary_dim == 16 and p3.rope_scaling["rope_type"] == "longrope" and p3.rope_mscale() > 1.0
+        assert p3.rope_scaling["original_max_position_embeddings"] == 32 and p3.inv_freq(None, 96).shape == (8,)
+        assert not np.array_equal(p3.inv_freq(None, 96), p3.inv_freq(None, 32))  # long factors past 32
         assert all(x.plain_layers() for x in (c["llama3"],)) and c["llama3"].tie_embeddings
     assert load_source(family_models["llama3"]["gguf"]).rope_freq_factors is not None  # llama3 RoPE, as ggml has it
     assert load_source(family_models["llama3"]["hf"]).config.rope_scaling["rope_type"] == "llama3"
