@@ -258,6 +258,12 @@ def _check_supported(role: str, src: WeightSource, opts: ExportOptions) -> None:
             f"{role} has head_dim {D}; ONNX Runtime's GroupQueryAttention (--kv-mode ort-inplace) needs a multiple "
             f"of 16: export for TensorRT with --kv-mode portable (--for datacenter-gpu; a CPU profile refuses it)")
     fmt = opts.weights if role == "target" else draft_format(opts)
+    R = src.config.rot_dim()
+    if opts.kv_mode == "ort-inplace" and not fmt.specedge and (R // 2) % 8:
+        raise UnsupportedModelError(
+            f"{role} rotates {R} of each head's {D} dims; ONNX Runtime's GroupQueryAttention (--kv-mode ort-inplace "
+            "outside the specedge form) takes rotary tables a multiple of 8 wide (a multiple of 16 rotated dims): "
+            "export in the specedge form (--quant-form specedge) or with --kv-mode portable")
     if fmt.intgemm_smooth and not src.config.plain_layers():
         raise UnsupportedModelError(
             f"--intgemm-smooth calibrates on a numpy forward pass of llama's layer; {role} is a "

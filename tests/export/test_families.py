@@ -218,3 +218,13 @@ def test_a_gguf_type_without_an_exact_form_is_named_where_it_is_re_quantized(fam
     q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "b", _opts(
         weights=WeightFormat("int4", form="specedge"))).out).manifest.target.quant
     assert q["requantized_gguf_types"] == ["MXFP4"] and q["requantized"] >= 4  # ffn_up of 4 layers
+
+
+def test_a_partial_rotary_onnx_runtime_s_attention_cannot_take_is_refused_with_the_way_out(family_drafts, tmp_path):
+    """The one-layer phi3 draft rotates 8 of its 16 dims: GroupQueryAttention's tables must be a multiple of 8 wide,
+    so its ort-inplace fp32 export is refused, naming the forms that take it."""
+    from specedge.export.bundle import export_bundle
+    from specedge.runtime.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="rotates 8 of each head's 16 dims.*specedge form"):
+        export_bundle(family_drafts["phi3"], "prompt-lookup", tmp_path / "b", _opts(kv_mode="ort-inplace"))
