@@ -365,9 +365,11 @@ class _Linears:
             return [self._quantize(weights, spec)]
         raws = [self.src.raw(p) for p in parts]
         packed = []
-        for _p, r in zip(parts, raws):
+        for part, r in zip(parts, raws):
             if r is not None and r[0] not in GGUF_REPACKABLE:
                 self.requantized_types.add(r[0])
+            elif r is None and part in self.src.float_types:  # a GGUF's F16 / BF16 matrix, quantized to this width
+                self.requantized_types.add(self.src.float_types[part])
             if self._carried(r, spec, exact_width):
                 packed.append(repack_gguf(*r))
                 # an 8-bit part in the integer-GEMM form is re-quantized per channel (_emit), not carried

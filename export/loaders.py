@@ -38,6 +38,7 @@ class WeightSource:
     meta: dict[str, Any] | None = None
     _raw: Callable[[str], tuple[str, np.ndarray]] | None = None
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # canonical name -> [out, in], unread
+    float_types: dict[str, str] = field(default_factory=dict)  # a GGUF's F16 / BF16 matrices: name -> type
 
     def raw(self, name: str) -> tuple[str, np.ndarray] | None:
         """(GGUF type name, uint8 rows [out, row bytes]) for a block-quantized GGUF tensor in the
@@ -100,8 +101,10 @@ def split_fused(src: WeightSource) -> WeightSource:
     wholes = {w for w, _, _ in parts.values()}
     shapes = {n: s for n, s in src.shapes.items() if n not in wholes}
     shapes.update({n: (b - a, src.shapes[w][1]) for n, (w, a, b) in parts.items() if w in src.shapes})
+    floats = {n: t for n, t in src.float_types.items() if n not in wholes}
+    floats.update({n: src.float_types[w] for n, (w, _, _) in parts.items() if w in src.float_types})
     return dataclasses.replace(src, _get=get, _names=frozenset((src._names - wholes) | set(parts)),
-                               _raw=raw if raw0 is not None else None, shapes=shapes)
+                               _raw=raw if raw0 is not None else None, shapes=shapes, float_types=floats)
 
 
 def load_source(path: str | Path) -> WeightSource:
@@ -481,6 +484,8 @@ def load_gguf(path: Path) -> WeightSource:
     types = sorted({t.tensor_type.name for t in reader.tensors})
     return WeightSource(config, path, "gguf", get, frozenset(index), rope_freq_factors=factors,
                         meta={"architecture": arch, "tensor_types": types}, _raw=raw,
+                        float_types={n: t.tensor_type.name for n, t in index.items()
+                                     if t.tensor_type.name in ("F16", "BF16") and len(t.shape) == 2},
                         shapes={n: tuple(int(x) for x in reversed(t.shape)) for n, t in index.items()})
 
 

@@ -598,3 +598,17 @@ def test_the_specedge_form_fuses_each_layers_bias_swiglu_and_residuals_into_its_
         plain = dec.generate(prompt, params, drafter="none").token_ids
         for k in (1, 4):
             assert dec.generate(prompt, params, drafter="prompt-lookup", k=k).token_ids == plain, (prompt, k)
+
+
+def test_a_gguf_s_f16_matrices_quantized_in_an_int4_bundle_are_named(tmp_path):
+    """F16 (and BF16) matrices are float weights: exact in an fp32 bundle, quantized in an int4 one, where the export
+    names their type beside the re-quantized block types."""
+    from ..conftest import make_hf_model
+
+    hf = make_hf_model(tmp_path / "hf", "llama")
+    gg = tmp_path / "m.gguf"
+    write_tiny_gguf(hf, gg, {**{name: Q.Q8_0 for name in ALL_LINEAR}, "ffn_up": Q.F16})
+    q = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "q", _opts("int4")).out).manifest.target.quant
+    assert q["requantized_gguf_types"] == ["F16"]
+    fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts("fp32")).out).manifest.target
+    assert not (fp32.quant or {}).get("requantized_gguf_types")
