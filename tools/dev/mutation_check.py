@@ -216,7 +216,10 @@ PLANTS = {
         "runtime/csrc/sek_attn.c", "(size_t)((slot * a->hkv + g) * a->s_max)", "(size_t)(g * a->s_max)",
         ["tests/runtime/test_sek_row_attention.py", "tests/export/test_rows_graph.py"]),
     "specedge attention: the new k rows stored without RoPE": (
-        "runtime/csrc/sek_attn.c", "    rope(r, cs, sn, d);\n", "", ["tests/runtime/test_sek_kernel.py"]),
+        "runtime/csrc/sek_attn.c", "    rope(r, cs, sn, rot);\n", "", ["tests/runtime/test_sek_kernel.py"]),
+    "partial rotary: a new key's last rotated pair left unturned": (
+        "runtime/csrc/sek_attn.c", "    rope(r, cs, sn, rot);\n", "    rope(r, cs, sn, rot < d ? rot - 2 : rot);\n",
+        ["tests/runtime/test_sek_kernel.py"]),
     "fp16 KV: a tie rounded up, not to even": (
         "runtime/csrc/sek_attn.c", "x += 0xc8000fffu + ((x >> 13) & 1u);", "x += 0xc8000fffu + 1u;",
         ["tests/runtime/test_sek_row_attention.py::test_an_fp16_cache_holds_each_new_row_rounded_to_nearest_even"]),
