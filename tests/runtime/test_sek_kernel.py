@@ -682,6 +682,22 @@ def _windowed_reference(qkv, pk, pv, cos, sin, hq: int, hkv: int, d: int, past: 
     return out
 
 
+def _gqa_run(model: bytes, qkv, cache, cos, sin, past: int) -> np.ndarray:
+    """ONNX Runtime's GroupQueryAttention over a step of qkv's rows at past_len `past`: its output."""
+    T = qkv.shape[1]
+    return _session(model).run(None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
+                                      "seqlens_k": np.array([past + T - 1], np.int32),
+                                      "total": np.array(past + T, np.int32)})[0]
+
+
+def _assert_rows_alone(sek, qkv, pk, pv, cos, sin, past: int, out) -> None:
+    """Each row of the step fed alone (width 1, over the caches the whole step wrote) has its bits in `out`."""
+    for t in range(qkv.shape[1]):
+        o = sek.run(None, {"qkv": qkv[:, t:t + 1], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
+                           "past_len": np.array([past + t], np.int64)})[0]
+        assert np.array_equal(o[0, 0], out[0, t]), t
+
+
 @pytest.mark.parametrize("window", [1, 16, 40, 64, 100, 500])
 def test_specedge_attention_with_a_sliding_window_matches_and_keeps_every_row(window):
     """A sliding window of W positions (a query at p attends to p - W + 1 .. p, as transformers' and llama.cpp's
@@ -691,7 +707,6 @@ def test_specedge_attention_with_a_sliding_window_matches_and_keeps_every_row(wi
     hq, hkv, d, S, past, T = 6, 2, 32, 256, 150, 7
     cache, cos, sin, qkv = _attention_case(np.random.default_rng(window), hq, hkv, d, S, past, T)
     sek = _session(_attention_model("SekAttention", hq, hkv, d, window=window))
-    gqa = _session(_attention_model("GroupQueryAttention", hq, hkv, d, window=window))
     out, pk, pv = sek.run(None, {"qkv": qkv, "pk": cache[0].copy(), "pv": cache[1].copy(), "cos": cos, "sin": sin,
                                  "past_len": np.array([past], np.int64)})
     ref = _windowed_reference(qkv, pk, pv, cos, sin, hq, hkv, d, past, window)
@@ -700,8 +715,7 @@ def test_specedge_attention_with_a_sliding_window_matches_and_keeps_every_row(wi
         None, {"qkv": qkv, "pk": cache[0].copy(), "pv": cache[1].copy(), "cos": cos, "sin": sin,
                "past_len": np.array([past], np.int64)})[0]
     assert (np.abs(full - out).max() > 1e-3) == (window < past)  # the window changes what the rows attend to
-    g = gqa.run(None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
-                       "seqlens_k": np.array([past + T - 1], np.int32), "total": np.array(past + T, np.int32)})[0]
+    g = _gqa_run(_attention_model("GroupQueryAttention", hq, hkv, d, window=window), qkv, cache, cos, sin, past)
     assert np.abs(out - g).max() < 1e-5 * np.abs(g).max()
     for start, width in [(t, 1) for t in range(T)] + [(1, 3), (2, 5)]:
         o = sek.run(None, {"qkv": qkv[:, start:start + width], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
@@ -739,14 +753,9 @@ def test_a_partial_rotary_turns_the_first_dims_and_matches(rot):
     assert np.array_equal(pk[0, :, past:past + T, rot:], k_new[:, :, rot:])
     assert not np.allclose(pk[0, :, past + 1:past + T, :rot], k_new[:, 1:, :rot])
     if rot % 16 == 0:
-        g = _session(_attention_model("GroupQueryAttention", hq, hkv, d, rot=rot)).run(
-            None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
-                   "seqlens_k": np.array([past + T - 1], np.int32), "total": np.array(past + T, np.int32)})[0]
+        g = _gqa_run(_attention_model("GroupQueryAttention", hq, hkv, d, rot=rot), qkv, cache, cos, sin, past)
         assert np.abs(out - g).max() < 1e-5 * np.abs(g).max()
-    for t in range(T):
-        o = sek.run(None, {"qkv": qkv[:, t:t + 1], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
-                           "past_len": np.array([past + t], np.int64)})[0]
-        assert np.array_equal(o[0, 0], out[0, t]), t
+    _assert_rows_alone(sek, qkv, pk, pv, cos, sin, past, out)
 
 
 @pytest.mark.parametrize("window", [0, 40])
@@ -763,14 +772,10 @@ def test_soft_capped_scores_match_and_keep_every_row(window):
     assert np.abs(out[0] - ref).max() < 1e-5 * np.abs(ref).max()
     uncapped = _windowed_reference(qkv, pk, pv, cos, sin, hq, hkv, d, past, window)
     assert np.abs(uncapped - ref).max() > 1e-2 * np.abs(ref).max()  # the cap matters at this scale
-    g = _session(_attention_model("GroupQueryAttention", hq, hkv, d, window=window, softcap=1.5)).run(
-        None, {"qkv": qkv, "pk": cache[0], "pv": cache[1], "cos": cos, "sin": sin,
-               "seqlens_k": np.array([past + T - 1], np.int32), "total": np.array(past + T, np.int32)})[0]
+    g = _gqa_run(_attention_model("GroupQueryAttention", hq, hkv, d, window=window, softcap=1.5), qkv, cache, cos,
+                 sin, past)
     assert np.abs(out - g).max() < 1e-5 * np.abs(g).max()
-    for t in range(T):
-        o = sek.run(None, {"qkv": qkv[:, t:t + 1], "pk": pk, "pv": pv, "cos": cos, "sin": sin,
-                           "past_len": np.array([past + t], np.int64)})[0]
-        assert np.array_equal(o[0, 0], out[0, t]), t
+    _assert_rows_alone(sek, qkv, pk, pv, cos, sin, past, out)
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build needs an x86 CPU")
