@@ -9,14 +9,12 @@
  * inside a wider step. ONNX Runtime's GroupQueryAttention computes a lone row by other kernels (a difference of
  * ~1e-6, measured), so the specedge form brings its own attention to let plain decoding run width 1 exactly.
  *
- * Speed: a step is split into items of several queries (rows x query heads of one KV group, sek_attn_plan), which
- * take the cache SEK_SUB rows at a time in turn, so each K and V row comes from memory once per item rather than
- * once per query head; the value sums stay in registers across a chunk's rows (pv_slice). Measured on Qwen2.5-
- * Coder-1.5B at 1,900 positions (AVX512 EPYC, 2 threads; docs/benchmarks.md): a 9-row step 98-106 ms against
- * 109-120 before. A query's scores are taken four keys at a time (dot4: its vector loaded once for the four, their
- * reduction trees sharing shuffles), and two queries with the same rows of a chunk take the value rows together
- * (pv_chunk2): each score and each sum keeps the bits it has alone. A 64-row step at 1,024 positions still runs at
- * about a third of the fp32 FMA rate (one thread: 5.5 ms a layer, 208 M multiply-adds).
+ * Speed: a step is split into items of several queries (rows x query heads of one KV group, sek_attn_plan), and the
+ * queries of an item that read the same rows of a chunk (the heads of one row) form tiles of up to SEK_QH: each K
+ * and V vector is loaded and converted from the cache's type once for the whole tile, four keys' scores per query
+ * and a slice of each query's value sums stay in registers (qk_tile, pv_slice), and each query's softmax runs over
+ * fixed 64-slot trees (softmax_chunk). A query's operations never depend on what else its tile or item holds, so
+ * the plan is free to follow the step's width. What it costs at depth: tools/dev/attn_bench.c, docs/benchmarks.md.
  *
  * A row-addressed step (sek_row_attn_*) carries rows of several sequences, each naming its sequence's KV slot and its
  * position: the same per-query arithmetic over that slot's cache, in items that each hold queries of one row, so a
@@ -51,146 +49,131 @@ static void rope(float *x, const float *cs, const float *sn, int64_t r) {
     }
 }
 
-/* The lane sums of a . b: two accumulators over alternate 16-lane chunks (AVX-512; the last odd chunk to the
- * first), one over 8-lane chunks (AVX2), two over 4-lane chunks (NEON). */
+/* ---- vectors: 16 fp32 lanes (AVX-512), 8 (AVX2), 4 (NEON), or one (any other machine) ---- */
 #if defined(__AVX512F__)
-static inline __attribute__((always_inline)) __m512 lanes512(const float *a, const float *b, int64_t d) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= d; i += 32) {
-        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
-    }
-    if (i < d) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-    return _mm512_add_ps(s0, s1);
-}
+#define SEK_VW 16
+#define SEK_QH 6 /* queries a tile holds: 4 keys' scores or 4 value vectors each in registers, with 4 rows' vectors */
+typedef __m512 sek_vec;
+#define VZERO _mm512_setzero_ps
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VMUL _mm512_mul_ps
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VMAX _mm512_max_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SEK_VW 8
+#define SEK_QH 2 /* 16 ymm registers: 2 x 4 sums, 4 rows' vectors, a query's vector */
+typedef __m256 sek_vec;
+#define VZERO _mm256_setzero_ps
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMUL _mm256_mul_ps
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMAX _mm256_max_ps
+#elif defined(SEK_ATTN_NEON)
+#define SEK_VW 4
+#define SEK_QH 6 /* 32 q registers, as AVX-512's 32 */
+typedef float32x4_t sek_vec;
+#define VZERO() vdupq_n_f32(0.f)
+#define VLOAD vld1q_f32
+#define VSTORE vst1q_f32
+#define VSET1 vdupq_n_f32
+#define VFMA(a, b, c) vfmaq_f32(c, a, b)
+#define VMUL vmulq_f32
+#define VADD vaddq_f32
+#define VSUB vsubq_f32
+#define VMAX vmaxq_f32
+#else
+#define SEK_VW 1
+#define SEK_QH 6
+typedef float sek_vec;
+#define VZERO() 0.f
+#define VLOAD(p) (*(p))
+#define VSTORE(p, v) (*(p) = (v))
+#define VSET1(x) (x)
+#define VFMA(a, b, c) fmaf(a, b, c)
+#define VMUL(a, b) ((a) * (b))
+#define VADD(a, b) ((a) + (b))
+#define VSUB(a, b) ((a) - (b))
+#define VMAX(a, b) ((a) > (b) ? (a) : (b))
+#endif
 
-/* A vector's 16 lanes summed as a tree: i + (i + 8), then i + (i + 4), i + (i + 2), 0 + 1 (GCC's
- * _mm512_reduce_add_ps, written out so that every compiler adds in this order and dot4's shared trees match it). */
-static inline __attribute__((always_inline)) float hsum512(__m512 u) {
+/* A vector's lanes summed as a fixed tree: i + (i + 8) (AVX-512), i + (i + 4), i + (i + 2), 0 + 1. */
+static inline __attribute__((always_inline)) float vsum(sek_vec u) {
+#if SEK_VW == 16
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1));
     const __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(u), hi);
     const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
     const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
     return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-static inline __attribute__((always_inline)) __m256 lanes256(const float *a, const float *b, int64_t d) {
-    __m256 s0 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    return s0;
-}
-
-/* 8 lanes as a tree: i + (i + 4), then i + (i + 2), 0 + 1. */
-static inline __attribute__((always_inline)) float hsum256(__m256 u) {
+#elif SEK_VW == 8
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+#elif SEK_VW == 4
+    return vaddvq_f32(u);
+#else
+    return u;
 #endif
-
-static float dot(const float *a, const float *b, int64_t d) {
-#if defined(__AVX512F__)
-    if (d % 16 == 0) return hsum512(lanes512(a, b, d));
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (d % 8 == 0) return hsum256(lanes256(a, b, d));
-#elif defined(SEK_ATTN_NEON)
-    if (d % 8 == 0) {
-        float32x4_t s0 = vdupq_n_f32(0.f), s1 = vdupq_n_f32(0.f);
-        for (int64_t i = 0; i < d; i += 8) {
-            s0 = vfmaq_f32(s0, vld1q_f32(a + i), vld1q_f32(b + i));
-            s1 = vfmaq_f32(s1, vld1q_f32(a + i + 4), vld1q_f32(b + i + 4));
-        }
-        return vaddvq_f32(vaddq_f32(s0, s1));
-    }
-#endif
-    float s = 0.f;
-    for (int64_t i = 0; i < d; i++) s = fmaf(a[i], b[i], s);
-    return s;
 }
 
-/* out[0..3] = dot(a, b + c d) for the four rows c of b: each exactly dot()'s value (the same lane sums, the same
- * reduction tree), the four trees' shuffles shared, so a key's score has the same bits scored alone or in a four. */
-static void dot4(const float *a, const float *b, int64_t d, float out[4]) {
-#if defined(__AVX512F__)
-    if (d % 16 == 0) {
-        /* lanes512's sums for the four keys, interleaved: each chunk of a loaded once for all four */
-        __m512 s0[4], s1[4];
-        for (int c = 0; c < 4; c++) s0[c] = s1[c] = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 32 <= d; i += 32) {
-            const __m512 x0 = _mm512_loadu_ps(a + i), x1 = _mm512_loadu_ps(a + i + 16);
-            for (int c = 0; c < 4; c++) {
-                s0[c] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(b + c * d + i), s0[c]);
-                s1[c] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(b + c * d + i + 16), s1[c]);
-            }
-        }
-        if (i < d) {
-            const __m512 x0 = _mm512_loadu_ps(a + i);
-            for (int c = 0; c < 4; c++) s0[c] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(b + c * d + i), s0[c]);
-        }
-        const __m512 u0 = _mm512_add_ps(s0[0], s1[0]), u1 = _mm512_add_ps(s0[1], s1[1]),
-                     u2 = _mm512_add_ps(s0[2], s1[2]), u3 = _mm512_add_ps(s0[3], s1[3]);
-        /* 128-bit blocks: [u0 lanes 0-7 + 8-15 | u1's], [u2's | u3's]: each key's i + (i + 8) */
-        const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x44), _mm512_shuffle_f32x4(u0, u1, 0xEE));
-        const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, 0x44), _mm512_shuffle_f32x4(u2, u3, 0xEE));
-        /* block k: key k's i + (i + 4) */
-        const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xDD));
-        const __m512 e = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));          /* lanes 0, 1: i + (i + 2) */
-        const __m512 f = _mm512_add_ps(e, _mm512_permute_ps(e, 0xB1));          /* lane 0: 0 + 1 */
-        _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0,
-                                                                                          0, 0, 0, 0, 0, 0), f)));
-        return;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (d % 8 == 0) {
-        __m256 u[4];
-        for (int c = 0; c < 4; c++) u[c] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8) { /* lanes256's sums for the four keys, each chunk of a loaded once */
-            const __m256 x = _mm256_loadu_ps(a + i);
-            for (int c = 0; c < 4; c++) u[c] = _mm256_fmadd_ps(x, _mm256_loadu_ps(b + c * d + i), u[c]);
-        }
-        const __m256 u0 = u[0], u1 = u[1], u2 = u[2], u3 = u[3];
-        /* halves: [u0's i + (i + 4) | u1's], [u2's | u3's] */
-        const __m256 v01 = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-        const __m256 v23 = _mm256_add_ps(_mm256_permute2f128_ps(u2, u3, 0x20), _mm256_permute2f128_ps(u2, u3, 0x31));
-        const __m256 e01 = _mm256_add_ps(v01, _mm256_permute_ps(v01, 0x4E)),
-                     e23 = _mm256_add_ps(v23, _mm256_permute_ps(v23, 0x4E));
-        const __m256 f01 = _mm256_add_ps(e01, _mm256_permute_ps(e01, 0xB1)),
-                     f23 = _mm256_add_ps(e23, _mm256_permute_ps(e23, 0xB1));
-        /* lane 0 of each half holds a key's score: u0, u1 (f01), u2, u3 (f23); g = [f01.0, f01.0, f23.0, f23.0 |
-         * f01.4, f01.4, f23.4, f23.4] */
-        const __m256 g = _mm256_shuffle_ps(f01, f23, 0x00);
-        const __m128 lo = _mm256_castps256_ps128(g), hi = _mm256_extractf128_ps(g, 1);
-        _mm_storeu_ps(out, _mm_shuffle_ps(_mm_unpacklo_ps(lo, hi), _mm_unpackhi_ps(lo, hi), 0x44));
-        return;
-    }
+/* The largest of a vector's lanes (exact whatever the order). */
+static inline __attribute__((always_inline)) float vmaxl(sek_vec u) {
+#if SEK_VW == 16
+    return _mm512_reduce_max_ps(u);
+#elif SEK_VW == 8
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+#elif SEK_VW == 4
+    return vmaxvq_f32(u);
+#else
+    return u;
 #endif
-    for (int c = 0; c < 4; c++) out[c] = dot(a, b + c * d, d);
 }
 
-/* acc[d] = acc * alpha + p * v (alpha applied first); vectorized where d allows, same order per element. */
-static void axpby(float *acc, float alpha, float p, const float *v, int64_t d) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 va = _mm512_set1_ps(alpha), vp = _mm512_set1_ps(p);
-    for (; i + 16 <= d; i += 16)
-        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + i), _mm512_mul_ps(_mm512_loadu_ps(acc + i), va)));
-#elif defined(__AVX2__) && defined(__FMA__)
-    const __m256 va = _mm256_set1_ps(alpha), vp = _mm256_set1_ps(p);
-    for (; i + 8 <= d; i += 8)
-        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + i), _mm256_mul_ps(_mm256_loadu_ps(acc + i), va)));
-#elif defined(SEK_ATTN_NEON)
-    for (; i + 4 <= d; i += 4)
-        vst1q_f32(acc + i, vfmaq_n_f32(vmulq_n_f32(vld1q_f32(acc + i), alpha), vld1q_f32(v + i), p));
+/* out[c] = the lane sum of u[c] for four vectors at once, each by vsum's tree (the four trees' shuffles shared), so
+ * a key's score has the same bits whichever keys share its pass. */
+static inline __attribute__((always_inline)) void sum4(const sek_vec *u, float out[4]) {
+#if SEK_VW == 16
+    /* 128-bit blocks: [u0 lanes 0-7 + 8-15 | u1's], [u2's | u3's]: each key's i + (i + 8) */
+    const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    /* block k: key k's i + (i + 4) */
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xDD));
+    const __m512 e = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E)); /* lanes 0, 1: i + (i + 2) */
+    const __m512 f = _mm512_add_ps(e, _mm512_permute_ps(e, 0xB1)); /* lane 0: 0 + 1 */
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0,
+                                                                                      0, 0, 0, 0, 0), f)));
+#elif SEK_VW == 8
+    /* halves: [u0's i + (i + 4) | u1's], [u2's | u3's] */
+    const __m256 v01 = _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+    const __m256 v23 = _mm256_add_ps(_mm256_permute2f128_ps(u[2], u[3], 0x20), _mm256_permute2f128_ps(u[2], u[3], 0x31));
+    const __m256 e01 = _mm256_add_ps(v01, _mm256_permute_ps(v01, 0x4E)),
+                 e23 = _mm256_add_ps(v23, _mm256_permute_ps(v23, 0x4E));
+    const __m256 f01 = _mm256_add_ps(e01, _mm256_permute_ps(e01, 0xB1)),
+                 f23 = _mm256_add_ps(e23, _mm256_permute_ps(e23, 0xB1));
+    /* lane 0 of each half holds a key's score: u0, u1 (f01), u2, u3 (f23) */
+    const __m256 g = _mm256_shuffle_ps(f01, f23, 0x00);
+    const __m128 lo = _mm256_castps256_ps128(g), hi = _mm256_extractf128_ps(g, 1);
+    _mm_storeu_ps(out, _mm_shuffle_ps(_mm_unpacklo_ps(lo, hi), _mm_unpackhi_ps(lo, hi), 0x44));
+#elif SEK_VW == 4
+    vst1q_f32(out, vpaddq_f32(vpaddq_f32(u[0], u[1]), vpaddq_f32(u[2], u[3]))); /* (0 + 1) + (2 + 3), as vaddvq */
+#else
+    for (int c = 0; c < 4; c++) out[c] = u[c];
 #endif
-    for (; i < d; i++) acc[i] = fmaf(p, v[i], acc[i] * alpha);
 }
 
 /* p[j] = exp(x[j]) for j < n (x <= 0 here: scores minus their running maximum). Vectorized with a Cephes-style
  * range reduction and degree-6 polynomial (~2 ulp) where AVX512, AVX2 or NEON is available, libm's expf otherwise: the
  * same function for every row on a machine, so rows stay width-invariant. */
-static void exp_block(const float *x, float *p, int64_t n) {
+static __attribute__((noipa)) void exp_block(const float *x, float *p, int64_t n) {
     int64_t j = 0;
 #if defined(__AVX512F__)
     const __m512 lo = _mm512_set1_ps(-87.0f), log2e = _mm512_set1_ps(1.44269504088896341f),
@@ -337,65 +320,12 @@ static void kv_put(void *cache, int type, int64_t row, int64_t d, const float *x
     }
 }
 
-/* One int8 row as fp32: q[i] * scale, the same product on every path. */
-static void i8_row(const int8_t *q, int64_t d, float *out) {
-    float s;
-    memcpy(&s, q + d, sizeof s);
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 vs = _mm512_set1_ps(s);
-    for (; i + 16 <= d; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                    _mm_loadu_si128((const __m128i *)(q + i)))), vs));
-#elif defined(__AVX2__)
-    const __m256 vs = _mm256_set1_ps(s);
-    for (; i + 8 <= d; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                    _mm_loadl_epi64((const __m128i *)(q + i)))), vs));
-#elif defined(SEK_ATTN_NEON)
-    const float32x4_t vs = vdupq_n_f32(s);
-    for (; i + 8 <= d; i += 8) {
-        const int16x8_t w = vmovl_s8(vld1_s8(q + i));
-        vst1q_f32(out + i, vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vs));
-        vst1q_f32(out + i + 4, vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))), vs));
-    }
-#endif
-    for (; i < d; i++) out[i] = (float)q[i] * s;
-}
-
-/* n cache rows from `row` as fp32: the cache itself (fp32), else converted into buf [n][d] (fp16 exactly: every fp16
- * is an fp32; int8 as q * scale), so the arithmetic after it never knows which type the cache holds. */
-static const float *kv_rows(const void *cache, int type, int64_t row, int64_t n, int64_t d, float *buf) {
-    if (type == SEK_KV_F32) return (const float *)cache + row * d;
-    if (type == SEK_KV_I8) {
-        const size_t rb = sek_kv_row_bytes(type, d);
-        for (int64_t j = 0; j < n; j++) i8_row((const int8_t *)cache + (size_t)(row + j) * rb, d, buf + j * d);
-        return buf;
-    }
-    const uint16_t *h = (const uint16_t *)cache + row * d;
-    const int64_t len = n * d;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= len; i += 16) _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
-#elif defined(__F16C__)
-    for (; i + 8 <= len; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#elif defined(SEK_ATTN_NEON)
-    for (; i + 4 <= len; i += 4) vst1q_f32(buf + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
-#endif
-    for (; i < len; i++) buf[i] = sek_f16_to_f32(h[i]);
-    return buf;
-}
-
-/* Asks for n cache rows from `row` into L2 (those of the next chunk, a SEK_SUB block at a time as this chunk's are
- * read), so the memory delivers them while this chunk's arithmetic runs rather than after it. A prefetch never
- * reads past `end` (the rows the item reads). Measured on Zen 4 (tools/dev/attn_bench.c, depth 8,192): 5-10 %
- * off the step's attention; into L1 instead (locality 3) it is 20 % slower. */
-static void prefetch_rows(const void *cache, int type, int64_t row, int64_t n, int64_t end_row, int64_t d) {
-    if (row + n > end_row) n = end_row - row;
-    if (n <= 0) return;
-    const size_t rb = sek_kv_row_bytes(type, d);
-    const char *p = (const char *)cache + (size_t)row * rb, *end = p + (size_t)n * rb;
-    for (; p < end; p += 64) __builtin_prefetch(p, 0, 2);
+/* Asks for rows j .. j+n-1 from pf (rb bytes a row; none if pf is NULL) into L2: the next chunk's, a few rows as
+ * each of this chunk's is read, so the memory delivers them while this chunk's arithmetic runs rather than after it.
+ * Into L1 instead (locality 3) measured slower on Zen 4 (tools/dev/attn_bench.c, depth 8,192). */
+static inline __attribute__((always_inline)) void prefetch(const char *pf, int64_t j, int64_t n, size_t rb) {
+    if (!pf) return;
+    for (const char *p = pf + (size_t)j * rb, *e = p + (size_t)n * rb; p < e; p += 64) __builtin_prefetch(p, 0, 2);
 }
 
 /* A new row's k (rotated by its position) and v into cache row `at` of kv head h. */
@@ -421,221 +351,230 @@ void sek_attn_store(const sek_attn_args *a) {
     }
 }
 
-/* acc[d] = the chunk's axpby sequence (acc * alpha + p[0] v[0], then + p[j] v[j] for each later row j), with the
- * accumulator held in registers across the chunk where the head dimension allows: per element the same fma's in
- * the same order as axpby (whose acc * 1 after the first row is acc itself), without storing and reloading acc at
- * every cache row. */
-#if defined(__AVX512F__)
-#define SEK_VW 16
-typedef __m512 sek_vec;
-#define VLOAD _mm512_loadu_ps
-#define VSTORE _mm512_storeu_ps
-#define VSET1 _mm512_set1_ps
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VMUL _mm512_mul_ps
-#elif defined(__AVX2__) && defined(__FMA__)
-#define SEK_VW 8
-typedef __m256 sek_vec;
-#define VLOAD _mm256_loadu_ps
-#define VSTORE _mm256_storeu_ps
-#define VSET1 _mm256_set1_ps
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VMUL _mm256_mul_ps
-#elif defined(SEK_ATTN_NEON)
-#define SEK_VW 4
-typedef float32x4_t sek_vec;
-#define VLOAD vld1q_f32
-#define VSTORE vst1q_f32
-#define VSET1 vdupq_n_f32
-#define VFMA(a, b, c) vfmaq_f32(c, a, b)
-#define VMUL vmulq_f32
-#endif
+/* ---- one chunk of the online softmax, for a tile of queries with the same rows ---- */
 
-#ifdef SEK_VW
-#define SEK_PV_SLICE 8 /* vectors of acc held at once */
-static inline __attribute__((always_inline)) void pv_slice(float *acc, const float *v, const float *p, int64_t cn,
-                                                          float alpha, int64_t d, const int nv) {
-    sek_vec a[SEK_PV_SLICE];
-    for (int k = 0; k < nv; k++) a[k] = VMUL(VLOAD(acc + k * SEK_VW), VSET1(alpha));
-    for (int64_t j = 0; j < cn; j++) {
-        const sek_vec pj = VSET1(p[j]);
-        for (int k = 0; k < nv; k++) a[k] = VFMA(pj, VLOAD(v + j * d + k * SEK_VW), a[k]);
-    }
-    for (int k = 0; k < nv; k++) VSTORE(acc + k * SEK_VW, a[k]);
+/* An int8 row's scale (sek.h: its fp32 after the d levels). */
+static inline float i8_scale(const char *row, int64_t d) {
+    float s;
+    memcpy(&s, row + d, sizeof s);
+    return s;
 }
-#endif
 
-#ifdef SEK_VW
-/* pv_slice for two queries over the same value rows: each row's vectors loaded once for both, each query's
- * accumulators updated exactly as pv_slice updates them. */
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#define SEK_PV_SLICE2 4 /* 16 ymm registers: 2 x 4 accumulators, a row's vector, 2 broadcasts */
+/* SEK_VW elements of a cache row (d elements) from element i as fp32: fp32 as it is, fp16 exactly (every fp16 is an
+ * fp32), int8 as q * scale, the same product on every path; so a cache of any type is read as the fp32 values it
+ * holds. type is a constant wherever this is inlined. */
+static inline __attribute__((always_inline)) sek_vec kv_vec(const char *row, const int type, int64_t i, int64_t d) {
+    if (type == SEK_KV_F16) {
+        const uint16_t *h = (const uint16_t *)row + i;
+#if SEK_VW == 16
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif SEK_VW == 8 && defined(__F16C__)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#elif SEK_VW == 4
+        return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h)));
 #else
-#define SEK_PV_SLICE2 8
+        float t[SEK_VW];
+        for (int k = 0; k < SEK_VW; k++) t[k] = sek_f16_to_f32(h[k]);
+        return VLOAD(t);
 #endif
-static inline __attribute__((always_inline)) void pv_slice2(float *acc0, float *acc1, const float *v, const float *p0,
-                                                           const float *p1, int64_t cn, float alpha0, float alpha1,
-                                                           int64_t d, const int nv) {
-    sek_vec a0[SEK_PV_SLICE], a1[SEK_PV_SLICE]; /* nv <= 7 at every call (the rest of a head) or SEK_PV_SLICE2 */
-    for (int k = 0; k < nv; k++) {
-        a0[k] = VMUL(VLOAD(acc0 + k * SEK_VW), VSET1(alpha0));
-        a1[k] = VMUL(VLOAD(acc1 + k * SEK_VW), VSET1(alpha1));
     }
-    for (int64_t j = 0; j < cn; j++) {
-        const sek_vec q0 = VSET1(p0[j]), q1 = VSET1(p1[j]);
-        for (int k = 0; k < nv; k++) {
-            const sek_vec x = VLOAD(v + j * d + k * SEK_VW);
-            a0[k] = VFMA(q0, x, a0[k]);
-            a1[k] = VFMA(q1, x, a1[k]);
-        }
+    if (type == SEK_KV_I8) {
+        const int8_t *q = (const int8_t *)row + i;
+        const sek_vec sc = VSET1(i8_scale(row, d));
+#if SEK_VW == 16
+        return VMUL(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), sc);
+#elif SEK_VW == 8
+        return VMUL(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), sc);
+#elif SEK_VW == 4 /* 8 bytes read, 4 used: at the row's last 4 levels the other 4 are its scale's */
+        return VMUL(vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(q))))), sc);
+#else
+        return (float)q[0] * sc;
+#endif
     }
-    for (int k = 0; k < nv; k++) {
-        VSTORE(acc0 + k * SEK_VW, a0[k]);
-        VSTORE(acc1 + k * SEK_VW, a1[k]);
-    }
+    return VLOAD((const float *)row + i);
 }
-#endif
 
-static void pv_chunk(float *acc, const float *v, const float *p, int64_t cn, float alpha, int64_t d) {
-#ifdef SEK_VW
-    if (d % SEK_VW == 0) {
-        int64_t i = 0;
-        for (; i + SEK_PV_SLICE * SEK_VW <= d; i += SEK_PV_SLICE * SEK_VW)
-            pv_slice(acc + i, v + i, p, cn, alpha, d, SEK_PV_SLICE);
-        if (i < d) {
-            const int nv = (int)((d - i) / SEK_VW);
-            switch (nv) {
-            case 1: pv_slice(acc + i, v + i, p, cn, alpha, d, 1); break;
-            case 2: pv_slice(acc + i, v + i, p, cn, alpha, d, 2); break;
-            case 3: pv_slice(acc + i, v + i, p, cn, alpha, d, 3); break;
-            case 4: pv_slice(acc + i, v + i, p, cn, alpha, d, 4); break;
-            case 5: pv_slice(acc + i, v + i, p, cn, alpha, d, 5); break;
-            case 6: pv_slice(acc + i, v + i, p, cn, alpha, d, 6); break;
-            default: pv_slice(acc + i, v + i, p, cn, alpha, d, 7); break;
+/* Element i of a cache row as kv_vec has it. */
+static inline __attribute__((always_inline)) float kv_elem(const char *row, const int type, int64_t i, int64_t d) {
+    if (type == SEK_KV_F16) return sek_f16_to_f32(((const uint16_t *)row)[i]);
+    if (type == SEK_KV_I8) return (float)((const int8_t *)row)[i] * i8_scale(row, d);
+    return ((const float *)row)[i];
+}
+
+#define SEK_NK 4 /* keys a score pass takes at once */
+#define SEK_NV 4 /* value vectors a pass over the rows holds per query */
+
+/* s[h][j] for the nh queries q [nh][d] and the chunk's rows j = j0 .. j1-1 (kb: its row 0, rb bytes a row): per
+ * query and key, one fma chain a lane over the head's SEK_VW-wide pieces in order, sum4's tree over the lanes, then
+ * the head's last d % SEK_VW elements one at a time, times `scale`. Each key's row is
+ * loaded (and converted) once for all the queries; what a score is never depends on the other queries or keys. */
+static inline __attribute__((always_inline)) void qk_tile(const float *q, const char *kb, size_t rb, const int type,
+                                                         int64_t j0, int64_t j1, int64_t d, float scale,
+                                                         float (*s)[SEK_CHUNK], const char *pf, const int nh) {
+    const int64_t dv = d - d % SEK_VW;
+    for (int64_t j = j0; j < j1; j += SEK_NK) {
+        const int64_t nk = j1 - j < SEK_NK ? j1 - j : SEK_NK;
+        prefetch(pf, j, nk, rb);
+        const char *row[SEK_NK];
+        for (int c = 0; c < SEK_NK; c++) row[c] = kb + (size_t)(j + (c < nk ? c : 0)) * rb; /* past j1: row j again */
+        sek_vec acc[SEK_QH][SEK_NK];
+        for (int h = 0; h < nh; h++)
+            for (int c = 0; c < SEK_NK; c++) acc[h][c] = VZERO();
+        for (int64_t i = 0; i < dv; i += SEK_VW) {
+            sek_vec k[SEK_NK];
+            for (int c = 0; c < SEK_NK; c++) k[c] = kv_vec(row[c], type, i, d);
+            for (int h = 0; h < nh; h++) {
+                const sek_vec x = VLOAD(q + h * d + i);
+                for (int c = 0; c < SEK_NK; c++) acc[h][c] = VFMA(x, k[c], acc[h][c]);
             }
         }
-        return;
-    }
-#endif
-    for (int64_t j = 0; j < cn; j++) {
-        axpby(acc, alpha, p[j], v + j * d, d);
-        alpha = 1.f;
-    }
-}
-
-/* pv_chunk for two queries with the same rows of the chunk: the same bits as two pv_chunk calls. */
-static void pv_chunk2(float *acc0, float *acc1, const float *v, const float *p0, const float *p1, int64_t cn,
-                      float alpha0, float alpha1, int64_t d) {
-#ifdef SEK_VW
-    if (d % SEK_VW == 0) {
-        int64_t i = 0;
-        for (; i + SEK_PV_SLICE2 * SEK_VW <= d; i += SEK_PV_SLICE2 * SEK_VW)
-            pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, SEK_PV_SLICE2);
-        switch ((d - i) / SEK_VW) { /* the rest of a head (d = 64 with AVX-512: 4 vectors), as a slice of its own */
-        case 0: break;
-        case 1: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 1); break;
-        case 2: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 2); break;
-        case 3: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 3); break;
-        case 4: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 4); break;
-        case 5: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 5); break;
-        case 6: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 6); break;
-        default: pv_slice2(acc0 + i, acc1 + i, v + i, p0, p1, cn, alpha0, alpha1, d, 7); break;
+        for (int h = 0; h < nh; h++) {
+            float o[SEK_NK];
+            sum4(acc[h], o);
+            for (int64_t c = 0; c < nk; c++) {
+                float t = o[c];
+                for (int64_t i = dv; i < d; i++) t = fmaf(q[h * d + i], kv_elem(row[c], type, i, d), t);
+                s[h][j + c] = t * scale;
+            }
         }
-        return;
     }
+}
+
+/* Dims i0 .. i0 + nv SEK_VW - 1 of the nh queries' value sums acc [nh][d]: acc * alpha[h], then + w[h][j] v_j for
+ * the chunk's rows j = j0 .. j1-1 in order (vb: its row 0), the sums held in registers across the rows and each
+ * row's vectors loaded (and converted) once for all the queries. */
+static inline __attribute__((always_inline)) void pv_slice(float *acc, const char *vb, size_t rb, const int type,
+                                                          int64_t j0, int64_t j1, int64_t d, int64_t i0,
+                                                          float (*w)[SEK_CHUNK], const float *alpha, const char *pf,
+                                                          const int nh, const int nv) {
+    sek_vec a[SEK_QH][SEK_NV];
+    for (int h = 0; h < nh; h++)
+        for (int v = 0; v < nv; v++) a[h][v] = VMUL(VLOAD(acc + h * d + i0 + v * SEK_VW), VSET1(alpha[h]));
+    for (int64_t j = j0; j < j1; j++) {
+        const char *row = vb + (size_t)j * rb;
+        prefetch(pf, j, 1, rb);
+        sek_vec x[SEK_NV];
+        for (int v = 0; v < nv; v++) x[v] = kv_vec(row, type, i0 + v * SEK_VW, d);
+        for (int h = 0; h < nh; h++) {
+            const sek_vec p = VSET1(w[h][j]);
+            for (int v = 0; v < nv; v++) a[h][v] = VFMA(p, x[v], a[h][v]);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int v = 0; v < nv; v++) VSTORE(acc + h * d + i0 + v * SEK_VW, a[h][v]);
+}
+
+/* Every dim of the nh queries' value sums, as pv_slice does it (the head's last d % SEK_VW dims one at a time, in
+ * the same order: acc * alpha, then one fma a row). */
+static inline __attribute__((always_inline)) void pv_tile(float *acc, const char *vb, size_t rb, const int type,
+                                                         int64_t j0, int64_t j1, int64_t d, float (*w)[SEK_CHUNK],
+                                                         const float *alpha, const char *pf, const int nh) {
+    const int64_t dv = d - d % SEK_VW;
+    int64_t i = 0;
+    for (; i + SEK_NV * SEK_VW <= dv; i += SEK_NV * SEK_VW) pv_slice(acc, vb, rb, type, j0, j1, d, i, w, alpha, pf, nh, SEK_NV);
+        pf = NULL;
+    switch ((dv - i) / SEK_VW) {
+    case 1: pv_slice(acc, vb, rb, type, j0, j1, d, i, w, alpha, pf, nh, 1); break;
+    case 2: pv_slice(acc, vb, rb, type, j0, j1, d, i, w, alpha, pf, nh, 2); break;
+    case 3: pv_slice(acc, vb, rb, type, j0, j1, d, i, w, alpha, pf, nh, 3); break;
+    default: break;
+    }
+    for (i = dv; i < d; i++)
+        for (int h = 0; h < nh; h++) {
+            float t = acc[h * d + i] * alpha[h];
+            for (int64_t j = j0; j < j1; j++) t = fmaf(w[h][j], kv_elem(vb + (size_t)j * rb, type, i, d), t);
+            acc[h * d + i] = t;
+        }
+}
+
+/* One query's online-softmax step over its scores s[lo .. cn-1] of a chunk (s: SEK_CHUNK slots, the rest set to
+ * -inf here): the chunk's maximum, the new running maximum m, alpha (the earlier chunks' rescale; 0 before the
+ * query's first chunk, where m is still -inf), the exps of the scores less m into w (exactly 0 outside lo .. cn-1:
+ * exp_block clamps at -87), and l = l * alpha + their sum, a fixed tree over the SEK_CHUNK slots. */
+static void softmax_chunk(float *s, float *w, int64_t lo, int64_t cn, float *m, float *l, float *alpha) {
+    for (int64_t j = 0; j < lo; j++) s[j] = -INFINITY;
+    for (int64_t j = cn; j < SEK_CHUNK; j++) s[j] = -INFINITY;
+    sek_vec mx = VLOAD(s);
+    for (int k = SEK_VW; k < SEK_CHUNK; k += SEK_VW) mx = VMAX(mx, VLOAD(s + k));
+    const float mc = vmaxl(mx), m_new = mc > *m ? mc : *m;
+    *alpha = *m == -INFINITY ? 0.f : expf(*m - m_new);
+    const sek_vec mv = VSET1(m_new);
+    for (int k = 0; k < SEK_CHUNK; k += SEK_VW) VSTORE(s + k, VSUB(VLOAD(s + k), mv));
+    exp_block(s, w, SEK_CHUNK);
+    for (int64_t j = 0; j < lo; j++) w[j] = 0.f;
+    for (int64_t j = cn; j < SEK_CHUNK; j++) w[j] = 0.f;
+    sek_vec t[SEK_CHUNK / SEK_VW];
+    for (int k = 0; k < SEK_CHUNK / SEK_VW; k++) t[k] = VLOAD(w + k * SEK_VW);
+    for (int n = SEK_CHUNK / SEK_VW; n > 1; n /= 2)
+        for (int k = 0; k < n / 2; k++) t[k] = VADD(t[2 * k], t[2 * k + 1]);
+    *l = *l * *alpha + vsum(t[0]);
+    *m = m_new;
+}
+
+/* A chunk for the nh queries q [nh][d] of a tile, which read the same rows lo .. cn-1 of it (kb, vb: the chunk's
+ * row 0 of K and V): their scores, soft-capped (c tanh(s / c), libm's tanhf) where softcap > 0, each query's
+ * softmax step, then the value sums. */
+static inline __attribute__((always_inline)) void tile_chunk(const float *q, const char *kb, const char *vb,
+                                                            size_t rb, const int type, int64_t lo, int64_t cn,
+                                                            int64_t d, float scale, float softcap, float *m, float *l,
+                                                            float *acc, const char *pk, const char *pv,
+                                                            const int nh) {
+    float s[SEK_QH][SEK_CHUNK], w[SEK_QH][SEK_CHUNK], alpha[SEK_QH];
+    qk_tile(q, kb, rb, type, lo, cn, d, scale, s, pk, nh);
+    for (int h = 0; h < nh; h++) {
+        if (softcap > 0.f)
+            for (int64_t j = lo; j < cn; j++) s[h][j] = softcap * tanhf(s[h][j] / softcap);
+        softmax_chunk(s[h], w[h], lo, cn, m + h, l + h, alpha + h);
+    }
+    pv_tile(acc, vb, rb, type, lo, cn, d, w, alpha, pv, nh);
+}
+
+#define SEK_TILE_CASE(T, N)                                                                                            \
+    case N: tile_chunk(q, kb, vb, rb, T, lo, cn, d, scale, softcap, m, l, acc, pk, pv, N); break;
+#if SEK_QH > 2
+#define SEK_TILE_CASES(T)                                                                                              \
+    SEK_TILE_CASE(T, 1) SEK_TILE_CASE(T, 2) SEK_TILE_CASE(T, 3) SEK_TILE_CASE(T, 4) SEK_TILE_CASE(T, 5)              \
+    SEK_TILE_CASE(T, 6)
+#else
+#define SEK_TILE_CASES(T) SEK_TILE_CASE(T, 1) SEK_TILE_CASE(T, 2)
 #endif
-    pv_chunk(acc0, v, p0, cn, alpha0, d);
-    pv_chunk(acc1, v, p1, cn, alpha1, d);
-}
 
-/* The chunk's softmax part for np queries with the same cn rows of scores s: per query the chunk's maximum (scores in
- * order, as `s > max ? s : max`), the new running maximum, alpha (the earlier chunks' rescale; none before a query's
- * first chunk, where its maximum is still -inf), l * alpha, exp of the scores less the maximum into pr, and l plus
- * those exps in order. A query's first lo[i] rows lie before its sliding window: their scores are -inf, their exps
- * 0. The queries' chains of compares and adds run side by side (np a constant of each call: they stay in
- * registers), and each query's operations are those it has alone. */
-static inline __attribute__((always_inline)) void softmax_rows(float (*s)[SEK_CHUNK], float (*pr)[SEK_CHUNK], int64_t cn,
-                                                               const int64_t *lo, float *m, float *l, float *alpha,
-                                                               const int np) {
-    float mc[4], ls[4];
-    for (int i = 0; i < np; i++) {
-        mc[i] = -INFINITY;
-        for (int64_t j = 0; j < lo[i]; j++) s[i][j] = -INFINITY;
+/* tile_chunk for a tile of nh <= SEK_QH queries, compiled for each cache type and tile size. */
+static void tile(const float *q, const char *kb, const char *vb, size_t rb, int type, int64_t lo, int64_t cn,
+                 int64_t d, float scale, float softcap, float *m, float *l, float *acc, const char *pk,
+                 const char *pv, int nh) {
+    if (type == SEK_KV_F16) {
+        switch (nh) { SEK_TILE_CASES(SEK_KV_F16) }
+    } else if (type == SEK_KV_I8) {
+        switch (nh) { SEK_TILE_CASES(SEK_KV_I8) }
+    } else {
+        switch (nh) { SEK_TILE_CASES(SEK_KV_F32) }
     }
-    for (int64_t j = 0; j < cn; j++)
-        for (int i = 0; i < np; i++) mc[i] = s[i][j] > mc[i] ? s[i][j] : mc[i];
-    for (int i = 0; i < np; i++) {
-        const float m_new = mc[i] > m[i] ? mc[i] : m[i];
-        alpha[i] = m[i] == -INFINITY ? 0.f : expf(m[i] - m_new);
-        ls[i] = l[i] * alpha[i];
-        for (int64_t j = 0; j < cn; j++) s[i][j] -= m_new;
-        exp_block(s[i], pr[i], cn);
-        for (int64_t j = 0; j < lo[i]; j++) pr[i][j] = 0.f; /* exp_block clamps at -87: exp(-inf) is not 0 there */
-        m[i] = m_new;
-    }
-    for (int64_t j = 0; j < cn; j++)
-        for (int i = 0; i < np; i++) ls[i] += pr[i][j];
-    for (int i = 0; i < np; i++) l[i] = ls[i];
 }
-
-#define SEK_SUB 16 /* cache rows the queries of an item take in turn: 8 KB of K (or V) at d = 128, L1-resident */
 
 /* One chunk (cache rows c0 .. c0+cn[p]-1 of kc, vc, which hold `type`) of the online softmax for the nq queries
  * (row, head) of an item, all of one KV group; m, l, acc carry each query's state (m -inf before its first chunk), a
  * query whose row ends before c0 or whose window starts after the chunk has cn[p] <= 0, and one whose window starts
- * inside it skips its first lo[p] rows (they weigh 0). Per query the arithmetic is a lone query's: scores dot(q, k) * scale, the chunk's
- * maximum, exp of the scores less the running maximum, the earlier chunks rescaled by alpha, then acc = acc * alpha
- * + p v row after row. Only the order across queries is the item's: they take SEK_SUB cache rows at a time in turn,
- * so those rows come from memory once for all of them (a group's cache at 1,900 positions is 2 MB a layer: more than
- * L2), and a cache of fp16 or int8 is converted SEK_SUB rows at a time into buf [SEK_SUB][d], which stays in L1
- * while the queries read it (a whole chunk's K and V as fp32 would be 64 KB at d = 128: more than L1; measured on
- * Zen 4 at depth 8,192, converting 16 rows at a time takes a fifth off the step's attention). The next chunk's rows,
- * up to row `end` (the rows the item reads), are prefetched meanwhile. */
+ * inside it skips its first lo[p] rows. Queries next to each other with the same rows of the chunk (the heads of one
+ * row) form tiles of up to SEK_QH, which take the chunk's K and V rows from memory once for all of them; a query's
+ * arithmetic is tile_chunk's whatever its tile holds, so its bits are those it has alone. The next chunk's rows, up
+ * to row `end` (the rows the item reads), are prefetched first. */
 static void attend_chunk(const float *q, const void *kc, const void *vc, int type, int64_t c0, int64_t end,
                          const int64_t *cn, const int64_t *lo, int64_t d, float scale, float softcap, int64_t nq,
-                         float *m, float *l, float *acc, float *buf) {
-    float s[SEK_Q_MAX][SEK_CHUNK], pr[SEK_Q_MAX][SEK_CHUNK], alpha[SEK_Q_MAX];
-    int64_t cmax = 0;
-    for (int64_t p = 0; p < nq; p++) cmax = cn[p] > cmax ? cn[p] : cmax;
-    for (int64_t j0 = 0; j0 < cmax; j0 += SEK_SUB) {
-        prefetch_rows(kc, type, c0 + SEK_CHUNK + j0, SEK_SUB, end, d);
-        const float *k = kv_rows(kc, type, c0 + j0, cmax - j0 < SEK_SUB ? cmax - j0 : SEK_SUB, d, buf) - j0 * d;
-        for (int64_t p = 0; p < nq; p++) {
-            const int64_t j1 = j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p];
-            int64_t j = j0;
-            for (; j + 4 <= j1; j += 4) {
-                float o[4];
-                dot4(q + p * d, k + j * d, d, o);
-                for (int c = 0; c < 4; c++) s[p][j + c] = o[c] * scale;
-            }
-            for (; j < j1; j++) s[p][j] = dot(q + p * d, k + j * d, d) * scale;
-            if (softcap > 0.f) /* c tanh(s / c), libm's tanhf: the same function for every row */
-                for (j = j0; j < j1; j++) s[p][j] = softcap * tanhf(s[p][j] / softcap);
+                         float *m, float *l, float *acc) {
+    const size_t rb = sek_kv_row_bytes(type, d);
+    const char *kb = (const char *)kc + (size_t)c0 * rb, *vb = (const char *)vc + (size_t)c0 * rb;
+    const int ahead = c0 + 2 * SEK_CHUNK <= end; /* the next chunk is whole and read */
+    const char *pk = ahead ? kb + SEK_CHUNK * rb : NULL, *pv = ahead ? vb + SEK_CHUNK * rb : NULL;
+    for (int64_t p = 0; p < nq;) {
+        int64_t nt = 1;
+        while (nt < SEK_QH && p + nt < nq && cn[p + nt] == cn[p] && lo[p + nt] == lo[p]) nt++;
+        if (cn[p] > lo[p]) {
+            tile(q + p * d, kb, vb, rb, type, lo[p], cn[p], d, scale, softcap, m + p, l + p, acc + p * d, pk, pv,
+                 (int)nt);
+            pk = pv = NULL; /* the first tile asks for them */
         }
-    }
-    for (int64_t p = 0; p < nq;) { /* queries with the same rows of the chunk, four or two at a time where they can */
-        int64_t np = 1;
-        while (np < 4 && p + np < nq && cn[p + np] == cn[p]) np++;
-        np = np == 4 ? 4 : np >= 2 ? 2 : 1;
-        if (cn[p] > 0 && np == 4) softmax_rows(s + p, pr + p, cn[p], lo + p, m + p, l + p, alpha + p, 4);
-        else if (cn[p] > 0 && np == 2) softmax_rows(s + p, pr + p, cn[p], lo + p, m + p, l + p, alpha + p, 2);
-        else if (cn[p] > 0) softmax_rows(s + p, pr + p, cn[p], lo + p, m + p, l + p, alpha + p, 1);
-        p += np;
-    }
-    for (int64_t j0 = 0; j0 < cmax; j0 += SEK_SUB) {
-        prefetch_rows(vc, type, c0 + SEK_CHUNK + j0, SEK_SUB, end, d);
-        const float *v = kv_rows(vc, type, c0 + j0, cmax - j0 < SEK_SUB ? cmax - j0 : SEK_SUB, d, buf);
-        for (int64_t p = 0; p < nq; p++) { /* rows after the chunk's first: alpha 1 (acc * 1, as axpby does) */
-            const int64_t n = (j0 + SEK_SUB < cn[p] ? j0 + SEK_SUB : cn[p]) - j0; /* query p's rows from j0 */
-            if (n <= 0) continue;
-            if (p + 1 < nq && (j0 + SEK_SUB < cn[p + 1] ? j0 + SEK_SUB : cn[p + 1]) - j0 == n) {
-                pv_chunk2(acc + p * d, acc + (p + 1) * d, v, pr[p] + j0, pr[p + 1] + j0, n,
-                          j0 ? 1.f : alpha[p], j0 ? 1.f : alpha[p + 1], d);
-                p++; /* two queries with the same rows of this chunk (heads of one row): one pass over them */
-            } else {
-                pv_chunk(acc + p * d, v, pr[p] + j0, n, j0 ? 1.f : alpha[p], d);
-            }
-        }
+        p += nt;
     }
 }
 
@@ -662,7 +601,6 @@ static int64_t first_chunk(const int64_t *start, int64_t nq) {
 static void attend(const float *q, const void *kc, const void *vc, int type, const int64_t *n, const int64_t *start,
                    int64_t nmax, int64_t d, float scale, float softcap, int64_t nq, float *m, float *l, float *acc) {
     int64_t cn[SEK_Q_MAX], lo[SEK_Q_MAX];
-    float buf[type != SEK_KV_F32 ? SEK_SUB * d : 1];
     for (int64_t p = 0; p < nq; p++) {
         m[p] = -INFINITY;
         l[p] = 0.f;
@@ -670,22 +608,23 @@ static void attend(const float *q, const void *kc, const void *vc, int type, con
     memset(acc, 0, (size_t)(nq * d) * sizeof(float));
     for (int64_t c0 = first_chunk(start, nq); c0 < nmax; c0 += SEK_CHUNK) {
         chunk_rows(n, start, c0, nq, cn, lo);
-        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, softcap, nq, m, l, acc, buf);
+        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, softcap, nq, m, l, acc);
     }
 }
 
 /* attend for queries whose rows are not all the cache's first ones (tree rows): query p's row i is cache row i for
  * i < direct[p], then tail[p][i - direct[p]]; queries come in groups of hs (the heads of one step row) that share n,
  * direct and tail. A chunk whose rows are all direct runs for every such query at once, as attend runs it; a chunk
- * with tail rows is gathered once per group into kg, vg [SEK_CHUNK][d] and runs for that group alone. attend_chunk's
+ * with tail rows is gathered once per group into kg, vg (SEK_CHUNK cache rows, as the cache holds them) and runs for
+ * that group alone. attend_chunk's
  * arithmetic per query never depends on the other queries, so each query has the bits attend gives it over a cache
  * that holds its rows in order: those of the same tokens decoded as one chain. */
 static void attend_tail(const float *q, const void *kc, const void *vc, int type, const int64_t *n,
                         const int64_t *start, const int64_t *direct, const int64_t *tail, int64_t tail_stride,
                         int64_t nmax, int64_t d, float scale, float softcap, int64_t nq, int64_t hs, float *m,
-                        float *l, float *acc, float *kg, float *vg) {
+                        float *l, float *acc, char *kg, char *vg) {
     int64_t cn[SEK_Q_MAX] = {0}, lo[SEK_Q_MAX] = {0}, len[SEK_Q_MAX]; /* cn, lo: set before use (GCC cannot tell) */
-    float buf[type != SEK_KV_F32 ? SEK_SUB * d : 1];
+    const size_t rb = sek_kv_row_bytes(type, d);
     for (int64_t p = 0; p < nq; p++) {
         m[p] = -INFINITY;
         l[p] = 0.f;
@@ -698,17 +637,17 @@ static void attend_tail(const float *q, const void *kc, const void *vc, int type
             len[p] = cn[p]; /* the rows of a gathered chunk, with lo[p] before the window */
             if (cn[p] > 0 && c0 + cn[p] > direct[p]) cn[p] = 0, gathered = 1;
         }
-        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, softcap, nq, m, l, acc, buf);
+        attend_chunk(q, kc, vc, type, c0, nmax, cn, lo, d, scale, softcap, nq, m, l, acc);
         for (int64_t p = 0; gathered && p < nq; p += hs) {
             const int64_t rows = len[p];
             if (rows <= 0 || c0 + rows <= direct[p]) continue;
             for (int64_t j = 0; j < rows; j++) {
                 const int64_t i = c0 + j, row = i < direct[p] ? i : tail[p * tail_stride + i - direct[p]];
-                memcpy(kg + j * d, kv_rows(kc, type, row, 1, d, buf), (size_t)d * sizeof(float));
-                memcpy(vg + j * d, kv_rows(vc, type, row, 1, d, buf), (size_t)d * sizeof(float));
+                memcpy(kg + (size_t)j * rb, (const char *)kc + (size_t)row * rb, rb);
+                memcpy(vg + (size_t)j * rb, (const char *)vc + (size_t)row * rb, rb);
             }
-            attend_chunk(q + p * d, kg, vg, SEK_KV_F32, 0, 0, len + p, lo + p, d, scale, softcap, hs, m + p, l + p,
-                         acc + p * d, buf);
+            attend_chunk(q + p * d, kg, vg, type, 0, 0, len + p, lo + p, d, scale, softcap, hs, m + p, l + p,
+                         acc + p * d);
         }
     }
 }
@@ -860,7 +799,7 @@ void sek_row_attn_item(const sek_row_attn_args *a, int64_t item) {
     const size_t at = (size_t)((slot * a->hkv + g) * a->s_max) * sek_kv_row_bytes(a->kv_type, d);
     const void *kc = (const char *)a->k_cache + at, *vc = (const char *)a->v_cache + at;
     if (tree) {
-        float kg[SEK_CHUNK * 128], vg[SEK_CHUNK * 128]; /* d <= 128 for tree rows (checked by the caller) */
+        char kg[SEK_CHUNK * 128 * sizeof(float)], vg[SEK_CHUNK * 128 * sizeof(float)]; /* d <= 128 for tree rows */
         attend_tail(q, kc, vc, a->kv_type, n, start, direct, tail, SEK_TREE_DEPTH, nmax, d, a->scale, a->softcap, nq,
                     hs, m, l, acc, kg, vg);
     } else {

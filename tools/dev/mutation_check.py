@@ -154,8 +154,8 @@ PLANTS = {
     "specedge attention: a four-key score pass (AVX2) adds lanes i and i + 1 where the tree adds i and i + 2": (
         "runtime/csrc/sek_attn.c", "e23 = _mm256_add_ps(v23, _mm256_permute_ps(v23, 0x4E));",
         "e23 = _mm256_add_ps(v23, _mm256_permute_ps(v23, 0xB1));", ["tests/runtime/test_sek_kernel.py"]),
-    "specedge attention: the second of two paired queries sums the values with the first one's weights": (
-        "runtime/csrc/sek_attn.c", "a1[k] = VFMA(q1, x, a1[k]);", "a1[k] = VFMA(q0, x, a1[k]);",
+    "specedge attention: a tile's queries sum the values with its first query's weights": (
+        "runtime/csrc/sek_attn.c", "const sek_vec p = VSET1(w[h][j]);", "const sek_vec p = VSET1(w[0][j]);",
         ["tests/runtime/test_sek_kernel.py"]),
     "specedge kernel: a many-row step's passes take eleven rows, which no pass computes": (
         "runtime/csrc/sek_gemm.c", "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;",
@@ -174,9 +174,9 @@ PLANTS = {
         "runtime/csrc/sek_attn.c", "return window > 0 && pos >= window ? pos - window + 1 : 0;",
         "return window > 0 && pos >= window ? pos - window : 0;",
         ["tests/runtime/test_sek_kernel.py", "tests/runtime/test_sek_row_attention.py"]),
-    "sliding window: rows before it keep exp(-87), not 0": (
-        "runtime/csrc/sek_attn.c", "for (int64_t j = 0; j < lo[i]; j++) pr[i][j] = 0.f;",
-        "for (int64_t j = 0; j < lo[i] && 0; j++) pr[i][j] = 0.f;",
+    "sliding window: a chunk's rows before it still attended": (
+        "runtime/csrc/sek_attn.c", "tile(q + p * d, kb, vb, rb, type, lo[p], cn[p],",
+        "tile(q + p * d, kb, vb, rb, type, 0, cn[p],",
         ["tests/runtime/test_sek_kernel.py"]),
     "gemma2: the logits not soft-capped": (
         "export/graph.py", "    if cfg.final_softcap:  # gemma2", "    if cfg.final_softcap and 0:  # gemma2",
@@ -185,7 +185,7 @@ PLANTS = {
         "export/attention.py", "self.softcap)), self.softcap)) if self.softcap else (",
         "self.softcap)), self.softcap)) if None else (", ["tests/export/test_families.py"]),
     "specedge attention: the scores not soft-capped": (
-        "runtime/csrc/sek_attn.c", "if (softcap > 0.f) /* c tanh", "if (softcap > 1e30f) /* c tanh",
+        "runtime/csrc/sek_attn.c", "if (softcap > 0.f)\n            for", "if (softcap > 1e30f)\n            for",
         ["tests/runtime/test_sek_kernel.py"]),
     "GGUF Q3_K: the high bit read the wrong way round": (
         "export/quant.py", "q = low.reshape(n, kb, 8, 32).astype(np.int16) - 4 * (1 - high.astype(np.int16))",
@@ -223,15 +223,16 @@ PLANTS = {
     "fp16 KV: a tie rounded up, not to even": (
         "runtime/csrc/sek_attn.c", "x += 0xc8000fffu + ((x >> 13) & 1u);", "x += 0xc8000fffu + 1u;",
         ["tests/runtime/test_sek_row_attention.py::test_an_fp16_cache_holds_each_new_row_rounded_to_nearest_even"]),
-    "fp16 KV: a chunk's last cache row not converted for the queries": (
-        "runtime/csrc/sek_attn.c", "const int64_t len = n * d;", "const int64_t len = (n - 1) * d;",
+    "specedge attention: a four-key pass scores its last key against its first key's row": (
+        "runtime/csrc/sek_attn.c", "row[c] = kb + (size_t)(j + (c < nk ? c : 0)) * rb;",
+        "row[c] = kb + (size_t)(j + (c < nk - 1 ? c : 0)) * rb;", ["tests/runtime/test_sek_kernel.py"]),
+    "fp16 KV: a row's elements read one vector early": (
+        "runtime/csrc/sek_attn.c", "const uint16_t *h = (const uint16_t *)row + i;",
+        "const uint16_t *h = (const uint16_t *)row + (i ? i - SEK_VW : 0);",
         ["tests/runtime/test_sek_row_attention.py::test_an_fp16_cache_attends_as_fp32_does_over_the_same_values"]),
-    "fp16 KV: a block of 16 converted rows read from the chunk's first row": (
-        "runtime/csrc/sek_attn.c", "cmax - j0 : SEK_SUB, d, buf) - j0 * d;", "cmax - j0 : SEK_SUB, d, buf);",
-        ["tests/runtime/test_sek_row_attention.py::test_an_fp16_cache_attends_as_fp32_does_over_the_same_values"]),
-    "specedge attention: heads whose softmax runs side by side sum each other's exps": (
-        "runtime/csrc/sek_attn.c", "for (int i = 0; i < np; i++) ls[i] += pr[i][j];",
-        "for (int i = 0; i < np; i++) ls[i] += pr[0][j];", ["tests/runtime/test_sek_kernel.py"]),
+    "specedge attention: a tile's queries keep one sum of exps": (
+        "runtime/csrc/sek_attn.c", "softmax_chunk(s[h], w[h], lo, cn, m + h, l + h, alpha + h);",
+        "softmax_chunk(s[h], w[h], lo, cn, m + h, l, alpha + h);", ["tests/runtime/test_sek_kernel.py"]),
     "int8 KV: a tie rounded away from zero, not to even": (
         "runtime/csrc/sek_attn.c",
         "q += (f > 0.5f || (f == 0.5f && (q & 1))) - (f < -0.5f || (f == -0.5f && (q & 1)));",
@@ -239,7 +240,7 @@ PLANTS = {
         ["tests/runtime/test_sek_row_attention.py::"
          "test_an_int8_cache_holds_each_new_row_quantized_as_its_contract_says"]),
     "int8 KV: a row read without its scale's last byte": (
-        "runtime/csrc/sek_attn.c", "    memcpy(&s, q + d, sizeof s);", "    s = 0.f;\n    memcpy(&s, q + d, 3);",
+        "runtime/csrc/sek_attn.c", "    memcpy(&s, row + d, sizeof s);", "    s = 0.f;\n    memcpy(&s, row + d, 3);",
         ["tests/runtime/test_sek_row_attention.py::"
          "test_an_int8_cache_attends_as_fp32_does_over_the_values_it_holds"]),
     "SekMatMul's fused residual addition dropped": (
