@@ -406,8 +406,8 @@ static inline __attribute__((always_inline)) float kv_elem(const char *row, cons
 
 /* s[h][j] for the nh queries q [nh][d] and the chunk's rows j = j0 .. j1-1 (kb: its row 0, rb bytes a row): per
  * query and key, one fma chain a lane over the head's SEK_VW-wide pieces in order, sum4's tree over the lanes, then
- * the head's last d % SEK_VW elements one at a time, times `scale`. Each key's row is
- * loaded (and converted) once for all the queries; what a score is never depends on the other queries or keys. */
+ * the head's last d % SEK_VW elements one at a time, times `scale`. Each key's row is loaded (and converted) once
+ * for all the queries; what a score is never depends on the other queries or keys. */
 static inline __attribute__((always_inline)) void qk_tile(const float *q, const char *kb, size_t rb, const int type,
                                                          int64_t j0, int64_t j1, int64_t d, float scale,
                                                          float (*s)[SEK_CHUNK], const char *pf, const int nh) {
@@ -471,8 +471,10 @@ static inline __attribute__((always_inline)) void pv_tile(float *acc, const char
                                                          const float *alpha, const char *pf, const int nh) {
     const int64_t dv = d - d % SEK_VW;
     int64_t i = 0;
-    for (; i + SEK_NV * SEK_VW <= dv; i += SEK_NV * SEK_VW) pv_slice(acc, vb, rb, type, j0, j1, d, i, w, alpha, pf, nh, SEK_NV);
-        pf = NULL;
+    for (; i + SEK_NV * SEK_VW <= dv; i += SEK_NV * SEK_VW) {
+        pv_slice(acc, vb, rb, type, j0, j1, d, i, w, alpha, pf, nh, SEK_NV);
+        pf = NULL; /* the first slice asks for the next chunk's rows */
+    }
     switch ((dv - i) / SEK_VW) {
     case 1: pv_slice(acc, vb, rb, type, j0, j1, d, i, w, alpha, pf, nh, 1); break;
     case 2: pv_slice(acc, vb, rb, type, j0, j1, d, i, w, alpha, pf, nh, 2); break;
@@ -557,8 +559,9 @@ static void tile(const float *q, const char *kb, const char *vb, size_t rb, int 
  * query whose row ends before c0 or whose window starts after the chunk has cn[p] <= 0, and one whose window starts
  * inside it skips its first lo[p] rows. Queries next to each other with the same rows of the chunk (the heads of one
  * row) form tiles of up to SEK_QH, which take the chunk's K and V rows from memory once for all of them; a query's
- * arithmetic is tile_chunk's whatever its tile holds, so its bits are those it has alone. The next chunk's rows, up
- * to row `end` (the rows the item reads), are prefetched first. */
+ * arithmetic is tile_chunk's whatever its tile holds, so its bits are those it has alone. The first tile asks for
+ * the next chunk's rows (when that chunk lies whole below row `end`, the rows the item reads) as it reads this
+ * chunk's. */
 static void attend_chunk(const float *q, const void *kc, const void *vc, int type, int64_t c0, int64_t end,
                          const int64_t *cn, const int64_t *lo, int64_t d, float scale, float softcap, int64_t nq,
                          float *m, float *l, float *acc) {
