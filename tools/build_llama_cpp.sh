@@ -9,12 +9,21 @@
 #   SPECEDGE_LLAMA_ISA=avx2 builds ggml for AVX2 + FMA + F16C + BMI2 without AVX512 (GGML_NATIVE off) into
 #   build-avx2/: llama.cpp as an AVX2-only CPU runs it, to set beside ours built with SPECEDGE_KERNEL_MARCH=haswell
 #   on an AVX512 machine (the memory system stays this machine's: a proxy for an AVX2-only CPU, not a measurement of one).
+#   On a CPU that exposes AMX, the native build turns ggml's AMX path off (it crashes in batched matmuls under some
+#   hypervisors) and names this CPU's AVX512 / VNNI / BF16 extensions one by one instead.
 set -euo pipefail
 VER=${1:-0.3.36}
 ROOT=${SPECEDGE_CACHE:-$HOME/.cache/specedge}/llama.cpp/$VER
 ISA=${SPECEDGE_LLAMA_ISA:-native}
 case "$ISA" in
-    native) BUILD=$ROOT/build; ISA_FLAGS="-DGGML_NATIVE=ON" ;;
+    native) BUILD=$ROOT/build; ISA_FLAGS="-DGGML_NATIVE=ON"
+            if grep -q -w amx_tile /proc/cpuinfo 2>/dev/null; then
+                has() { grep -q -w "$1" /proc/cpuinfo && echo ON || echo OFF; }
+                ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+                ISA_FLAGS+=" -DGGML_AVX512=ON -DGGML_AVX512_VBMI=$(has avx512vbmi)"
+                ISA_FLAGS+=" -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16)"
+                ISA_FLAGS+=" -DGGML_AVX_VNNI=$(has avx_vnni) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+            fi ;;
     avx2) BUILD=$ROOT/build-avx2
           ISA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" ;;
     *) echo "SPECEDGE_LLAMA_ISA must be native or avx2, got '$ISA'" >&2; exit 2 ;;
