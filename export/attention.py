@@ -42,6 +42,28 @@ def rope_tables(w, inv_freq: np.ndarray, max_positions: int, prefix: str = "rope
     return w.add(f"{prefix}.cos_cache", cos), w.add(f"{prefix}.sin_cache", sin)
 
 
+def mean_rotation(inv_freq: np.ndarray, max_positions: int, mscale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """The rotary tables' cos and sin averaged over positions 0 .. max_positions - 1 ([R/2] each)."""
+    freqs = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))
+    return np.cos(freqs).mean(0) * mscale, np.sin(freqs).mean(0) * mscale
+
+
+def key_shift(bias: np.ndarray, n_kv_heads: int, rot: int, mean_cos: np.ndarray, mean_sin: np.ndarray) -> np.ndarray:
+    """A constant key bias rotated as the cache's rows are (rotate-half over the first ``rot`` dims of a head) and
+    averaged over the positions: [Hkv * D] float32, the part of every cached key that the key bias fixes.
+
+    A query's scores all move by q . shift when the shift is subtracted from every key, so its softmax is the same;
+    an fp16 or int8 cache then holds what varies between keys. Qwen2's first layers carry biases of several hundred
+    in their slowest-turning dims (a rotation of a few hundredths of a radian over 32k positions), against keys
+    that vary by tens: the shift removes nearly all of it."""
+    b = np.asarray(bias, np.float64).reshape(n_kv_heads, -1)
+    h = rot // 2
+    out = b.copy()
+    out[:, :h] = b[:, :h] * mean_cos - b[:, h:rot] * mean_sin
+    out[:, h:rot] = b[:, h:rot] * mean_cos + b[:, :h] * mean_sin
+    return out.reshape(-1).astype(np.float32)
+
+
 def identity_tables(w, half: int, max_positions: int) -> tuple[str, str]:
     """cos 1, sin 0 at every position: the tables of a layer without RoPE (smollm3's NoPE layers). The ops compute
     x cos + rot(x) sin, which is x exactly with these."""
@@ -167,6 +189,11 @@ class _TableAttention:
         self.local = (rope_tables(w, cfg.local_inv_freq(), max_positions, "rope.local")
                       if any(cfg.is_local(i) for i in layers) else None)
         self.window = lambda i: cfg.window(i, max_positions)  # noqa: E731
+        self.rot, self.max_positions = cfg.rot_dim(), max_positions
+        self.mean_rotation = lambda i: (  # noqa: E731  the layer's tables, averaged over the positions
+            (np.ones(self.rot // 2), np.zeros(self.rot // 2)) if not cfg.rotates(i) else
+            mean_rotation(cfg.local_inv_freq(), max_positions) if cfg.is_local(i) else
+            mean_rotation(inv_freq, max_positions, cfg.rope_mscale()))
 
     def tables(self, i: int) -> tuple[str, str]:
         if not self.rotates(i):
@@ -207,16 +234,22 @@ class SekInplaceAttention(InplaceGqaAttention):
     op, where, prefix = "SekAttention", ("past_len",), "sek_attn"  # the op, what places the rows, output names
     after: tuple[str, ...] = ()  # inputs after the rotary tables
 
-    def __call__(self, i: int, qkv: str) -> str:
+    def __call__(self, i: int, qkv: str, k_bias: np.ndarray | None = None) -> str:
+        """Layer i's attention over the fused qkv. k_bias (the layer's key bias, [Hkv * D]): its rotated mean is
+        subtracted from the keys the cache stores (``key_shift``), which leaves the softmax as it is; not with a
+        softcap."""
         g = self.g
         g._n += 1
         out = f"{self.prefix}_{g._n}"
+        shift = {}
+        if k_bias is not None and not self.softcap:
+            shift = {"k_shift": key_shift(k_bias, self.Hkv, self.rot, *self.mean_rotation(i)).tolist()}
         g.nodes.append(helper.make_node(
             self.op, [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *self.where, *self.tables(i),
                       *self.after],
             [out, f"present.{i}.key", f"present.{i}.value"], name=f"{self.op}_{g._n}",
             domain=SEK_DOMAIN, num_heads=self.Hq, kv_num_heads=self.Hkv, scale=self.scores_scale, **self.softcap,
-            **({"window": self.window(i)} if self.window(i) else {})))
+            **({"window": self.window(i)} if self.window(i) else {}), **shift))
         return out  # [B, T, Hq D]
 
 

@@ -512,16 +512,20 @@ def build_model_graph(
         p = f"layers.{i}"
         h = rmsnorm(x, w.add(f"{p}.attn_norm.weight", src.get(f"l{i}.attn_norm")))
         qkv = linear(h, f"{p}.attn.qkv", [f"l{i}.q", f"l{i}.k", f"l{i}.v"])  # fused: [B, T, (Hq+2Hkv) D]
+        k_bias = None
         if cfg.family.qkv_bias:
             bias = np.concatenate([src.get(f"l{i}.q_bias"), src.get(f"l{i}.k_bias"), src.get(f"l{i}.v_bias")])
             qkv = linear.epilogue(qkv, bias=w.add(f"{p}.attn.qkv.bias", bias))
+            k_bias = src.get(f"l{i}.k_bias")
         if cfg.family.qk_norm:
             q, k, v = g.op("Split", qkv, g.const([d.n_heads * d.head_dim] + [d.n_kv_heads * d.head_dim] * 2),
                            axis=-1, n_out=3)
             q = head_norm(q, d.n_heads, w.add(f"{p}.attn.q_norm.weight", src.get(f"l{i}.q_norm")))
             k = head_norm(k, d.n_kv_heads, w.add(f"{p}.attn.k_norm.weight", src.get(f"l{i}.k_norm")))
             qkv = g.op("Concat", q, k, v, axis=-1)
-        attn = attention(i, qkv)  # [B, T, Hq D]; writes present.{i}.*
+        shifted = (k_bias is not None and kv_dtype != "float32" and not cfg.family.qk_norm
+                   and isinstance(attention, SekInplaceAttention))  # fp16 / int8 caches hold the keys less the bias
+        attn = attention(i, qkv, k_bias) if shifted else attention(i, qkv)  # [B, T, Hq D]; writes present.{i}.*
         y = linear(attn, f"{p}.attn.o", [f"l{i}.o"])
         if cfg.family.gemma:  # the attention's output normalized before it joins the stream
             y = rmsnorm(y, w.add(f"{p}.attn.post_norm.weight", src.get(f"l{i}.post_attn_norm")))

@@ -57,6 +57,9 @@ typedef struct {
     int64_t window; /* a sliding window: the query at position p attends to p - window + 1 .. p (0: none) */
     float softcap;  /* scores s -> softcap tanh(s / softcap) before the softmax (0: none; Gemma 2) */
     int64_t rot;    /* the dims RoPE rotates, 2 x the tables' width: d, or fewer for a partial rotary (Phi-4) */
+    const float *k_shift; /* [hkv][d] subtracted from each rotated key before it is stored (NULL: none): every
+                           * score of a query moves by the same q . shift, so without a softcap the softmax is the
+                           * same, and an fp16 or int8 cache spends its precision on what varies between keys */
 } sek_attn_args;
 /* A row-addressed step (sek_attn.c, SekRowAttention): row r writes cache row row_pos[r] of the sequence in KV slot
  * row_slot[r] (-1: padding, which reads and writes nothing; its output is zeros). A row with no parent
@@ -82,6 +85,7 @@ typedef struct {
     int64_t window;       /* a sliding window, as sek_attn_args' (0: none) */
     float softcap;        /* soft-capped scores, as sek_attn_args' (0: none) */
     int64_t rot;          /* the dims RoPE rotates, as sek_attn_args' */
+    const float *k_shift; /* as sek_attn_args' */
 } sek_row_attn_args;
 /* out[r][i] = silu(y[r][i]) * y[r][f + i] for m rows of 2f values (sek_act.c) */
 void sek_swiglu(const float *y, int64_t m, int64_t f, float *out);

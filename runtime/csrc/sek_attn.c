@@ -328,12 +328,14 @@ static inline __attribute__((always_inline)) void prefetch(const char *pf, int64
     for (const char *p = pf + (size_t)j * rb, *e = p + (size_t)n * rb; p < e; p += 64) __builtin_prefetch(p, 0, 2);
 }
 
-/* A new row's k (rotated by its position) and v into cache row `at` of kv head h. */
+/* A new row's k (rotated by its position, less the head's shift if there is one) and v into cache row `at`. */
 static void kv_store(void *kc, void *vc, int type, int64_t at, const float *k, const float *v, const float *cs,
-                     const float *sn, int64_t d, int64_t rot) {
+                     const float *sn, int64_t d, int64_t rot, const float *shift) {
     float r[512]; /* d <= 512 (checked by the callers) */
     memcpy(r, k, (size_t)d * sizeof(float));
     rope(r, cs, sn, rot);
+    if (shift)
+        for (int64_t i = 0; i < d; i++) r[i] -= shift[i];
     kv_put(kc, type, at, d, r);
     kv_put(vc, type, at, d, v);
 }
@@ -347,7 +349,7 @@ void sek_attn_store(const sek_attn_args *a) {
         for (int64_t h = 0; h < a->hkv; h++)
             kv_store(a->k_cache, a->v_cache, a->kv_type, h * a->s_max + pos, row + (a->hq + h) * a->d,
                      row + (a->hq + a->hkv + h) * a->d, a->cos + pos * (a->rot / 2), a->sin + pos * (a->rot / 2), a->d,
-                     a->rot);
+                     a->rot, a->k_shift ? a->k_shift + h * a->d : NULL);
     }
 }
 
@@ -739,7 +741,7 @@ void sek_row_attn_store(const sek_row_attn_args *a) {
         for (int64_t h = 0; h < a->hkv; h++)
             kv_store(a->k_cache, a->v_cache, a->kv_type, (slot * a->hkv + h) * a->s_max + at_row,
                      row + (a->hq + h) * a->d, row + (a->hq + a->hkv + h) * a->d, a->cos + pos * (a->rot / 2),
-                     a->sin + pos * (a->rot / 2), a->d, a->rot);
+                     a->sin + pos * (a->rot / 2), a->d, a->rot, a->k_shift ? a->k_shift + h * a->d : NULL);
     }
 }
 

@@ -73,6 +73,8 @@ enum { T_ANY = 0, T_FLOAT = 1, T_UINT8 = 2, T_INT8 = 3, T_INT64 = 7, T_FLOAT16 =
 #define GetTensorTypeAndShape(api) SLOT(api, 65, OrtStatus * (*)(const OrtValue *, OrtTensorTypeAndShapeInfo **))
 #define KernelInfoGetAttribute_float(api) SLOT(api, 85, OrtStatus * (*)(const OrtKernelInfo *, const char *, float *))
 #define KernelInfoGetAttribute_int64(api) SLOT(api, 86, OrtStatus * (*)(const OrtKernelInfo *, const char *, int64_t *))
+#define KernelInfoGetAttributeArray_float(api) \
+    SLOT(api, 162, OrtStatus * (*)(const OrtKernelInfo *, const char *, float *, size_t *))
 #define KernelContext_GetInput(api) SLOT(api, 90, OrtStatus * (*)(const OrtKernelContext *, size_t, const OrtValue **))
 #define KernelContext_GetOutput(api) \
     SLOT(api, 91, OrtStatus * (*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))
@@ -439,7 +441,9 @@ static const SekCustomOp sek_matmul_op = {
  *       SekAttention(qkv [1, T, (hq + 2 hkv) d], past_key, past_value [1, hkv, S, d], past_len int64 [1],
  *                    cos, sin [positions, d/2])
  *       attributes: num_heads, kv_num_heads, scale, window (optional), softcap (optional: the scores s as
- *       softcap tanh(s / softcap) before the softmax, as GroupQueryAttention's softcap; Gemma 2)
+ *       softcap tanh(s / softcap) before the softmax, as GroupQueryAttention's softcap; Gemma 2), k_shift
+ *       (optional: kv_heads x d floats, a head's shift subtracted from each of its keys after RoPE, before the row
+ *       is stored; not with softcap, whose scores a shift would change)
  * window W > 0: a sliding window, the query at position p attends to positions p - W + 1 .. p only (a local layer's
  * attention; absent or 0, to 0 .. p). present is the cache itself when the caller binds it to the past's buffer (the runtime does); otherwise the past
  * is copied into it first. The caches are float32, float16 or int8; int8 caches are [1, hkv, S, d + 4], each row d
@@ -450,6 +454,8 @@ typedef struct {
     float scale;
     int64_t window; /* the optional attribute `window` (0: none) */
     float softcap;  /* the optional attribute `softcap` (0: none) */
+    size_t n_shift; /* the optional attribute `k_shift`'s length (0: none) */
+    float k_shift[]; /* its values */
 } SekAttnKernel;
 
 static const SekCustomOp sek_row_attention_op, sek_row_attention_f16_op, sek_row_attention_i8_op;
@@ -458,10 +464,20 @@ static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelIn
     const char *name = op == (const void *)&sek_row_attention_op || op == (const void *)&sek_row_attention_f16_op ||
                                op == (const void *)&sek_row_attention_i8_op
                            ? "SekRowAttention" : "SekAttention";
-    SekAttnKernel *k = calloc(1, sizeof *k);
+    size_t n_shift = 0;
+    OrtStatus *st = KernelInfoGetAttributeArray_float(api)(info, "k_shift", NULL, &n_shift);
+    if (st) { /* optional: absent is none */
+        ReleaseStatus(api)(st);
+        n_shift = 0;
+    }
+    SekAttnKernel *k = calloc(1, sizeof *k + n_shift * sizeof(float));
     if (!k) return fail(api, ORT_FAIL, "%s: out of memory", name);
     k->api = api;
-    OrtStatus *st = NULL;
+    k->n_shift = n_shift;
+    if (n_shift && (st = KernelInfoGetAttributeArray_float(api)(info, "k_shift", k->k_shift, &k->n_shift))) {
+        free(k);
+        return st;
+    }
     if ((st = KernelInfoGetAttribute_int64(api)(info, "num_heads", &k->hq)) ||
         (st = KernelInfoGetAttribute_int64(api)(info, "kv_num_heads", &k->hkv)) ||
         (st = KernelInfoGetAttribute_float(api)(info, "scale", &k->scale))) {
@@ -491,6 +507,15 @@ static OrtStatus *attn_create(const void *op, OrtApiTable api, const OrtKernelIn
     if (k->window < 0) {
         OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "%s: window %lld; a sliding window is a number of positions "
                             "> 0, or 0 (absent) for none", name, (long long)k->window);
+        free(k);
+        return e;
+    }
+    int finite = 1;
+    for (size_t i = 0; i < k->n_shift; i++) finite &= isfinite(k->k_shift[i]) != 0;
+    if (!finite || (k->n_shift && (k->softcap > 0.f || k->n_shift % (size_t)k->hkv))) {
+        OrtStatus *e = fail(api, ORT_INVALID_ARGUMENT, "%s: k_shift of %zu values%s; a key shift is kv_num_heads "
+                            "(%lld) x head dim finite values, and is not allowed with softcap (its scores would "
+                            "change)", name, k->n_shift, finite ? "" : " not all finite", (long long)k->hkv);
         free(k);
         return e;
     }
@@ -562,6 +587,9 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
         in[5].nd != 2 || memcmp(in[5].dims, in[4].dims, 2 * sizeof(int64_t)))
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: qkv width %lld or head dim %lld disagree with the "
                     "heads, the caches or the rotary tables", (long long)in[0].dims[2], (long long)d);
+    if (k->n_shift && k->n_shift != (size_t)(k->hkv * d))
+        return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: k_shift holds %zu values; kv_num_heads x head dim is "
+                    "%lld", k->n_shift, (long long)(k->hkv * d));
     const int64_t past_len = *(const int64_t *)in[3].data;
     if (past_len < 0 || T > S || T > positions || past_len > S - T || past_len > positions - T) /* no overflow */
         return fail(api, ORT_INVALID_ARGUMENT, "SekAttention: positions up to %lld do not fit the cache (%lld rows)",
@@ -570,7 +598,7 @@ static OrtStatus *attn_compute(void *kernel, OrtKernelContext *ctx) {
     TRY(attn_outputs(api, ctx, "SekAttention", T, k->hq * d, in, o));
     sek_attn_args a = {(const float *)in[0].data, o[1], o[2], (const float *)in[4].data, (const float *)in[5].data,
                        (float *)o[0], T, k->hq, k->hkv, d, S, past_len, k->scale, 1, 1, kv_type, k->window,
-                       k->softcap, 2 * in[4].dims[1]};
+                       k->softcap, 2 * in[4].dims[1], k->n_shift ? k->k_shift : NULL};
     if (T == 0) return NULL;
     const int64_t items = sek_attn_plan(T, k->hq, k->hkv, d, online_cpus(), &a.hs, &a.rs);
     sek_attn_store(&a);
@@ -600,7 +628,7 @@ static const SekCustomOp sek_attention_op = {SEK_ATTENTION_OP}, sek_attention_f1
  *   out [1, R, hq d], present_key, present_value [N, hkv, S, d] =
  *       SekRowAttention(qkv [1, R, (hq + 2 hkv) d], past_key, past_value [N, hkv, S, d], row_slot int64 [R],
  *                       row_pos int64 [R], cos, sin [positions, d/2])
- *       attributes: num_heads, kv_num_heads, scale, window, softcap (optional: SekAttention's)
+ *       attributes: num_heads, kv_num_heads, scale, window, softcap, k_shift (optional: SekAttention's)
  * A step of R rows from up to N sequences, each in its own KV slot: row r is the token at position row_pos[r] of the
  * sequence in slot row_slot[r]. Every real row's k and v are written into its slot at its position, then each row's
  * query attends over its slot's rows 0 .. row_pos[r] (so a slot's rows at consecutive positions form a causal chain,
@@ -720,6 +748,9 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
                     "%lld rows, one of each per row", (long long)in[3].dims[0], (long long)in[4].dims[0], (long long)R);
     const int64_t *slot = (const int64_t *)in[3].data, *pos = (const int64_t *)in[4].data;
     TRY(check_rows(api, slot, pos, parent, R, N, S, positions, d));
+    if (k->n_shift && k->n_shift != (size_t)(k->hkv * d))
+        return fail(api, ORT_INVALID_ARGUMENT, "SekRowAttention: k_shift holds %zu values; kv_num_heads x head dim is "
+                    "%lld", k->n_shift, (long long)(k->hkv * d));
     void *o[3];
     TRY(attn_outputs(api, ctx, "SekRowAttention", R, k->hq * d, in, o));
     if (R == 0) return NULL;
@@ -727,7 +758,7 @@ static OrtStatus *row_attn_compute(void *kernel, OrtKernelContext *ctx) {
     if (!chunk) return CreateStatus(api)(ORT_FAIL, "SekRowAttention: out of memory");
     sek_row_attn_args a = {(const float *)in[0].data, o[1], o[2], slot, pos, parent, (const float *)in[5].data,
                            (const float *)in[6].data, (float *)o[0], R, N, k->hq, k->hkv, d, S, k->scale, 1, chunk,
-                           kv_type, k->window, k->softcap, 2 * in[5].dims[1]};
+                           kv_type, k->window, k->softcap, 2 * in[5].dims[1], k->n_shift ? k->k_shift : NULL};
     const int64_t items = sek_row_attn_plan(slot, R, k->hq, k->hkv, d, online_cpus(), &a.hs, chunk);
     sek_row_attn_store(&a);
     OrtStatus *st = KernelContext_ParallelFor(api)(ctx, row_attn_item, (size_t)items, 0, &a);

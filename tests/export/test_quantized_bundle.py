@@ -612,3 +612,55 @@ def test_a_gguf_s_f16_matrices_quantized_in_an_int4_bundle_are_named(tmp_path):
     assert q["requantized_gguf_types"] == ["F16"]
     fp32 = SpecDecoder.load(export_bundle(gg, "prompt-lookup", tmp_path / "f", _opts("fp32")).out).manifest.target
     assert not (fp32.quant or {}).get("requantized_gguf_types")
+
+
+@pytest.mark.parametrize("kv", ["float16", "int8"])
+def test_a_small_cache_holds_keys_less_their_bias_and_keeps_the_fp32_caches_logits(kv, tmp_path):
+    """Qwen2's key bias reaches hundreds in a head's slowest-turning dims, against keys that vary by a few: the
+    fp16 and int8 caches store each key less that bias rotated and averaged over the positions (the attention
+    node's k_shift), which leaves the softmax as it is and their precision to what varies. Their logits stay near
+    the fp32 cache's (the fp32 cache stores keys unshifted), the shift is the one export's key_shift gives, and
+    speculation stays exact."""
+    import onnx
+    import torch
+    import transformers
+
+    from specedge.export.attention import key_shift, mean_rotation
+
+    from ..conftest import make_hf_model
+
+    hf = make_hf_model(tmp_path / "hf", "qwen2", tie=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    cfg = model.config
+    d, hkv = cfg.hidden_size // cfg.num_attention_heads, cfg.num_key_value_heads
+    bias = np.zeros((hkv, d), np.float32)
+    for half in (0, d // 2):
+        bias[:, half + d // 2 - 2: half + d // 2] = [[300.0, -250.0], [-280.0, 320.0]]
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.bias.copy_(torch.from_numpy(bias.reshape(-1)))
+    model.save_pretrained(hf)
+    fmt = dict(form="specedge")
+    ref = SpecDecoder.load(export_bundle(hf, "prompt-lookup", tmp_path / "f", _opts("int8", "ort-inplace", **fmt)).out)
+    dec = SpecDecoder.load(export_bundle(hf, "prompt-lookup", tmp_path / "s",
+                                         _opts("int8", "ort-inplace", kv_dtype=kv, **fmt)).out)
+    shifts = {g: [list(a.floats) for n in onnx.load(str(b.bundle_dir / "target.onnx"), load_external_data=False
+                                                     ).graph.node for a in n.attribute if a.name == "k_shift"]
+              for g, b in (("fp32", ref), ("small", dec))}
+    assert shifts["fp32"] == [] and len(shifts["small"]) == cfg.num_hidden_layers
+    inv = 1.0 / 10000.0 ** (np.arange(0, d, 2) / d)  # make_hf_model's base
+    want = key_shift(bias.reshape(-1), hkv, d, *mean_rotation(inv, 128))
+    assert np.allclose(shifts["small"][0], want, atol=1e-3) and not np.any(shifts["small"][1])
+    ids = (ref.encode_prompt(PROMPTS[1] + " " + PROMPTS[0]) * 4)[:40]
+
+    def logits(x: SpecDecoder) -> np.ndarray:
+        return np.concatenate([np.array(x.target.step(np.array(ids[p: p + 4]), p, all_logits=True))[:4]
+                               for p in range(0, len(ids), 4)])
+
+    a, b = logits(ref), logits(dec)
+    err = np.abs(a - b).max() / np.abs(a).max()
+    # unshifted, the bias's rounding moves them by 0.06 (fp16) and 1.2 (int8) of the largest logit
+    assert err < (0.04 if kv == "float16" else 0.2), err
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    for prompt in PROMPTS:
+        plain = dec.generate(prompt, params, drafter="none").token_ids
+        assert dec.generate(prompt, params, drafter="prompt-lookup", k=4).token_ids == plain, prompt

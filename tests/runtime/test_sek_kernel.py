@@ -575,16 +575,18 @@ def test_the_library_is_built_once_per_machine_and_source(monkeypatch, tmp_path)
 
 
 def _attention_model(op: str, hq: int, hkv: int, d: int, kv: int = TensorProto.FLOAT, window: int = 0,
-                     softcap: float = 0.0, rot: int = 0) -> bytes:
+                     softcap: float = 0.0, rot: int = 0, k_shift=None) -> bytes:
     """One attention node; its caches (pk, pv and the presents) of element type kv (float, float16, or int8: rows of
     d values and a 4-byte scale); a sliding window of `window` positions (0: none); soft-capped scores (0: none);
-    rotary tables for the first `rot` dims of a head (0: all)."""
+    rotary tables for the first `rot` dims of a head (0: all); SekAttention's key shift (hkv x d values; None:
+    none)."""
     F = TensorProto.FLOAT
     D = d + 4 if kv == TensorProto.INT8 else d
     if op == "SekAttention":
         ins, dom, attrs = ["qkv", "pk", "pv", "past_len", "cos", "sin"], "ai.specedge", {}
         attrs.update({"window": window} if window else {})
         attrs.update({"softcap": softcap} if softcap else {})
+        attrs.update({"k_shift": [float(x) for x in np.ravel(k_shift)]} if k_shift is not None else {})
     else:  # ONNX Runtime's own, the reference for the same contract
         ins, dom = ["qkv", "", "", "pk", "pv", "seqlens_k", "total", "cos", "sin"], "com.microsoft"
         attrs = {"do_rotary": 1, "rotary_interleaved": 0, **({"local_window_size": window} if window else {}),

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 
 from specedge.runtime.errors import BackendUnavailableError
 from specedge.runtime.kernels import library_path
-from tests.runtime.test_sek_kernel import _attention_model, _session
+from tests.runtime.test_sek_kernel import _attention_model, _session, _windowed_reference
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the kernels are built with a POSIX C compiler")
 
@@ -60,14 +60,16 @@ def cache_width(d: int, kv) -> int:
 
 
 def _row_model(hq: int, hkv: int, d: int, width: int | str | None = None, tree: bool = False,
-               kv=np.float32, window: int = 0) -> bytes:
+               kv=np.float32, window: int = 0, k_shift=None) -> bytes:
     """One SekRowAttention node; qkv's width (H_q + 2 H_kv) D unless `width` names another (a symbol: any); with
-    `tree`, the optional row_parent input too; caches of element type kv; a sliding window (0: none)."""
+    `tree`, the optional row_parent input too; caches of element type kv; a sliding window (0: none); a key shift
+    (H_kv x D values; None: none)."""
     F, I64, K = TensorProto.FLOAT, TensorProto.INT64, KV_TYPES[kv]
     node = helper.make_node("SekRowAttention", ["qkv", "pk", "pv", "row_slot", "row_pos", "cos", "sin",
                                                 *(["row_parent"] if tree else [])],
                             ["out", "presk", "presv"], domain="ai.specedge", num_heads=hq, kv_num_heads=hkv,
-                            scale=float(1 / np.sqrt(d)), **({"window": window} if window else {}))
+                            scale=float(1 / np.sqrt(d)), **({"window": window} if window else {}),
+                            **({"k_shift": [float(x) for x in np.ravel(k_shift)]} if k_shift is not None else {}))
     vi = helper.make_tensor_value_info
     D = cache_width(d, kv)
     inputs = [vi("qkv", F, [1, "R", width or (hq + 2 * hkv) * d]), vi("pk", K, ["N", hkv, "S", D]),
@@ -534,6 +536,85 @@ def test_an_int8_cache_attends_as_fp32_does_over_the_values_it_holds(hq, hkv, d)
     exact, rel = int8_against_fp32(hq, hkv, d, seed=d + hq)
     assert exact
     assert 0 < rel < 3e-2, rel
+
+
+def _biased_keys(rng, hq: int, hkv: int, d: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """qkv [1, T, (H_q + 2 H_kv) D] whose keys carry a fixed bias of a few hundred in each head's slowest-turning
+    dims, as Qwen2's first layers do, over keys that vary by about 2; and the bias [H_kv D]."""
+    bias = np.zeros((hkv, d), np.float32)
+    for half in (0, d // 2):
+        bias[:, half + d // 2 - 6: half + d // 2] = rng.uniform(-350, 350, (hkv, 6))
+    qkv = (2.0 * rng.standard_normal((1, T, (hq + 2 * hkv) * d))).astype(np.float32)
+    qkv[0, :, hq * d: (hq + hkv) * d] += bias.reshape(-1)
+    return qkv, bias.reshape(-1)
+
+
+@pytest.mark.parametrize("kv", [np.float16, np.int8])
+def test_a_key_shift_keeps_the_attention_and_gives_a_small_cache_what_varies(kv):
+    """A key shift (the keys' bias rotated as the cache's rows are and averaged over the positions, export's
+    key_shift) is subtracted from every key stored: the softmax is the same (fp32 output within rounding, rows
+    stored less the shift), and an fp16 or int8 cache, whose rows now hold what varies between keys, comes far
+    nearer the fp32 output than without it. Every row keeps its bits alone and through SekRowAttention."""
+    from specedge.export.attention import key_shift
+
+    hq, hkv, d, S, T = 12, 2, 128, 320, 260
+    rng = np.random.default_rng(31)
+    cos, sin = _rope_tables(S, d)
+    qkv, bias = _biased_keys(rng, hq, hkv, d, T)
+    shift = key_shift(bias, hkv, d, cos.astype(np.float64).mean(0), sin.astype(np.float64).mean(0))
+    assert shift.shape == (hkv * d,) and np.abs(shift).max() > 100
+    b, c, s_ = bias.reshape(hkv, 1, d).astype(np.float64), cos.astype(np.float64), sin.astype(np.float64)
+    lo, hi = b[..., :d // 2], b[..., d // 2:]
+    turned = np.concatenate([lo * c - hi * s_, hi * c + lo * s_], -1)
+    assert np.allclose(shift, turned.mean(1).reshape(-1), atol=1e-3)  # the bias as each position turns it, averaged
+
+    def run(k, shift_=None, rows=False):
+        F = KV_TYPES[k]
+        caches = [np.zeros((1, hkv, S, cache_width(d, k)), k) for _ in range(2)]
+        if rows:
+            return _session(_row_model(hq, hkv, d, kv=k, k_shift=shift_)).run(None, {
+                "qkv": qkv, "pk": caches[0], "pv": caches[1], "row_slot": np.zeros(T, np.int64),
+                "row_pos": np.arange(T, dtype=np.int64), "cos": cos, "sin": sin})
+        return _session(_attention_model("SekAttention", hq, hkv, d, F, k_shift=shift_)).run(
+            None, {"qkv": qkv, "pk": caches[0], "pv": caches[1], "cos": cos, "sin": sin,
+                   "past_len": np.array([0], np.int64)})
+
+    plain, rk, rv = run(np.float32)
+    ref = _windowed_reference(qkv, rk, rv, cos, sin, hq, hkv, d, 0, 0)  # float64 over the unshifted keys
+
+    def err(x):
+        return float(np.abs(x[0] - ref).max() / np.abs(ref).max())
+
+    out, sk, _ = run(np.float32, shift)
+    assert err(out) < 1e-5 and err(out) <= 2 * err(plain), (err(out), err(plain))  # scores of thousands: fp32's ulps
+    assert np.allclose(sk[:, :, :T], rk[:, :, :T] - shift.reshape(1, hkv, 1, d), atol=1e-4)
+    small, _, _ = run(kv)
+    shifted, kc, vc = run(kv, shift)
+    assert err(shifted) < 0.2 * err(small), (err(small), err(shifted))
+    assert np.array_equal(_bits(run(kv, shift, rows=True)[0]), _bits(shifted))
+    sek = _session(_attention_model("SekAttention", hq, hkv, d, KV_TYPES[kv], k_shift=shift))
+    for t in (0, 63, 64, T - 1):  # alone over the rows the step stored: its bits
+        o = sek.run(None, {"qkv": qkv[:, t:t + 1], "pk": kc.copy(), "pv": vc.copy(), "cos": cos, "sin": sin,
+                           "past_len": np.array([t], np.int64)})[0]
+        assert np.array_equal(_bits(o[0, 0]), _bits(shifted[0, t])), t
+
+
+def test_a_bad_key_shift_is_refused_with_what_is_allowed():
+    hq, hkv, d = 4, 2, 64
+    with pytest.raises(Exception, match="not all finite"):
+        _session(_attention_model("SekAttention", hq, hkv, d, k_shift=np.full(hkv * d, np.nan)))
+    with pytest.raises(Exception, match="not allowed with softcap"):
+        _session(_attention_model("SekAttention", hq, hkv, d, softcap=30.0, k_shift=np.ones(hkv * d)))
+    cos, sin = _rope_tables(16, d)
+    caches = [np.zeros((1, hkv, 16, d), np.float32) for _ in range(2)]
+    qkv = np.ones((1, 2, (hq + 2 * hkv) * d), np.float32)
+    with pytest.raises(Exception, match=r"k_shift holds 64 values; kv_num_heads x head dim is 128"):
+        _session(_attention_model("SekAttention", hq, hkv, d, k_shift=np.ones(d))).run(None, {
+            "qkv": qkv, "pk": caches[0], "pv": caches[1], "cos": cos, "sin": sin, "past_len": np.array([0])})
+    with pytest.raises(Exception, match=r"k_shift holds 64 values; kv_num_heads x head dim is 128"):
+        _session(_row_model(hq, hkv, d, k_shift=np.ones(d))).run(None, {
+            "qkv": qkv, "pk": caches[0], "pv": caches[1], "row_slot": np.zeros(2, np.int64),
+            "row_pos": np.arange(2, dtype=np.int64), "cos": cos, "sin": sin})
 
 
 def test_caches_of_two_element_types_are_refused():

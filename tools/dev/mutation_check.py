@@ -157,6 +157,13 @@ PLANTS = {
     "specedge attention: a tile's queries sum the values with its first query's weights": (
         "runtime/csrc/sek_attn.c", "const sek_vec p = VSET1(w[h][j]);", "const sek_vec p = VSET1(w[0][j]);",
         ["tests/runtime/test_sek_kernel.py"]),
+    "specedge attention: a row's keys stored less the first head's shift, whatever their head": (
+        "runtime/csrc/sek_attn.c", "a->d,\n                     a->rot, a->k_shift ? a->k_shift + h * a->d : NULL);",
+        "a->d,\n                     a->rot, a->k_shift ? a->k_shift : NULL);",
+        ["tests/runtime/test_sek_row_attention.py"]),
+    "key shift: the bias's rotated mean taken with the sine's sign turned": (
+        "export/attention.py", "out[:, :h] = b[:, :h] * mean_cos - b[:, h:rot] * mean_sin",
+        "out[:, :h] = b[:, :h] * mean_cos + b[:, h:rot] * mean_sin", ["tests/runtime/test_sek_row_attention.py"]),
     "specedge kernel: a many-row step's passes take eleven rows, which no pass computes": (
         "runtime/csrc/sek_gemm.c", "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RPASS;",
         "x->m <= SEK_ONE_PASS ? SEK_RMAX : SEK_RMAX + 1;", ["tests/runtime/test_sek_kernel.py"]),
