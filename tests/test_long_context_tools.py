@@ -103,3 +103,20 @@ def test_kv_accuracy_compares_the_next_tokens_of_two_caches(fp16_bundle, tmp_pat
     assert "(KV float32), other" in out and "(KV float16)" in out
     chat = [line.split("|") for line in out.splitlines() if line.startswith("| chat")]
     assert len(chat) == 2 and float(chat[0][6]) > 0 and float(chat[1][6]) == 0  # fp16, then the reference itself
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resident memory from /proc/self/status")
+def test_plan_rss_sets_the_plan_beside_the_memory_every_kv_row_holds(fp16_bundle, monkeypatch, capsys):
+    """The tool writes a page of every KV buffer of both models, as many bytes as the plan counts for their caches,
+    and prints the resident memory at each stage."""
+    from specedge.runtime.manifest import read_manifest
+    from specedge.runtime.memplan import plan_for_manifest
+
+    assert run("plan_rss", monkeypatch, str(fp16_bundle), "--max-batch", "2") == 0
+    out = capsys.readouterr().out
+    assert "--max-batch 2" in out and out.startswith("Machine: ")
+    rows = {r[1].strip(): r for r in (line.split("|") for line in out.splitlines() if line.startswith("| "))}
+    assert list(rows) == ["loaded", "after a request", "every KV row written"], rows
+    assert all(float(r[2].split()[0]) > 0 for r in rows.values()), rows
+    plan = plan_for_manifest(read_manifest(fp16_bundle), "ort-cpu", max_batch=2)
+    assert f"KV buffers written: {sum(m.kv for m in plan.models)} bytes" in out, out
