@@ -18,8 +18,8 @@ import numpy as np
 
 from specedge.runtime import SamplingParams, SpecDecoder
 from specedge.runtime.bench.runner import machine_info
-from specedge.runtime.memplan import GiB, plan_for_manifest
 from specedge.runtime.manifest import read_manifest
+from specedge.runtime.memplan import GiB, plan_for_manifest
 
 
 def rss() -> int:
