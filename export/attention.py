@@ -22,6 +22,8 @@ return the attention output [B, T, Hq D]; both write ``present.{i}.key|value``.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from onnx import TensorProto, helper
 
@@ -189,11 +191,13 @@ class _TableAttention:
         self.local = (rope_tables(w, cfg.local_inv_freq(), max_positions, "rope.local")
                       if any(cfg.is_local(i) for i in layers) else None)
         self.window = lambda i: cfg.window(i, max_positions)  # noqa: E731
-        self.rot, self.max_positions = cfg.rot_dim(), max_positions
-        self.mean_rotation = lambda i: (  # noqa: E731  the layer's tables, averaged over the positions
-            (np.ones(self.rot // 2), np.zeros(self.rot // 2)) if not cfg.rotates(i) else
-            mean_rotation(cfg.local_inv_freq(), max_positions) if cfg.is_local(i) else
-            mean_rotation(inv_freq, max_positions, cfg.rope_mscale()))
+        self.rot = cfg.rot_dim()
+        means = {  # each kind of layer's tables averaged over the positions, computed once when a layer asks
+            "none": lambda: (np.ones(self.rot // 2), np.zeros(self.rot // 2)),
+            "local": lambda: mean_rotation(cfg.local_inv_freq(), max_positions),
+            "global": lambda: mean_rotation(inv_freq, max_positions, cfg.rope_mscale())}
+        self.mean_rotation = functools.cache(lambda kind: means[kind]())
+        self.table_kind = lambda i: "none" if not cfg.rotates(i) else "local" if cfg.is_local(i) else "global"  # noqa: E731
 
     def tables(self, i: int) -> tuple[str, str]:
         if not self.rotates(i):
@@ -243,7 +247,8 @@ class SekInplaceAttention(InplaceGqaAttention):
         out = f"{self.prefix}_{g._n}"
         shift = {}
         if k_bias is not None and not self.softcap:
-            shift = {"k_shift": key_shift(k_bias, self.Hkv, self.rot, *self.mean_rotation(i)).tolist()}
+            shift = {"k_shift": key_shift(k_bias, self.Hkv, self.rot,
+                                          *self.mean_rotation(self.table_kind(i))).tolist()}
         g.nodes.append(helper.make_node(
             self.op, [qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *self.where, *self.tables(i),
                       *self.after],

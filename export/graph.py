@@ -512,11 +512,10 @@ def build_model_graph(
         p = f"layers.{i}"
         h = rmsnorm(x, w.add(f"{p}.attn_norm.weight", src.get(f"l{i}.attn_norm")))
         qkv = linear(h, f"{p}.attn.qkv", [f"l{i}.q", f"l{i}.k", f"l{i}.v"])  # fused: [B, T, (Hq+2Hkv) D]
-        k_bias = None
-        if cfg.family.qkv_bias:
-            bias = np.concatenate([src.get(f"l{i}.q_bias"), src.get(f"l{i}.k_bias"), src.get(f"l{i}.v_bias")])
+        k_bias = src.get(f"l{i}.k_bias") if cfg.family.qkv_bias else None
+        if k_bias is not None:
+            bias = np.concatenate([src.get(f"l{i}.q_bias"), k_bias, src.get(f"l{i}.v_bias")])
             qkv = linear.epilogue(qkv, bias=w.add(f"{p}.attn.qkv.bias", bias))
-            k_bias = src.get(f"l{i}.k_bias")
         if cfg.family.qk_norm:
             q, k, v = g.op("Split", qkv, g.const([d.n_heads * d.head_dim] + [d.n_kv_heads * d.head_dim] * 2),
                            axis=-1, n_out=3)
